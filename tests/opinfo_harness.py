@@ -1,0 +1,165 @@
+"""Run PyTorch's OpInfo samples on tpu and compare with CPU.
+
+Used by tests/test_opinfo.py and by `python -m tests.opinfo_harness [--backward] [names...]`,
+which prints one line per OpInfo and the totals (the figures recorded in the README).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import torch  # noqa: E402
+
+import torchtpu  # noqa: E402,F401
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+MAX_SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_MAX_SAMPLES", "12"))
+ATOL = 1e-4
+RTOL = 1e-4
+
+
+def float32_opinfos():
+    return [o for o in op_db if o.supports_dtype(torch.float32, "cpu")]
+
+
+def opinfo_id(o) -> str:
+    return f"{o.name}.{o.variant_test_name}" if o.variant_test_name else o.name
+
+
+def _to_tpu(x):
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("tpu")
+        if x.requires_grad:
+            t.requires_grad_()
+        return t
+    return x
+
+
+def _to_cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _samples(op, requires_grad):
+    torch.manual_seed(0)
+    out = []
+    for i, s in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad)):
+        if i >= MAX_SAMPLES:
+            break
+        out.append(s)
+    return out
+
+
+def _call(op, sample, convert):
+    inp = tree_map(convert, sample.input)
+    args = tree_map(convert, sample.args)
+    kwargs = tree_map(convert, sample.kwargs)
+    return op(inp, *args, **kwargs), (inp, args, kwargs)
+
+
+def _is_random(op, sample) -> bool:
+    torch.manual_seed(1)
+    a, _ = _call(op, sample, lambda x: x)
+    torch.manual_seed(2)
+    b, _ = _call(op, sample, lambda x: x)
+    fa, _ = tree_flatten(a)
+    fb, _ = tree_flatten(b)
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not torch.equal(x, y) and not (x.isnan().any()):
+            return True
+        if isinstance(x, torch.Tensor) and x.dtype in (torch.int64, torch.bool) and not torch.equal(x, y):
+            return True
+    return False
+
+
+def _compare(expected, actual, what):
+    fe, _ = tree_flatten(expected)
+    fa, _ = tree_flatten(actual)
+    if len(fe) != len(fa):
+        raise AssertionError(f"{what}: {len(fa)} outputs, expected {len(fe)}")
+    for e, a in zip(fe, fa):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                raise AssertionError(f"{what}: got {type(a)}, expected a tensor")
+            if a.device.type != "tpu" and e.device.type == "cpu" and a.device.type != "cpu":
+                raise AssertionError(f"{what}: output on {a.device}")
+            a = _to_cpu(a)
+            torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True, check_device=False,
+                                       check_stride=False, msg=lambda m: f"{what}: {m}")
+        elif isinstance(e, (int, float, bool)) and isinstance(a, (int, float, bool)):
+            torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True)
+
+
+def check_forward(op) -> None:
+    for k, sample in enumerate(_samples(op, False)):
+        torch.manual_seed(0)
+        try:
+            expected, _ = _call(op, sample, lambda x: x)
+        except Exception:
+            continue  # the sample itself is invalid on CPU
+        actual, _ = _call(op, sample, _to_tpu)
+        if _is_random(op, sample):
+            fe, _ = tree_flatten(expected)
+            fa, _ = tree_flatten(actual)
+            for e, a in zip(fe, fa):
+                if isinstance(e, torch.Tensor):
+                    assert tuple(e.shape) == tuple(a.shape) and e.dtype == a.dtype, f"sample {k}: shape/dtype"
+            continue
+        _compare(expected, actual, f"sample {k}")
+
+
+def _grad_inputs(args_tree):
+    flat, _ = tree_flatten(args_tree)
+    return [x for x in flat if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def check_backward(op) -> None:
+    for k, sample in enumerate(_samples(op, True)):
+        try:
+            expected_out, cpu_in = _call(op, sample, lambda x: x)
+        except Exception:
+            continue
+        outs = [o for o in tree_flatten(expected_out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs or _is_random(op, sample):
+            continue
+        cpu_leaves = _grad_inputs(cpu_in)
+        torch.manual_seed(3)
+        cots = [torch.randn_like(o) for o in outs]
+        try:
+            expected = torch.autograd.grad(outs, cpu_leaves, cots, allow_unused=True)
+        except Exception:
+            continue
+        actual_out, tpu_in = _call(op, sample, _to_tpu)
+        touts = [o for o in tree_flatten(actual_out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        tpu_leaves = _grad_inputs(tpu_in)
+        actual = torch.autograd.grad(touts, tpu_leaves, [c.to("tpu") for c in cots], allow_unused=True)
+        _compare([e for e in expected if e is not None], [a for a, e in zip(actual, expected) if e is not None],
+                 f"sample {k} gradient")
+
+
+def main(argv):
+    backward = "--backward" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    ops = [o for o in float32_opinfos() if (not backward or o.supports_autograd)]
+    if names:
+        ops = [o for o in ops if opinfo_id(o) in names or o.name in names]
+    passed, failed = 0, []
+    for o in ops:
+        try:
+            (check_backward if backward else check_forward)(o)
+            passed += 1
+            print(f"PASS {opinfo_id(o)}", flush=True)
+        except Exception as e:
+            msg = str(e).strip().splitlines()
+            failed.append(opinfo_id(o))
+            print(f"FAIL {opinfo_id(o)}: {type(e).__name__}: {msg[0][:300] if msg else ''}", flush=True)
+    total = passed + len(failed)
+    print(f"{'backward' if backward else 'forward'}: {passed}/{total} OpInfos pass every sample "
+          f"({100.0 * passed / max(total, 1):.1f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

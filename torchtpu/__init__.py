@@ -1,0 +1,43 @@
+"""torchtpu: Google TPUs as a first-class PyTorch device.
+
+    import torch, torchtpu
+    x = torch.randn(4, 4, device="tpu")
+"""
+from ._platform import configure_jax as _configure_jax
+
+_configure_jax()
+
+import torch  # noqa: E402
+
+from .backend import device as _device  # noqa: E402
+from .backend import dispatch as _dispatch  # noqa: E402
+from .backend import transfer as _transfer  # noqa: E402
+from .backend.ops import load_all as _load_ops  # noqa: E402
+
+_device.register()
+_load_ops()
+
+from ._platform import platform  # noqa: E402,F401
+from .backend.tensor import TpuTensor  # noqa: E402,F401
+from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
+
+__version__ = "0.1.0"
+
+
+def cache_stats() -> dict:
+    """Eager executable cache counters: {'hits', 'misses', 'calls'}."""
+    return _dispatch.STATS.snapshot()
+
+
+def reset_cache_stats() -> None:
+    _dispatch.STATS.reset()
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line."""
+    _dispatch.CONFIG.debug = bool(enabled)
+
+
+def set_cpu_fallback(enabled: bool = True) -> None:
+    """Run ops that have no XLA lowering on the CPU (warning once per op)."""
+    _dispatch.CONFIG.cpu_fallback = bool(enabled)

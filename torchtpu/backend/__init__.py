@@ -1,0 +1,1 @@
+"""The tpu device: tensor type, dispatcher, op table, device module."""

@@ -1,0 +1,202 @@
+"""`tpu` as a PyTorch device: PrivateUse1 registration and the `torch.tpu` module."""
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import torch
+
+from . import random as tpu_random
+from .tensor import new_empty
+
+_registered = False
+
+
+@functools.lru_cache(maxsize=1)
+def _devices():
+    return jax.devices()
+
+
+def device_count() -> int:
+    return len(_devices())
+
+
+class _DeviceGuard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+_current = [0]
+
+
+def _index(device) -> int:
+    if device is None:
+        return _current[0]
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    return _current[0] if device.index is None else device.index
+
+
+def _check_index(i: int) -> int:
+    n = device_count()
+    if not 0 <= i < n:
+        raise RuntimeError(f"tpu:{i} does not exist: this process has {n} tpu device(s) (tpu:0..tpu:{n - 1})")
+    return i
+
+
+def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    i = _check_index(_index(device))
+    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i)
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    i = _check_index(_index(device))
+    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i)
+
+
+def _memory_stats(device=None) -> dict:
+    d = _devices()[_index(device)]
+    stats = None
+    try:
+        stats = d.memory_stats()
+    except Exception:
+        stats = None
+    if stats:
+        return dict(stats)
+    # XLA's CPU client reports nothing: count the live arrays we hold on that device.
+    live = 0
+    for a in jax.live_arrays():
+        try:
+            for shard in a.addressable_shards:
+                if shard.device == d:
+                    live += shard.data.nbytes
+        except Exception:
+            continue
+    return {"bytes_in_use": live}
+
+
+def _build_module() -> types.ModuleType:
+    m = types.ModuleType("torch.tpu", "The tpu device (torchtpu): mirrors torch.cuda.")
+
+    def is_available() -> bool:
+        return device_count() > 0
+
+    def is_initialized() -> bool:
+        return True
+
+    def current_device() -> int:
+        return _current[0]
+
+    def set_device(device) -> None:
+        _current[0] = _check_index(_index(device))
+
+    def synchronize(device=None) -> None:
+        for a in jax.live_arrays():
+            a.block_until_ready()
+
+    def manual_seed(seed: int) -> None:
+        tpu_random.generator(_current[0]).manual_seed(seed)
+
+    def manual_seed_all(seed: int) -> None:
+        for i in range(device_count()):
+            tpu_random.generator(i).manual_seed(seed)
+
+    def seed() -> None:
+        import random
+
+        manual_seed(random.getrandbits(63))
+
+    def seed_all() -> None:
+        import random
+
+        manual_seed_all(random.getrandbits(63))
+
+    def initial_seed() -> int:
+        return tpu_random.generator(_current[0]).seed
+
+    def get_rng_state(device="tpu") -> torch.Tensor:
+        return tpu_random.generator(_index(device)).get_state()
+
+    def set_rng_state(new_state, device="tpu") -> None:
+        tpu_random.generator(_index(device)).set_state(new_state)
+
+    def get_rng_state_all():
+        return [get_rng_state(i) for i in range(device_count())]
+
+    def set_rng_state_all(states) -> None:
+        for i, s in enumerate(states):
+            set_rng_state(s, i)
+
+    def get_amp_supported_dtype():
+        return [torch.bfloat16, torch.float16]
+
+    def memory_stats(device=None) -> dict:
+        return _memory_stats(device)
+
+    def memory_allocated(device=None) -> int:
+        return int(_memory_stats(device).get("bytes_in_use", 0))
+
+    def max_memory_allocated(device=None) -> int:
+        s = _memory_stats(device)
+        return int(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)))
+
+    def mem_get_info(device=None):
+        s = _memory_stats(device)
+        total = int(s.get("bytes_limit", 0))
+        return (total - int(s.get("bytes_in_use", 0)), total)
+
+    def get_device_name(device=None) -> str:
+        return _devices()[_index(device)].device_kind
+
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    class device:
+        """Context manager that changes the current tpu device."""
+
+        def __init__(self, dev):
+            self.idx = _index(dev)
+
+        def __enter__(self):
+            self.prev = _current[0]
+            _current[0] = self.idx
+
+        def __exit__(self, *exc):
+            _current[0] = self.prev
+
+    for name, fn in list(locals().items()):
+        if name not in ("m",) and not name.startswith("__"):
+            setattr(m, name, fn)
+    m.device_count = device_count
+    return m
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    torch.utils.rename_privateuse1_backend("tpu")
+    torch.utils.generate_methods_for_privateuse1_backend()
+    module = _build_module()
+    torch._register_device_module("tpu", module)
+    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    register._lib = lib  # keep the registrations alive

@@ -1,0 +1,951 @@
+"""From an ATen call on tpu tensors to JAX.
+
+Every op reaching `TpuTensor.__torch_dispatch__` is classified once from its schema:
+
+- view ops return a tensor sharing the input's storage, with one more view step;
+- in-place-view ops (transpose_, squeeze_...) change a tensor's metadata and view chain;
+- mutating ops (add_, add.out, _foreach_mul_, copy_...) compute the new values of the
+  mutated arguments functionally, then write them back through the storage;
+- functional ops compute fresh outputs.
+
+Computation goes through `run`: in eager mode one `jax.jit` executable per
+(op, non-tensor arguments), which JAX specialises per input shapes/dtypes/shardings; while
+tracing (inside a compiled program, or a decomposition being traced) the lowering is called
+directly on tracers, so a whole program becomes one XLA computation.
+"""
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+import threading
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from . import dtypes
+from .registry import LOWERINGS, Lowering
+from .tensor import Storage, TpuTensor, contiguous_strides, new_base, torch_device
+
+aten = torch.ops.aten
+
+# ----------------------------------------------------------------------------- state
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.trace_depth = 0
+
+
+STATE = _State()
+
+
+class CacheStats:
+    """Eager executable cache counters. A miss is a trace + compile of a new signature."""
+
+    def __init__(self):
+        self.hits = 0
+        self.misses = 0
+        self.calls = 0
+
+    def snapshot(self) -> dict:
+        return {"hits": self.calls - self.misses, "misses": self.misses, "calls": self.calls}
+
+    def reset(self):
+        self.hits = self.misses = self.calls = 0
+
+
+STATS = CacheStats()
+_LOG_RECOMPILES = bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
+
+
+class _Config:
+    debug = bool(os.environ.get("TORCHTPU_DEBUG"))
+    cpu_fallback = bool(os.environ.get("TORCHTPU_CPU_FALLBACK"))
+
+
+CONFIG = _Config()
+
+
+def tracing() -> bool:
+    return STATE.trace_depth > 0
+
+
+class _Tracing:
+    def __enter__(self):
+        STATE.trace_depth += 1
+
+    def __exit__(self, *exc):
+        STATE.trace_depth -= 1
+
+
+# ----------------------------------------------------------------------------- arrays of tensors
+
+
+def _zeros_fn(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+_ZEROS = jax.jit(_zeros_fn, static_argnums=(0, 1))
+
+
+def storage_array(st: Storage):
+    a = st.array
+    if a is None:
+        jdt = dtypes.to_jax_dtype(st.dtype)
+        if tracing():
+            a = jnp.zeros(st.shape, jdt)
+        else:
+            with jax.default_device(jax.devices()[st.device_index]):
+                a = _ZEROS(st.shape, jdt)
+            st.array = a
+    return a
+
+
+def array_of(t: TpuTensor):
+    """The JAX array holding `t`'s current values."""
+    st = t._st
+    vw = t._vw
+    if not vw:
+        a = st.array
+        return a if a is not None else storage_array(st)
+    if t._vv == st.version and t._vc is not None:
+        return t._vc
+    base = storage_array(st)
+    a = run_chain(vw, base)
+    if not tracing():
+        t._vc = a
+        t._vv = st.version
+    return a
+
+
+def write(t: TpuTensor, new) -> None:
+    """Make `new` (shaped and typed like `t`) the value of `t`, through any view."""
+    st = t._st
+    if not t._vw:
+        st.array = new
+    else:
+        st.array = scatter_chain(t._vw, storage_array(st), new)
+    st.version += 1
+
+
+# ----------------------------------------------------------------------------- view chains
+# A view step is (op, static args, output index). Reading applies each op's lowering.
+
+
+def _apply_step(step, a):
+    func, statics, index = step
+    out = LOWERINGS[func].fn(a, *statics)
+    return out if index is None else out[index]
+
+
+def _chain_fn(chain, base):
+    a = base
+    for step in chain:
+        # as_strided addresses the storage itself, whatever views came before it
+        a = _apply_step(step, base if step[0] in _STORAGE_RELATIVE else a)
+    return a
+
+
+_STORAGE_RELATIVE = {aten.as_strided.default}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_chain(chain):
+    return jax.jit(functools.partial(_chain_fn, chain))
+
+
+def run_chain(chain, base):
+    if tracing():
+        return _chain_fn(chain, base)
+    return _jitted_chain(chain)(base)
+
+
+def _scatter_fn(chain, base, new):
+    index = jnp.arange(base.size, dtype=jnp.int64).reshape(base.shape)
+    target = _chain_fn(chain, index)
+    new = jnp.broadcast_to(new.astype(base.dtype), target.shape)
+    flat = base.reshape(-1).at[target.reshape(-1)].set(new.reshape(-1))
+    return flat.reshape(base.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_scatter(chain):
+    return jax.jit(functools.partial(_scatter_fn, chain), donate_argnums=())
+
+
+def scatter_chain(chain, base, new):
+    if tracing():
+        return _scatter_fn(chain, base, new)
+    return _jitted_scatter(chain)(base, new)
+
+
+# ----------------------------------------------------------------------------- op plans
+
+
+_SCALAR_TYPES = ("number", "Optional[number]")
+
+
+class OpPlan:
+    __slots__ = (
+        "func", "kind", "arg_names", "dyn_pos", "dyn_kw", "impl", "mutated", "returns_alias",
+        "functional", "lowering", "random", "jit", "name",
+    )
+
+
+_PLANS: dict = {}
+_CUSTOM: dict = {}  # func -> handler(args, kwargs) for ops with bespoke semantics
+
+
+def custom(*ops):
+    def register(fn):
+        for op in ops:
+            _CUSTOM[op] = fn
+        return fn
+
+    return register
+
+
+def _functional_variant(func):
+    """aten.add_.Tensor -> aten.add.Tensor; aten.add.out -> aten.add.Tensor; None if none."""
+    schema = func._schema
+    name = schema.name.split("::")[1]
+    packet_name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    packet = getattr(aten, packet_name, None)
+    if packet is None:
+        return None
+    non_out = [a for a in schema.arguments if not (a.alias_info and a.alias_info.is_write and a.kwarg_only)]
+    want = [(a.name, str(a.type)) for a in non_out]
+    if packet_name != name:  # in-place: the functional has the same arguments
+        want_set = want
+    else:
+        want_set = want
+    for overload in packet.overloads():
+        cand = getattr(packet, overload)
+        if cand is func or cand._schema.is_mutable:
+            continue
+        args = [(a.name, str(a.type)) for a in cand._schema.arguments]
+        if args == want_set:
+            return cand
+    # Loose match on names only (types differ as Tensor vs Tensor? etc.).
+    for overload in packet.overloads():
+        cand = getattr(packet, overload)
+        if cand is func or cand._schema.is_mutable:
+            continue
+        if [a.name for a in cand._schema.arguments] == [n for n, _ in want_set]:
+            return cand
+    return None
+
+
+def _plan(func) -> OpPlan:
+    p = OpPlan()
+    p.func = func
+    p.name = str(func)
+    schema = func._schema
+    p.arg_names = [a.name for a in schema.arguments]
+    p.lowering = LOWERINGS.get(func)
+    static = p.lowering.static if p.lowering else frozenset()
+    p.dyn_pos = frozenset(
+        i for i, a in enumerate(schema.arguments)
+        if str(a.type) in _SCALAR_TYPES and not a.kwarg_only and a.name not in static
+    )
+    p.dyn_kw = frozenset(
+        a.name for a in schema.arguments if str(a.type) in _SCALAR_TYPES and a.kwarg_only and a.name not in static
+    )
+    p.random = bool(p.lowering and p.lowering.random)
+    p.jit = not (p.lowering and not p.lowering.jit)
+    p.mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info and a.alias_info.is_write]
+    p.functional = None
+    rets = schema.returns
+    p.returns_alias = []
+    for r in rets:
+        idx = None
+        if r.alias_info is not None:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info and set(a.alias_info.before_set) & set(r.alias_info.before_set):
+                    idx = i
+                    break
+        p.returns_alias.append(idx)
+    if func in _CUSTOM:
+        p.kind = "custom"
+    elif p.lowering is None and func not in _decomposition_table() and _has_composite_implicit(func):
+        # CompositeImplicitAutograd ops reach the Python key when autograd is excluded
+        # (inside other ops' dispatch): run their decomposition at the ATen level.
+        p.kind = "composite"
+    elif torch._C.Tag.inplace_view in func.tags:
+        p.kind = "inplace_view"
+    elif p.mutated:
+        p.kind = "mutating"
+        if p.lowering is None:
+            p.functional = _functional_variant(func)
+            if p.functional is not None:
+                fp = _PLANS.get(p.functional) or _plan(p.functional)
+                _PLANS[p.functional] = fp
+                p.random = fp.random
+                p.jit = fp.jit
+    elif any(r.alias_info is not None and not r.alias_info.is_write for r in rets):
+        p.kind = "view"
+    else:
+        p.kind = "functional"
+    return p
+
+
+def plan_for(func) -> OpPlan:
+    p = _PLANS.get(func)
+    if p is None:
+        p = _PLANS[func] = _plan(func)
+    return p
+
+
+# ----------------------------------------------------------------------------- flattening
+# Arguments become (spec, leaves): leaves are the traced values (arrays of tensors, Scalar
+# arguments), spec is everything static and is part of the executable's cache key.
+
+_T = "\x00T"  # a tpu tensor
+_C = "\x00C"  # a CPU tensor (0-dim scalars mixed with device tensors)
+
+
+class _Dyn:
+    """A traced Scalar argument of a given Python type."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __hash__(self):
+        return hash(self.kind)
+
+    def __eq__(self, other):
+        return type(other) is _Dyn and other.kind is self.kind
+
+    def __repr__(self):
+        return f"<{self.kind.__name__}>"
+
+
+_DYN = {float: _Dyn(float), int: _Dyn(int), bool: _Dyn(bool), complex: _Dyn(complex)}
+
+
+def _flat_value(a, leaves, dyn):
+    t = type(a)
+    if t is TpuTensor:
+        leaves.append(array_of(a))
+        return _T
+    if t is list or t is tuple:
+        if a and any(isinstance(x, torch.Tensor) for x in a):
+            return tuple(_flat_value(x, leaves, False) for x in a)
+        return tuple(a) if t is list else a
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, TpuTensor):
+            leaves.append(array_of(a))
+            return _T
+        leaves.append(dtypes.torch_to_numpy(a))
+        return _C
+    if dyn and t in _DYN:
+        leaves.append(a)
+        return _DYN[t]
+    if t is torch.SymInt or t is torch.SymFloat:
+        raise NotImplementedError("torchtpu eager ops take concrete sizes, not symbolic ones")
+    return a
+
+
+def flatten(plan: OpPlan, args, kwargs):
+    leaves = []
+    dyn_pos = plan.dyn_pos
+    spec = tuple(_flat_value(a, leaves, i in dyn_pos) for i, a in enumerate(args))
+    if kwargs:
+        dyn_kw = plan.dyn_kw
+        kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw)) for k, v in kwargs.items())
+    else:
+        kwspec = ()
+    return spec, kwspec, leaves
+
+
+def _unflat_value(s, it):
+    if s is _T or s is _C:
+        return next(it)
+    if type(s) is _Dyn:
+        return next(it)
+    if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+        return [_unflat_value(x, it) for x in s]
+    return s
+
+
+def unflatten(spec, kwspec, leaves):
+    it = iter(leaves)
+    args = [_unflat_value(s, it) for s in spec]
+    kwargs = {k: _unflat_value(s, it) for k, s in kwspec}
+    return args, kwargs
+
+
+# ----------------------------------------------------------------------------- meta (expected outputs)
+
+
+def _meta_value(s, leaf):
+    if s is _T or s is _C:
+        return torch.empty(tuple(leaf.shape), dtype=dtypes.to_torch_dtype(leaf.dtype), device="meta")
+    if type(s) is _Dyn:
+        return s.kind(1)
+    return s
+
+
+def _meta_args(spec, kwspec, leaves):
+    it = iter(leaves)
+
+    def conv(s):
+        if s is _T or s is _C or type(s) is _Dyn:
+            return _meta_value(s, next(it))
+        if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+            return [conv(x) for x in s]
+        return s
+
+    args = [conv(s) for s in spec]
+    kwargs = {k: conv(s) for k, s in kwspec}
+    return args, kwargs
+
+
+def expected_outputs(func, spec, kwspec, leaves):
+    """Run `func` on meta tensors: PyTorch's own answer for output shapes and dtypes."""
+    margs, mkwargs = _meta_args(spec, kwspec, leaves)
+    try:
+        with no_dispatch():
+            return func(*margs, **mkwargs)
+    except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
+        if _is_user_error(e):
+            raise
+        return None
+    except Exception:
+        return None
+
+
+def _is_user_error(e) -> bool:
+    msg = str(e)
+    if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
+        return False
+    if "data-dependent" in msg or "DynamicOutputShape" in type(e).__name__ or "dynamic" in msg.lower():
+        return False
+    if isinstance(e, NotImplementedError):
+        return False
+    return isinstance(e, (RuntimeError, IndexError, ValueError))
+
+
+def conform(out, expected):
+    """Cast lowering outputs to the dtypes PyTorch produces (shape mismatches are bugs)."""
+    if expected is None:
+        return out
+    if isinstance(expected, torch.Tensor):
+        if out is None:
+            return out
+        jdt = dtypes.TORCH_TO_JAX.get(expected.dtype)
+        if jdt is not None and out.dtype != jdt:
+            out = out.astype(jdt)
+        if tuple(out.shape) != tuple(expected.shape):
+            raise RuntimeError(
+                f"torchtpu internal error: lowering produced shape {tuple(out.shape)}, "
+                f"PyTorch expects {tuple(expected.shape)}"
+            )
+        return out
+    if isinstance(expected, (tuple, list)) and isinstance(out, (tuple, list)) and len(out) == len(expected):
+        return type(out)(conform(o, e) for o, e in zip(out, expected))
+    return out
+
+
+# ----------------------------------------------------------------------------- running lowerings
+
+
+def _wrap_tracers(x, device_index):
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return new_base(x, device_index)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap_tracers(v, device_index) for v in x)
+    return x
+
+
+def _unwrap(x):
+    if isinstance(x, TpuTensor):
+        return array_of(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return jnp.asarray(dtypes.torch_to_numpy(x))
+    return x
+
+
+def _decomposition(func):
+    return _decomposition_table().get(func)
+
+
+def implementation(func):
+    """A function (args, kwargs) -> JAX outputs, for traced use. None if the op has none."""
+    low = LOWERINGS.get(func)
+    if low is not None:
+        return lambda args, kwargs: low.fn(*args, **kwargs)
+    decomp = _decomposition(func)
+    if decomp is None:
+        decomp = _composite_implicit(func)
+    if decomp is None:
+        return None
+
+    def via_decomposition(args, kwargs):
+        with _Tracing():
+            targs = _wrap_tracers(args, 0)
+            tkwargs = {k: _wrap_tracers(v, 0) for k, v in kwargs.items()}
+            out = decomp(*targs, **tkwargs)
+            return _unwrap(out)
+
+    return via_decomposition
+
+
+def _has_composite_implicit(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def _composite_implicit(func):
+    if _has_composite_implicit(func):
+        return lambda *a, **k: func.decompose(*a, **k)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _decomposition_table():
+    from torch._decomp import decomposition_table
+
+    return decomposition_table
+
+
+def _trace_body(func, impl, spec, kwspec, random, *leaves):
+    """What runs inside jax.jit for one op: lowering + PyTorch's dtype rules."""
+    STATS.misses += 1
+    if _LOG_RECOMPILES:
+        shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
+        print(f"[torchtpu] compiling {func} for shapes {shapes}", file=sys.stderr)
+    if random:
+        key_leaf = leaves[-1]
+        leaves = leaves[:-1]
+    args, kwargs = unflatten(spec, kwspec, leaves)
+    expected = expected_outputs(func, spec, kwspec, leaves)
+    if random:
+        kwargs["key"] = jax.random.wrap_key_data(key_leaf)
+    with _Tracing():
+        out = impl(args, kwargs)
+    return conform(out, expected)
+
+
+_EXECUTABLES: dict = {}
+
+
+def run(plan: OpPlan, func, args, kwargs):
+    """Compute the functional outputs of `func` as JAX arrays."""
+    spec, kwspec, leaves = flatten(plan, args, kwargs)
+    impl = _impl_for(plan, func)
+    if plan.random:
+        from . import random as tpu_random
+
+        leaves.append(tpu_random.next_key_data(_device_index_of(args, kwargs)))
+    if STATE.trace_depth or not plan.jit:
+        if plan.random:
+            kwargs = dict(kwargs)
+            args, kwargs = unflatten(spec, kwspec, leaves[:-1])
+            kwargs["key"] = jax.random.wrap_key_data(leaves[-1])
+        else:
+            args, kwargs = unflatten(spec, kwspec, leaves)
+        if not plan.jit and not STATE.trace_depth:
+            expected = None
+        else:
+            expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
+        return conform(impl(args, kwargs), expected)
+    key = (func, spec, kwspec)
+    exe = _EXECUTABLES.get(key)
+    if exe is None:
+        try:
+            hash(key)
+        except TypeError:
+            raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}")
+        exe = _EXECUTABLES[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
+    STATS.calls += 1
+    return exe(*leaves)
+
+
+_IMPLS: dict = {}
+
+
+def _impl_for(plan, func):
+    impl = _IMPLS.get(func)
+    if impl is None:
+        impl = implementation(func)
+        if impl is None:
+            raise _unsupported(func)
+        _IMPLS[func] = impl
+    return impl
+
+
+class UnsupportedOp(NotImplementedError):
+    pass
+
+
+def _unsupported(func):
+    return UnsupportedOp(
+        f"torchtpu has no lowering for the ATen operator '{func}' (schema: {func._schema}). "
+        "Set TORCHTPU_CPU_FALLBACK=1 to run it on the CPU instead, or report it at the torchtpu issue tracker."
+    )
+
+
+def _device_index_of(args, kwargs):
+    for a in args:
+        if isinstance(a, TpuTensor):
+            return a._st.device_index
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, TpuTensor):
+                    return x._st.device_index
+    for v in kwargs.values():
+        if isinstance(v, TpuTensor):
+            return v._st.device_index
+        if isinstance(v, torch.device) and v.type == "tpu":
+            return v.index or 0
+    return 0
+
+
+# ----------------------------------------------------------------------------- wrapping outputs
+
+
+def wrap(out, device_index):
+    if out is None:
+        return None
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap(o, device_index) for o in out)
+    if isinstance(out, (jax.Array, jax.core.Tracer)):
+        return new_base(out, device_index)
+    if isinstance(out, np.ndarray):
+        return new_base(jnp.asarray(out), device_index)
+    return out
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def dispatch(func, args, kwargs):
+    plan = _PLANS.get(func)
+    if plan is None:
+        plan = plan_for(func)
+    try:
+        kind = plan.kind
+        if kind == "functional":
+            out = wrap(run(plan, func, args, kwargs), _device_index_of(args, kwargs))
+        elif kind == "view":
+            out = _view(plan, func, args, kwargs)
+        elif kind == "mutating":
+            out = _mutating(plan, func, args, kwargs)
+        elif kind == "inplace_view":
+            out = _inplace_view(plan, func, args, kwargs)
+        elif kind == "composite":
+            return func.decompose(*args, **kwargs)
+        else:
+            out = _CUSTOM[func](args, kwargs)
+    except UnsupportedOp:
+        if CONFIG.cpu_fallback:
+            return cpu_fallback(func, args, kwargs)
+        raise
+    if CONFIG.debug and not STATE.trace_depth:
+        check_finite(func, out)
+    return out
+
+
+def _kwarg_or_arg(plan, args, kwargs, i):
+    if i < len(args):
+        return args[i]
+    return kwargs.get(plan.arg_names[i])
+
+
+def _mutating(plan: OpPlan, func, args, kwargs):
+    targets = []  # (tensor, is_list)
+    for i in plan.mutated:
+        targets.append(_kwarg_or_arg(plan, args, kwargs, i))
+    if plan.lowering is not None:
+        # Lowering returns (returns..., new values of mutated args in schema order).
+        out = run(plan, func, args, kwargs)
+        n_ret = len(plan.returns_alias)
+        new_values = list(out[n_ret:]) if isinstance(out, (tuple, list)) else []
+        rets = out[:n_ret] if isinstance(out, (tuple, list)) else [out]
+        for t, new in zip(targets, new_values):
+            _write_any(t, new)
+        return _returns(plan, args, kwargs, rets)
+    if plan.functional is None:
+        raise _unsupported(func)
+    fplan = plan_for(plan.functional)
+    fargs, fkwargs = _strip_outs(plan, args, kwargs)
+    result = run(fplan, plan.functional, fargs, fkwargs)
+    results = result if isinstance(result, (tuple, list)) else [result]
+    schema_name = func._schema.name
+    if len(targets) == 1 and isinstance(targets[0], (list, tuple)):
+        # _foreach_X_: one list argument mutated by a functional returning a list
+        for t, new in zip(targets[0], results):
+            _write_any(t, new)
+        return _returns(plan, args, kwargs, [])
+    for t, new in zip(targets, results):
+        _write_any(t, new, resize=func._schema.overload_name.startswith("out") or "out" in plan.arg_names)
+    return _returns(plan, args, kwargs, [None] * len(plan.returns_alias))
+
+
+def _strip_outs(plan, args, kwargs):
+    outs = {plan.arg_names[i] for i in plan.mutated if func_arg_is_kwarg_only(plan, i)}
+    return args, {k: v for k, v in kwargs.items() if k not in outs}
+
+
+def func_arg_is_kwarg_only(plan, i):
+    return plan.func._schema.arguments[i].kwarg_only
+
+
+def _write_any(t, new, resize=False):
+    if t is None:
+        return
+    if not isinstance(t, TpuTensor):
+        if isinstance(t, torch.Tensor):
+            # A CPU tensor mutated by a tpu op (for example a CPU `out=`): copy back.
+            with no_dispatch():
+                t.copy_(dtypes.numpy_to_torch(np.asarray(new), t.dtype))
+            return
+        return
+    want = tuple(t.shape)
+    if tuple(new.shape) != want:
+        if resize:
+            resize_tensor(t, tuple(new.shape))
+        else:
+            new = jnp.broadcast_to(new, want)
+    jdt = dtypes.to_jax_dtype(t.dtype)
+    if new.dtype != jdt:
+        src = dtypes.to_torch_dtype(new.dtype)
+        if not torch.can_cast(src, t.dtype) and not STATE.trace_depth and not getattr(t, "_tt_allow_cast", False):
+            raise RuntimeError(f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(t.dtype)}")
+        new = cast(new, jdt)
+    write(t, new)
+
+
+def _pretty(dt):
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.complex64: "ComplexFloat"}.get(dt, str(dt))
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_fn(dtype):
+    return jax.jit(lambda a: a.astype(dtype))
+
+
+def cast(a, jdt):
+    if STATE.trace_depth or isinstance(a, jax.core.Tracer):
+        return a.astype(jdt)
+    return _cast_fn(jdt)(a)
+
+
+def _returns(plan, args, kwargs, rets):
+    outs = []
+    for k, alias in enumerate(plan.returns_alias):
+        if alias is not None:
+            outs.append(_kwarg_or_arg(plan, args, kwargs, alias))
+        else:
+            outs.append(wrap(rets[k], _device_index_of(args, kwargs)))
+    if not outs:
+        return None
+    if len(outs) == 1 and len(plan.func._schema.returns) == 1:
+        return outs[0]
+    return tuple(outs)
+
+
+def resize_tensor(t: TpuTensor, shape):
+    """Resize `t` in place (for out= arguments): new metadata, fresh storage."""
+    if t._vw:
+        raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
+    _set_meta(t, aten.resize_.default, (t, list(shape)), {})
+    st = t._st
+    st.shape = tuple(shape)
+    st.array = None
+    st.version += 1
+
+
+def _set_meta(t, func, args, kwargs):
+    """Run a metadata-changing op's meta kernel on the wrapper itself (sizes/strides only)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+# ----------------------------------------------------------------------------- views
+
+_VIEW_META: dict = {}
+
+
+def _view_statics(args, kwargs):
+    return tuple(_freeze(a) for a in args[1:]), tuple((k, _freeze(v)) for k, v in kwargs.items())
+
+
+def _freeze(a):
+    if isinstance(a, list):
+        return tuple(a)
+    return a
+
+
+def _view(plan: OpPlan, func, args, kwargs):
+    base = args[0]
+    if not isinstance(base, TpuTensor):
+        raise _unsupported(func)
+    statics, kwstatics = _view_statics(args, kwargs)
+    if kwstatics:
+        # normalise keyword arguments into positional statics
+        names = plan.arg_names[1:]
+        full = list(statics) + [None] * (len(names) - len(statics))
+        schema_args = func._schema.arguments[1:]
+        for j, a in enumerate(schema_args):
+            if j >= len(statics):
+                full[j] = a.default_value if a.has_default_value() else None
+        for k, v in kwstatics:
+            full[names.index(k)] = v
+        statics = tuple(full)
+    key = (func, tuple(base.shape), base.stride(), base.storage_offset(), base.dtype, statics)
+    meta = _VIEW_META.get(key)
+    if meta is None:
+        if func not in LOWERINGS:
+            raise _unsupported(func)
+        m = torch.empty_strided(
+            (base._st_numel_(),), (1,), dtype=base.dtype, device="meta"
+        ).as_strided(tuple(base.shape), base.stride(), base.storage_offset())
+        with no_dispatch():
+            out = func(m, *statics)
+        if isinstance(out, (list, tuple)):
+            meta = [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
+        else:
+            meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+        _VIEW_META[key] = meta
+    st = base._st
+    if isinstance(meta, list):
+        return [
+            TpuTensor(st, base._vw + ((func, statics, i),), s, d, strides=stride, offset=off)
+            for i, (s, stride, off, d) in enumerate(meta)
+        ]
+    s, stride, off, d = meta
+    return TpuTensor(st, base._vw + ((func, statics, None),), s, d, strides=stride, offset=off)
+
+
+def _st_numel(self):
+    n = 1
+    for d in self._st.shape:
+        n *= d
+    # dtype views (view.dtype) can change element size; be generous
+    return max(n * 8, 1)
+
+
+TpuTensor._st_numel_ = _st_numel
+
+
+def _inplace_view(plan: OpPlan, func, args, kwargs):
+    t = args[0]
+    name = func._schema.name.split("::")[1]
+    if name == "detach_":
+        return t
+    functional = getattr(aten, name.rstrip("_"))
+    fop = getattr(functional, func._schema.overload_name or "default", None) or functional.default
+    view = _view(plan_for(fop), fop, args, kwargs)
+    _set_meta(t, func, args, kwargs)
+    t._vw = view._vw
+    t._vc = None
+    t._vv = -1
+    return t
+
+
+# ----------------------------------------------------------------------------- CPU fallback
+
+_WARNED: set = set()
+
+
+def to_cpu(x):
+    if isinstance(x, TpuTensor):
+        a = np.asarray(array_of(x))
+        return dtypes.numpy_to_torch(a, x.dtype).reshape(tuple(x.shape))
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    return x
+
+
+def _to_tpu_like(x, device_index):
+    if isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor):
+        return new_base(jax.device_put(dtypes.torch_to_numpy(x.contiguous()), jax.devices()[device_index]), device_index, x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_tpu_like(v, device_index) for v in x)
+    return x
+
+
+def cpu_fallback(func, args, kwargs):
+    if func not in _WARNED:
+        _WARNED.add(func)
+        warnings.warn(f"torchtpu: running {func} on the CPU (TORCHTPU_CPU_FALLBACK=1); it has no XLA lowering", stacklevel=3)
+    index = _device_index_of(args, kwargs)
+    cargs = to_cpu(list(args))
+    ckwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+    if "device" in ckwargs and isinstance(ckwargs["device"], torch.device) and ckwargs["device"].type == "tpu":
+        ckwargs["device"] = torch.device("cpu")
+    with no_dispatch():
+        out = func(*cargs, **ckwargs)
+    plan = plan_for(func)
+    for i in plan.mutated:
+        tgt = _kwarg_or_arg(plan, args, kwargs, i)
+        src = _kwarg_or_arg(plan, cargs, ckwargs, i)
+        if isinstance(tgt, TpuTensor):
+            write(tgt, jnp.asarray(dtypes.torch_to_numpy(src.contiguous())))
+    if plan.mutated:
+        return _returns(plan, args, kwargs, [None] * len(plan.returns_alias))
+    return _to_tpu_like(out, index)
+
+
+# ----------------------------------------------------------------------------- debug mode
+
+
+class NonFiniteError(FloatingPointError):
+    pass
+
+
+def _user_frame():
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        f = frame.filename
+        if "/torchtpu/" in f or "/torch/" in f or "/jax/" in f or f.startswith("<"):
+            continue
+        return frame
+    return None
+
+
+def check_finite(func, out):
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    for o in outs:
+        if isinstance(o, TpuTensor) and (o.dtype.is_floating_point or o.dtype.is_complex):
+            a = array_of(o)
+            a.block_until_ready()
+            if not bool(jnp.all(jnp.isfinite(a))):
+                frame = _user_frame()
+                where = f" at {frame.filename}:{frame.lineno}: {linecache.getline(frame.filename, frame.lineno).strip()}" if frame else ""
+                kind = "NaN" if bool(jnp.any(jnp.isnan(a))) else "Inf"
+                raise NonFiniteError(f"torchtpu debug mode: {func} produced {kind}{where}")
+
+
+# ----------------------------------------------------------------------------- repr
+
+
+def tensor_repr(t: TpuTensor) -> str:
+    with torch._C.DisableTorchFunctionSubclass():
+        cpu = to_cpu(t)
+    body = repr(cpu)
+    assert body.endswith(")")
+    extras = [f"device='{t.device}'"]
+    if t.grad_fn is not None:
+        extras.append(f"grad_fn=<{type(t.grad_fn).__name__}>")
+    elif t.requires_grad:
+        extras.append("requires_grad=True")
+    return body[:-1] + ", " + ", ".join(extras) + ")"

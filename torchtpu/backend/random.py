@@ -1,0 +1,66 @@
+"""The tpu device generator: a seed and an offset, like CUDA's Philox state.
+
+Each random op draws `fold_in(PRNGKey(seed), offset)` and advances the offset, so the key
+is a traced input of the op's executable (no recompiles) and the stream is reproducible
+under torch.manual_seed.
+"""
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import torch
+
+_DEFAULT_SEED = 67280421310721
+
+
+class Generator:
+    def __init__(self, seed: int = _DEFAULT_SEED):
+        self.seed = seed
+        self.offset = 0
+        self.lock = threading.Lock()
+
+    def manual_seed(self, seed: int):
+        self.seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+        self.offset = 0
+
+    def next_offset(self) -> int:
+        with self.lock:
+            o = self.offset
+            self.offset += 1
+            return o
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor(np.array([self.seed, self.offset], dtype=np.uint64).view(np.uint8))
+
+    def set_state(self, state: torch.Tensor):
+        raw = state.detach().cpu().to(torch.uint8).numpy().view(np.uint64)
+        if raw.shape != (2,):
+            raise ValueError("invalid tpu RNG state: expected a 16-byte uint8 tensor from torch.tpu.get_rng_state()")
+        self.seed, self.offset = int(raw[0]), int(raw[1])
+
+
+_GENERATORS: dict[int, Generator] = {}
+
+
+def generator(device_index: int = 0) -> Generator:
+    g = _GENERATORS.get(device_index)
+    if g is None:
+        g = _GENERATORS[device_index] = Generator()
+    return g
+
+
+def next_key_data(device_index: int = 0):
+    """Raw uint32 key data for the next random op (a traced input of its executable)."""
+    g = generator(device_index)
+    offset = g.next_offset()
+    seed = g.seed
+    return _key_data(seed, offset)
+
+
+def _key_data(seed: int, offset: int):
+    # Host-side derivation: a tiny numpy array, so no device round trip per op.
+    mixed = (seed * 0x9E3779B97F4A7C15 + offset * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    mixed ^= mixed >> 31
+    return np.array([mixed >> 32, mixed & 0xFFFF_FFFF], dtype=np.uint32)

@@ -1,0 +1,130 @@
+"""The tensor type behind the `tpu` device.
+
+A `TpuTensor` is a wrapper subclass: PyTorch sees an ordinary tensor on `tpu:N` (sizes,
+strides, dtype, autograd), and the data lives in a `jax.Array`.
+
+Views alias through a shared `Storage`. The storage holds the array of the *base* tensor
+(always contiguous). A view records the chain of view ops that reads it from that array;
+reading applies the chain, writing scatters back through it. In-place ops on bases, which is
+what optimizers do to parameters, simply replace `storage.array`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+
+from . import dtypes
+
+_DEVICES: dict[int, torch.device] = {}
+
+
+def torch_device(index: int) -> torch.device:
+    d = _DEVICES.get(index)
+    if d is None:
+        d = _DEVICES[index] = torch.device("tpu", index)
+    return d
+
+
+_STRIDES: dict = {}
+
+
+def contiguous_strides(shape) -> tuple:
+    s = _STRIDES.get(shape)
+    if s is None:
+        acc = 1
+        out = []
+        for n in reversed(shape):
+            out.append(acc)
+            acc *= max(n, 1)
+        s = _STRIDES[shape] = tuple(reversed(out))
+    return s
+
+
+class Storage:
+    """What a base tensor and all its views share.
+
+    `array` is None for memory that was allocated but never written (torch.empty); it reads
+    as zeros. `version` changes on every write so views know when their cached read is stale.
+    """
+
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "__weakref__")
+
+    def __init__(self, array, shape, dtype, device_index):
+        self.array = array
+        self.version = 0
+        self.shape = shape
+        self.dtype = dtype
+        self.device_index = device_index
+
+
+class TpuTensor(torch.Tensor):
+    # _st: Storage; _vw: tuple of view steps from the storage's array (() for a base);
+    # _vc/_vv: cached read of a view and the storage version it was read at.
+
+    @staticmethod
+    def __new__(cls, storage: Storage, view: tuple, shape, dtype, strides=None, offset=0, requires_grad=False):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=contiguous_strides(tuple(shape)) if strides is None else strides,
+            storage_offset=offset,
+            dtype=dtype,
+            device=torch_device(storage.device_index),
+            requires_grad=requires_grad,
+        )
+        r._st = storage
+        r._vw = view
+        r._vc = None
+        r._vv = -1
+        return r
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # torch.Tensor.__repr__ formats through many small ops; format the CPU copy instead.
+    def __repr__(self, *, tensor_contents=None):
+        from .dispatch import tensor_repr
+
+        return tensor_repr(self)
+
+    def __reduce_ex__(self, proto):
+        # Serialise like any accelerator tensor: numpy data + a device string that honours
+        # torch.load(map_location=...), and that weights_only loading accepts.
+        cpu = self.detach().cpu()
+        if cpu.dtype == torch.bfloat16:
+            data = cpu.float().numpy()
+        else:
+            data = cpu.resolve_conj().numpy()
+        return (
+            torch._utils._rebuild_device_tensor_from_numpy,
+            (data, self.dtype, str(self.device), self.requires_grad),
+        )
+
+
+def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuTensor:
+    """Wrap a fresh JAX array as a tpu base tensor."""
+    shape = tuple(array.shape)
+    if dtype is None:
+        dtype = dtypes.to_torch_dtype(array.dtype)
+    return TpuTensor(Storage(array, shape, dtype, device_index), (), shape, dtype)
+
+
+def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:
+    shape = tuple(shape)
+    return TpuTensor(Storage(None, shape, dtype, device_index), (), shape, dtype, strides=strides)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)

@@ -1,0 +1,154 @@
+"""Moving data between CPU, tpu devices and JAX: copy_, _to_copy, item, to_jax/from_jax."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from . import dtypes
+from .dispatch import (
+    STATE, _set_meta, array_of, cast, custom, to_cpu, tracing, write,
+)
+from .tensor import Storage, TpuTensor, new_base
+
+aten = torch.ops.aten
+
+
+def _device(index: int):
+    return jax.devices()[index]
+
+
+def cpu_to_array(t: torch.Tensor, device_index: int):
+    a = dtypes.torch_to_numpy(t.contiguous())
+    if tracing():
+        return jnp.asarray(a)
+    return jax.device_put(a, _device(device_index))
+
+
+@custom(aten.copy_.default)
+def _copy_(args, kwargs):
+    self, src = args[0], args[1]
+    if isinstance(self, TpuTensor):
+        if isinstance(src, TpuTensor):
+            new = array_of(src)
+            if src._st.device_index != self._st.device_index and not tracing():
+                new = jax.device_put(new, _device(self._st.device_index))
+        else:
+            new = cpu_to_array(src, self._st.device_index)
+        jdt = dtypes.to_jax_dtype(self.dtype)
+        if tuple(new.shape) != tuple(self.shape):
+            new = jnp.broadcast_to(new, tuple(self.shape)) if tracing() else _broadcast(new, tuple(self.shape))
+        if new.dtype != jdt:
+            new = cast(new, jdt)
+        write(self, new)
+        return self
+    # CPU destination, tpu source
+    with no_dispatch():
+        self.copy_(to_cpu(src))
+    return self
+
+
+def _broadcast(a, shape):
+    return jax.jit(jnp.broadcast_to, static_argnums=1)(a, shape)
+
+
+@custom(aten._to_copy.default)
+def _to_copy(args, kwargs):
+    x = args[0]
+    dtype = kwargs.get("dtype") or x.dtype
+    device = kwargs.get("device")
+    if device is not None:
+        device = torch.device(device)
+    if device is not None and device.type != "tpu":
+        cpu = to_cpu(x)
+        with no_dispatch():
+            return cpu.to(dtype=dtype, device=device, copy=False) if cpu.dtype != dtype or device.type != "cpu" else cpu
+    index = x._st.device_index if device is None or device.index is None else device.index
+    a = array_of(x)
+    jdt = dtypes.to_jax_dtype(dtype)
+    if a.dtype != jdt:
+        a = cast(a, jdt)
+    if index != x._st.device_index and not tracing():
+        a = jax.device_put(a, _device(index))
+    return new_base(a, index, dtype)
+
+
+@custom(aten._local_scalar_dense.default)
+def _item(args, kwargs):
+    a = array_of(args[0])
+    if tracing():
+        raise RuntimeError(
+            "tensor.item() inside a compiled torchtpu program needs the value on the host; "
+            "move the .item() call outside the compiled function (or log it asynchronously)"
+        )
+    v = np.asarray(a).reshape(()).item()
+    if args[0].dtype == torch.bool:
+        return bool(v)
+    return v
+
+
+@custom(aten.resize_.default)
+def _resize_(args, kwargs):
+    from .dispatch import resize_tensor
+
+    t, size = args[0], tuple(args[1])
+    if tuple(t.shape) != size:
+        old = array_of(t) if t._st.array is not None else None
+        resize_tensor(t, size)
+        if old is not None and old.size:
+            n = min(old.size, int(np.prod(size)))
+            flat = jnp.zeros((int(np.prod(size)),), old.dtype).at[:n].set(old.reshape(-1)[:n])
+            write(t, flat.reshape(size))
+    return t
+
+
+@custom(aten.set_.source_Tensor)
+def _set_source_tensor(args, kwargs):
+    t, src = args
+    _set_meta(t, aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
+    t._st = src._st
+    t._vw = src._vw
+    t._vc = None
+    t._vv = -1
+    return t
+
+
+@custom(aten.lift_fresh.default, aten.lift.default)
+def _lift_fresh(args, kwargs):
+    return args[0]
+
+
+@custom(aten.is_same_size.default)
+def _is_same_size(args, kwargs):
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+@custom(aten._has_compatible_shallow_copy_type.default)
+def _compatible(args, kwargs):
+    return type(args[0]) is type(args[1])
+
+
+@custom(aten.is_pinned.default)
+def _is_pinned(args, kwargs):
+    return False
+
+
+def to_jax(t: torch.Tensor) -> jax.Array:
+    """The `jax.Array` holding a tpu tensor's values (zero-copy)."""
+    if not isinstance(t, TpuTensor):
+        raise TypeError(f"torchtpu.to_jax expects a tensor on the tpu device, got one on {t.device}; call .to('tpu') first")
+    return array_of(t)
+
+
+def from_jax(a: jax.Array) -> torch.Tensor:
+    """A tpu tensor backed by `a` (zero-copy)."""
+    if not isinstance(a, (jax.Array, jax.core.Tracer)):
+        a = jnp.asarray(a)
+    index = 0
+    if not isinstance(a, jax.core.Tracer):
+        devs = list(a.devices())
+        if len(devs) == 1:
+            index = jax.devices().index(next(iter(devs)))
+    return new_base(a, index)
