@@ -44,6 +44,7 @@ class _State(threading.local):
 
 
 STATE = _State()
+_ArrayImpl = type(jnp.zeros(()))
 
 
 class CacheStats:
@@ -189,13 +190,15 @@ def scatter_chain(chain, base, new):
 # ----------------------------------------------------------------------------- op plans
 
 
-_SCALAR_TYPES = ("number", "Optional[number]")
+# Python numbers in these positions are traced: Scalar arguments, and Tensor arguments that
+# PyTorch lets callers pass a Python number for (`x * 0.1` reaches mul.Tensor with a float).
+_SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
 
 
 class OpPlan:
     __slots__ = (
         "func", "kind", "arg_names", "dyn_pos", "dyn_kw", "impl", "mutated", "returns_alias",
-        "functional", "lowering", "random", "jit", "name",
+        "functional", "lowering", "random", "jit", "name", "executables",
     )
 
 
@@ -246,6 +249,8 @@ def _functional_variant(func):
 def _plan(func) -> OpPlan:
     p = OpPlan()
     p.func = func
+    p.impl = None
+    p.executables = {}
     p.name = str(func)
     schema = func._schema
     p.arg_names = [a.name for a in schema.arguments]
@@ -332,6 +337,27 @@ class _Dyn:
 _DYN = {float: _Dyn(float), int: _Dyn(int), bool: _Dyn(bool), complex: _Dyn(complex)}
 
 
+_SCALARS: dict = {}
+
+
+def _scalar_array(value, kind):
+    """A weakly-typed device scalar for a Python number, cached: converting a Python scalar
+    on every call costs more than the op itself."""
+    if STATE.trace_depth:
+        return value
+    key = (kind, value)
+    try:
+        return _SCALARS[key]
+    except KeyError:
+        pass
+    except TypeError:
+        return value
+    if len(_SCALARS) > 4096:
+        _SCALARS.clear()
+    arr = _SCALARS[key] = jnp.asarray(value)
+    return arr
+
+
 def _flat_value(a, leaves, dyn):
     t = type(a)
     if t is TpuTensor:
@@ -348,7 +374,7 @@ def _flat_value(a, leaves, dyn):
         leaves.append(dtypes.torch_to_numpy(a))
         return _C
     if dyn and t in _DYN:
-        leaves.append(a)
+        leaves.append(_scalar_array(a, t))
         return _DYN[t]
     if t is torch.SymInt or t is torch.SymFloat:
         raise NotImplementedError("torchtpu eager ops take concrete sizes, not symbolic ones")
@@ -358,7 +384,16 @@ def _flat_value(a, leaves, dyn):
 def flatten(plan: OpPlan, args, kwargs):
     leaves = []
     dyn_pos = plan.dyn_pos
-    spec = tuple(_flat_value(a, leaves, i in dyn_pos) for i, a in enumerate(args))
+    spec = []
+    i = 0
+    for a in args:
+        if type(a) is TpuTensor:
+            leaves.append(a._st.array if not a._vw and a._st.array is not None else array_of(a))
+            spec.append(_T)
+        else:
+            spec.append(_flat_value(a, leaves, i in dyn_pos))
+        i += 1
+    spec = tuple(spec)
     if kwargs:
         dyn_kw = plan.dyn_kw
         kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw)) for k, v in kwargs.items())
@@ -442,6 +477,8 @@ def conform(out, expected):
     if isinstance(expected, torch.Tensor):
         if out is None:
             return out
+        if isinstance(out, (tuple, list)):  # mutating lowering: (return, new values of mutated args)
+            return type(out)([conform(out[0], expected), *out[1:]])
         jdt = dtypes.TORCH_TO_JAX.get(expected.dtype)
         if jdt is not None and out.dtype != jdt:
             out = out.astype(jdt)
@@ -543,7 +580,9 @@ _EXECUTABLES: dict = {}
 def run(plan: OpPlan, func, args, kwargs):
     """Compute the functional outputs of `func` as JAX arrays."""
     spec, kwspec, leaves = flatten(plan, args, kwargs)
-    impl = _impl_for(plan, func)
+    impl = plan.impl
+    if impl is None:
+        impl = plan.impl = _impl_for(plan, func)
     if plan.random:
         from . import random as tpu_random
 
@@ -560,14 +599,16 @@ def run(plan: OpPlan, func, args, kwargs):
         else:
             expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
         return conform(impl(args, kwargs), expected)
-    key = (func, spec, kwspec)
-    exe = _EXECUTABLES.get(key)
-    if exe is None:
+    key = (spec, kwspec)
+    exes = plan.executables
+    try:
+        exe = exes[key]
+    except KeyError:
         try:
             hash(key)
         except TypeError:
             raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}")
-        exe = _EXECUTABLES[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
+        exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
     STATS.calls += 1
     return exe(*leaves)
 
@@ -631,13 +672,19 @@ def wrap(out, device_index):
 
 
 def dispatch(func, args, kwargs):
-    plan = _PLANS.get(func)
-    if plan is None:
-        plan = plan_for(func)
+    try:
+        plan = func._tpu_plan
+    except AttributeError:
+        plan = func._tpu_plan = plan_for(func)
     try:
         kind = plan.kind
         if kind == "functional":
-            out = wrap(run(plan, func, args, kwargs), _device_index_of(args, kwargs))
+            out = run(plan, func, args, kwargs)
+            if type(out) is _ArrayImpl:
+                a0 = args[0] if args else None
+                out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else _device_index_of(args, kwargs))
+            else:
+                out = wrap(out, _device_index_of(args, kwargs))
         elif kind == "view":
             out = _view(plan, func, args, kwargs)
         elif kind == "mutating":
@@ -762,7 +809,9 @@ def resize_tensor(t: TpuTensor, shape):
     """Resize `t` in place (for out= arguments): new metadata, fresh storage."""
     if t._vw:
         raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
-    _set_meta(t, aten.resize_.default, (t, list(shape)), {})
+    # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead.
+    _set_meta(t, aten.set_.source_Storage_storage_offset,
+              (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))), {})
     st = t._st
     st.shape = tuple(shape)
     st.array = None
@@ -852,8 +901,15 @@ def _inplace_view(plan: OpPlan, func, args, kwargs):
     name = func._schema.name.split("::")[1]
     if name == "detach_":
         return t
-    functional = getattr(aten, name.rstrip("_"))
-    fop = getattr(functional, func._schema.overload_name or "default", None) or functional.default
+    packet = getattr(aten, name.rstrip("_"))
+    names = [a.name for a in func._schema.arguments]
+    fop = next(
+        (getattr(packet, o) for o in packet.overloads()
+         if [a.name for a in getattr(packet, o)._schema.arguments] == names),
+        None,
+    )
+    if fop is None:
+        raise _unsupported(func)
     view = _view(plan_for(fop), fop, args, kwargs)
     _set_meta(t, func, args, kwargs)
     t._vw = view._vw
@@ -949,3 +1005,8 @@ def tensor_repr(t: TpuTensor) -> str:
     elif t.requires_grad:
         extras.append("requires_grad=True")
     return body[:-1] + ", " + ", ".join(extras) + ")"
+
+
+from . import tensor as _tensor_module  # noqa: E402
+
+_tensor_module._dispatch = dispatch

@@ -57,6 +57,8 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def numpy_to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     a = np.asarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
     if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         carrier = np.int16 if dtype == torch.bfloat16 else np.int8
         return torch.from_numpy(np.ascontiguousarray(a).view(carrier)).view(dtype)

