@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(PY) bench/eager_overhead.py

@@ -19,6 +19,7 @@ _load_ops()
 
 from ._platform import platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
+from .backend.compile import compile  # noqa: E402,F401
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -96,8 +96,20 @@ def _zeros_fn(shape, dtype):
 _ZEROS = jax.jit(_zeros_fn, static_argnums=(0, 1))
 
 
+class _Hooks:
+    """Observers of storage reads, used by torchtpu.compile (None when unused, which keeps
+    the eager hot path free of them)."""
+
+    read = None  # callable(storage, array) -> array, or None
+
+
+HOOKS = _Hooks()
+
+
 def storage_array(st: Storage):
     a = st.array
+    if HOOKS.read is not None:
+        a = HOOKS.read(st, a)
     if a is None:
         jdt = dtypes.to_jax_dtype(st.dtype)
         if tracing():
@@ -115,8 +127,8 @@ def array_of(t: TpuTensor):
     vw = t._vw
     if not vw:
         a = st.array
-        return a if a is not None else storage_array(st)
-    if t._vv == st.version and t._vc is not None:
+        return a if a is not None and HOOKS.read is None else storage_array(st)
+    if t._vv == st.version and t._vc is not None and HOOKS.read is None:
         return t._vc
     base = storage_array(st)
     a = run_chain(vw, base)
@@ -388,7 +400,8 @@ def flatten(plan: OpPlan, args, kwargs):
     i = 0
     for a in args:
         if type(a) is TpuTensor:
-            leaves.append(a._st.array if not a._vw and a._st.array is not None else array_of(a))
+            arr = a._st.array
+            leaves.append(arr if arr is not None and not a._vw and HOOKS.read is None else array_of(a))
             spec.append(_T)
         else:
             spec.append(_flat_value(a, leaves, i in dyn_pos))

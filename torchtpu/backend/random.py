@@ -51,8 +51,30 @@ def generator(device_index: int = 0) -> Generator:
     return g
 
 
+class TracedKeys:
+    """Keys for random ops inside a compiled step: derived from the step's traced base key."""
+
+    def __init__(self, base_key_data):
+        self.base = base_key_data
+        self.count = 0
+
+    def next(self):
+        k = jax.random.fold_in(jax.random.wrap_key_data(self.base), self.count)
+        self.count += 1
+        return jax.random.key_data(k)
+
+
+TRACED: TracedKeys | None = None
+
+
+def key_data_for_step(g: Generator):
+    return _key_data(g.seed, g.offset)
+
+
 def next_key_data(device_index: int = 0):
     """Raw uint32 key data for the next random op (a traced input of its executable)."""
+    if TRACED is not None:
+        return TRACED.next()
     g = generator(device_index)
     offset = g.next_offset()
     seed = g.seed

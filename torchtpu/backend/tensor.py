@@ -50,6 +50,7 @@ class Storage:
     """
 
     __slots__ = ("array", "version", "shape", "dtype", "device_index", "__weakref__")
+    on_create = None  # observer used while torchtpu.compile traces a step
 
     def __init__(self, array, shape, dtype, device_index):
         self.array = array
@@ -57,6 +58,8 @@ class Storage:
         self.shape = shape
         self.dtype = dtype
         self.device_index = device_index
+        if Storage.on_create is not None:
+            Storage.on_create(self)
 
 
 class TpuTensor(torch.Tensor):

@@ -1,0 +1,272 @@
+"""Whole-step compilation: `torchtpu.compile(fn)` turns a Python function over tpu tensors
+(forward, backward, clipping, optimizer.step()) into one XLA program.
+
+How it works:
+1. The first call runs eagerly. It creates lazily built state (optimizer moments, .grad) and
+   records every tpu storage the step reads. Those that are still alive afterwards are the
+   step's state: parameters, gradients, optimizer state, buffers.
+2. The next call traces the function under `jax.jit`. The state storages hold tracers instead
+   of arrays, so they become explicit inputs rather than baked-in constants; the positional
+   tensor arguments are inputs too. What the function writes to the state, and the storages it
+   creates that outlive it (a fresh `.grad`), become outputs. State inputs are donated, so
+   parameters and optimizer state are never held twice.
+3. Later calls with the same argument shapes run the cached executable: no Python op
+   dispatch at all, one XLA launch, and the new arrays are swapped into the storages, so the
+   user sees parameters, gradients and optimizer state updated in place.
+
+Random ops inside the step draw from keys derived from the device generator's state, which is
+an input of the program, and the generator advances after each call as eager mode would.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import random as tpu_random
+from .dispatch import HOOKS, STATE, _Tracing, array_of, write
+from .tensor import Storage, TpuTensor, new_base
+
+
+class CompileStats:
+    def __init__(self):
+        self.traces = 0
+        self.executions = 0
+
+    def snapshot(self):
+        return {"traces": self.traces, "executions": self.executions}
+
+
+class _Recorder:
+    """Collects the storages an eager call reads."""
+
+    def __init__(self):
+        self.seen: dict[int, weakref.ref] = {}
+
+    def __call__(self, st, a):
+        if id(st) not in self.seen:
+            self.seen[id(st)] = weakref.ref(st)
+        return a
+
+
+class _Capture:
+    """State of one trace: which storages are inputs, which were created."""
+
+    def __init__(self, state):
+        self.state_ids = {id(st) for st in state}
+        self.created: list[weakref.ref] = []
+        self.created_ids: set[int] = set()
+        self.stray: list[Storage] = []
+
+    def on_create(self, st):
+        self.created.append(weakref.ref(st))
+        self.created_ids.add(id(st))
+
+    def __call__(self, st, a):
+        if (a is not None and not isinstance(a, jax.core.Tracer) and id(st) not in self.state_ids
+                and id(st) not in self.created_ids):
+            self.stray.append(st)
+        return a
+
+
+class _Entry:
+    __slots__ = ("executable", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages")
+
+
+class CompiledFunction:
+    def __init__(self, fn, donate: bool = True):
+        self.fn = fn
+        self.donate = donate
+        self.state: list[Storage] | None = None
+        self.entries: dict = {}
+        self.stats = CompileStats()
+        functools.update_wrapper(self, fn)
+
+    # -- signature of a call: tensor shapes/dtypes + everything else by value
+    @staticmethod
+    def _signature(flat):
+        sig = []
+        for x in flat:
+            if isinstance(x, TpuTensor):
+                sig.append(("T", tuple(x.shape), x.dtype, x._st.device_index))
+            elif isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"torchtpu.compile: argument on {x.device}; move it to the tpu device first (.to('tpu'))"
+                )
+            else:
+                sig.append(x)
+        return tuple(sig)
+
+    def __call__(self, *args, **kwargs):
+        flat, tree = tree_flatten((args, kwargs))
+        if self.state is None:
+            return self._warmup(args, kwargs, flat)
+        key = (tree, self._signature(flat))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._trace(args, kwargs, flat, tree)
+            return self._finish_first(entry)
+        return self._execute(entry, flat)
+
+    # -- 1. eager warm-up
+    def _warmup(self, args, kwargs, flat):
+        recorder = _Recorder()
+        HOOKS.read = recorder
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            HOOKS.read = None
+        arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
+        state = []
+        for sid, ref in recorder.seen.items():
+            st = ref()
+            if st is not None and sid not in arg_ids:
+                state.append(st)
+        self.state = state
+        return out
+
+    # -- 2. trace + compile
+    def _trace(self, args, kwargs, flat, tree):
+        entry = _Entry()
+        state = [st for st in self.state]
+        entry.state = state
+        tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, TpuTensor)]
+        holder = {}
+
+        def step(state_arrays, arg_arrays, key_data):
+            self.stats.traces += 1
+            capture = _Capture(state)
+            saved = [(st.array, st.version) for st in state]
+            for st, a in zip(state, state_arrays):
+                st.array = a
+                st.version += 1
+            new_flat = list(flat)
+            for i, a in zip(tensor_pos, arg_arrays):
+                t = new_base(a, flat[i]._st.device_index, flat[i].dtype)
+                t.requires_grad_(flat[i].requires_grad)
+                new_flat[i] = t
+            targs, tkwargs = tree_unflatten(new_flat, tree)
+            created = capture.created
+            prev_create = Storage.on_create
+            Storage.on_create = capture.on_create
+            prev_keys = tpu_random.TRACED
+            tpu_random.TRACED = tpu_random.TracedKeys(key_data)
+            prev_mt = torch.autograd.is_multithreading_enabled()
+            torch._C._set_multithreading_enabled(False)
+            HOOKS.read = capture
+            try:
+                with _Tracing():
+                    out = self.fn(*targs, **tkwargs)
+                out_flat, out_tree = tree_flatten(out)
+                out_arrays = []
+                out_kinds = []
+                for o in out_flat:
+                    if isinstance(o, TpuTensor):
+                        out_arrays.append(array_of(o))
+                        out_kinds.append(("T", o.dtype, o._st.device_index))
+                    else:
+                        out_kinds.append(("V", o))
+                new_state = [st.array for st in state]
+                del out, targs, tkwargs, new_flat, out_flat
+                alive = [r() for r in created]
+                alive = [st for st in alive if st is not None and st.array is not None]
+            finally:
+                HOOKS.read = None
+                torch._C._set_multithreading_enabled(prev_mt)
+                Storage.on_create = prev_create
+                n_random = tpu_random.TRACED.count
+                tpu_random.TRACED = prev_keys
+                for st, (a, v) in zip(state, saved):
+                    st.array, st.version = a, v + 2
+            if capture.stray:
+                names = ", ".join(f"{tuple(st.shape)} {st.dtype}" for st in capture.stray[:5])
+                raise RuntimeError(
+                    "torchtpu.compile: the function read tpu tensors it did not read during its first "
+                    f"(eager) call: {names}. Their values would be frozen into the program. Pass them as "
+                    "arguments, or make the first call take the same path as later calls."
+                )
+            holder.update(created=alive, out_tree=out_tree, out_kinds=out_kinds, n_random=n_random)
+            return out_arrays, new_state, [st.array for st in alive]
+
+        donate = (0,) if self.donate else ()
+        entry.executable = jax.jit(step, donate_argnums=donate)
+        entry.arg_storages = tensor_pos
+        self._pending = (entry, holder, flat)
+        return entry
+
+    def _finish_first(self, entry):
+        entry_, holder, flat = self._pending
+        del self._pending
+        result = self._run(entry, flat, first_holder=holder)
+        return result
+
+    # -- 3. cached execution
+    def _execute(self, entry, flat):
+        return self._run(entry, flat)
+
+    def _run(self, entry, flat, first_holder=None):
+        state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
+        arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
+        gen = tpu_random.generator(0)
+        key_data = tpu_random.key_data_for_step(gen)
+        out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data)
+        self.stats.executions += 1
+        if first_holder is not None:
+            entry.created = first_holder["created"]
+            entry.out_tree = first_holder["out_tree"]
+            entry.out_kinds = first_holder["out_kinds"]
+            entry.n_random = first_holder["n_random"]
+        gen.offset += max(entry.n_random, 0)
+        for st, a in zip(entry.state, new_state):
+            st.array = a
+            st.version += 1
+        for st, a in zip(entry.created, created_arrays):
+            st.array = a
+            st.version += 1
+        outs = []
+        it = iter(out_arrays)
+        for kind in entry.out_kinds:
+            if kind[0] == "T":
+                outs.append(new_base(next(it), kind[2], kind[1]))
+            else:
+                outs.append(kind[1])
+        return tree_unflatten(outs, entry.out_tree)
+
+    def lower(self, *args, **kwargs):
+        """Not for users yet: the jitted step for ahead-of-time inspection."""
+        raise NotImplementedError
+
+
+def array_of_storage(st):
+    from .dispatch import storage_array
+
+    return storage_array(st)
+
+
+def _unique_arrays(arrays):
+    # The same buffer passed twice cannot be donated twice: copy duplicates.
+    seen = set()
+    out = []
+    for a in arrays:
+        if id(a) in seen:
+            a = jax.numpy.copy(a)
+        seen.add(id(a))
+        out.append(a)
+    return out
+
+
+def compile(fn=None, *, donate: bool = True):
+    """Compile a whole training/inference step over tpu tensors into one XLA program.
+
+        step = torchtpu.compile(train_step)
+        loss = step(batch)   # first call eager, second traces+compiles, then cached
+
+    Parameters, gradients and optimizer state that the step updates are updated in place,
+    with their buffers donated (`donate=True`).
+    """
+    if fn is None:
+        return lambda f: CompiledFunction(f, donate=donate)
+    return CompiledFunction(fn, donate=donate)
