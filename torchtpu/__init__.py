@@ -17,7 +17,7 @@ from .backend.ops import load_all as _load_ops  # noqa: E402
 _device.register()
 _load_ops()
 
-from ._platform import platform  # noqa: E402,F401
+from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401

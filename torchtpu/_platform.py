@@ -17,10 +17,7 @@ def has_tpu_chips() -> bool:
 
 
 def _has_gpu_plugin() -> bool:
-    return any(
-        importlib.util.find_spec(name) is not None
-        for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda12", "jax_rocm60_plugin")
-    ) if importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin") else False
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
 
 def requested_platform() -> str | None:
@@ -44,6 +41,7 @@ def configure_jax() -> None:
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    configure_persistent_cache()
     if os.environ.get("JAX_PLATFORMS"):
         return
     want = requested_platform()
@@ -60,6 +58,59 @@ def configure_jax() -> None:
     except RuntimeError:
         # Backends already initialised by the user's own jax code; keep what they chose.
         pass
+
+
+_CACHE_STATS = {"hits": 0, "misses": 0}
+
+
+def cache_dir() -> str | None:
+    """Where compiled XLA executables persist across processes (None when disabled).
+
+    Default: $XDG_CACHE_HOME/torchtpu/xla (~/.cache/torchtpu/xla). TORCHTPU_CACHE_DIR sets
+    another folder; TORCHTPU_CACHE_DIR=off (or 0, none) disables the cache.
+    """
+    value = os.environ.get("TORCHTPU_CACHE_DIR")
+    if value is not None and value.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torchtpu", "xla")
+
+
+def configure_persistent_cache() -> None:
+    import jax
+
+    path = cache_dir()
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return  # read-only home: run without a persistent cache
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+    def listen(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            _CACHE_STATS["hits"] += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            _CACHE_STATS["misses"] += 1
+
+    jax.monitoring.register_event_listener(listen)
+
+
+def persistent_cache_stats() -> dict:
+    """Persistent compilation cache: hits/misses in this process, and files/bytes on disk."""
+    path = cache_dir()
+    files = size = 0
+    if path and os.path.isdir(path):
+        for entry in os.scandir(path):
+            if entry.is_file():
+                files += 1
+                size += entry.stat().st_size
+    return {"dir": path, "hits": _CACHE_STATS["hits"], "misses": _CACHE_STATS["misses"], "files": files, "bytes": size}
 
 
 def platform() -> str:

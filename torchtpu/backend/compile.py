@@ -47,7 +47,8 @@ class _Recorder:
         self.seen: dict[int, weakref.ref] = {}
 
     def __call__(self, st, a):
-        if id(st) not in self.seen:
+        ref = self.seen.get(id(st))
+        if ref is None or ref() is not st:  # ids of dead temporaries get reused
             self.seen[id(st)] = weakref.ref(st)
         return a
 

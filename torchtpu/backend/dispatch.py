@@ -889,6 +889,10 @@ def _view(plan: OpPlan, func, args, kwargs):
             meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
         _VIEW_META[key] = meta
     st = base._st
+    if type(meta) is tuple and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype):
+        # alias, detach, same-shape view/expand...: the same elements of the same storage,
+        # so no extra view step (parameters stay bases, and optimizer updates stay cheap)
+        return TpuTensor(st, base._vw, meta[0], meta[3], strides=meta[1], offset=meta[2])
     if isinstance(meta, list):
         return [
             TpuTensor(st, base._vw + ((func, statics, i),), s, d, strides=stride, offset=off)
