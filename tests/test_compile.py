@@ -70,12 +70,14 @@ def test_one_executable_per_call_and_no_recompile():
     step(*data[1])  # traces and compiles
     before = step.stats.snapshot()
     torchtpu.reset_cache_stats()
+    compiles = torchtpu.cache_stats()["xla_compiles"]
     for x, y in data[2:]:
         step(x, y)
     after = step.stats.snapshot()
     assert after["traces"] == before["traces"], "a steady-state call recompiled"
     assert after["executions"] - before["executions"] == 4  # exactly one executable per call
     assert torchtpu.cache_stats()["calls"] == 0, "op-by-op dispatch ran inside a compiled call"
+    assert torchtpu.cache_stats()["xla_compiles"] == compiles, "XLA compiled again in steady state"
 
 
 def _live_bytes():

@@ -26,8 +26,14 @@ __version__ = "0.1.0"
 
 
 def cache_stats() -> dict:
-    """Eager executable cache counters: {'hits', 'misses', 'calls'}."""
-    return _dispatch.STATS.snapshot()
+    """Executable cache counters.
+
+    hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
+    xla_compiles: every XLA compilation in this process, eager or compiled programs.
+    """
+    from ._platform import XLA_COMPILES
+
+    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0])
 
 
 def reset_cache_stats() -> None:

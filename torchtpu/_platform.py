@@ -41,6 +41,7 @@ def configure_jax() -> None:
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    _count_compiles()
     configure_persistent_cache()
     if os.environ.get("JAX_PLATFORMS"):
         return
@@ -61,6 +62,17 @@ def configure_jax() -> None:
 
 
 _CACHE_STATS = {"hits": 0, "misses": 0}
+XLA_COMPILES = [0]  # backend compilations in this process (persistent-cache hits excluded)
+
+
+def _count_compiles():
+    import jax
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            XLA_COMPILES[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
 
 
 def cache_dir() -> str | None:

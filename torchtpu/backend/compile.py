@@ -210,6 +210,10 @@ class CompiledFunction:
 
     def _run(self, entry, flat, first_holder=None):
         state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
+        if first_holder is not None:
+            # Commit eager-made arrays to their device: later calls feed the executable's
+            # (committed) outputs back, and a committedness change would compile it again.
+            state_arrays = [_committed(a, st.device_index) for a, st in zip(state_arrays, entry.state)]
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
         gen = tpu_random.generator(0)
         key_data = tpu_random.key_data_for_step(gen)
@@ -245,6 +249,12 @@ def array_of_storage(st):
     from .dispatch import storage_array
 
     return storage_array(st)
+
+
+def _committed(a, device_index):
+    if getattr(a, "_committed", True):
+        return a
+    return jax.device_put(a, jax.devices()[device_index])
 
 
 def _unique_arrays(arrays):
