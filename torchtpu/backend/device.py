@@ -68,6 +68,13 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     return new_empty(tuple(size), dtype or torch.get_default_dtype(), i)
 
 
+def _copy_from(self, dst, non_blocking=False):
+    from .transfer import _copy_
+
+    _copy_((dst, self), {})
+    return dst
+
+
 def _memory_stats(device=None) -> dict:
     d = _devices()[_index(device)]
     stats = None
@@ -199,4 +206,6 @@ def register() -> None:
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    # torch.tensor(data, device="tpu") and x[[1, 2]] copy with the Python key excluded
+    lib.impl("_copy_from", _copy_from, "PrivateUse1")
     register._lib = lib  # keep the registrations alive

@@ -857,6 +857,10 @@ def _freeze(a):
     return a
 
 
+# Views with the base's exact geometry whose values still differ (the conjugate view).
+_VALUE_CHANGING_VIEWS = {aten._conj.default, aten.conj.default, aten._neg_view.default}
+
+
 def _view(plan: OpPlan, func, args, kwargs):
     base = args[0]
     if not isinstance(base, TpuTensor):
@@ -889,7 +893,8 @@ def _view(plan: OpPlan, func, args, kwargs):
             meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
         _VIEW_META[key] = meta
     st = base._st
-    if type(meta) is tuple and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype):
+    if (type(meta) is tuple and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
+            and func not in _VALUE_CHANGING_VIEWS):
         # alias, detach, same-shape view/expand...: the same elements of the same storage,
         # so no extra view step (parameters stay bases, and optimizer updates stay cheap)
         return TpuTensor(st, base._vw, meta[0], meta[3], strides=meta[1], offset=meta[2])

@@ -24,7 +24,11 @@ def cpu_to_array(t: torch.Tensor, device_index: int):
     a = dtypes.torch_to_numpy(t.contiguous())
     if tracing():
         return jnp.asarray(a)
-    return jax.device_put(a, _device(device_index))
+    dev = _device(device_index)
+    if dev.platform == "cpu":
+        # XLA:CPU may alias the NumPy buffer: later writes to the CPU tensor must not show
+        a = np.array(a, copy=True)
+    return jax.device_put(a, dev)
 
 
 @custom(aten.copy_.default)

@@ -126,7 +126,7 @@ def unfold(self, dimension, size, step):
     return jnp.moveaxis(out, d + 1, -1)
 
 
-@lower(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
+@lower(aten.as_strided.default, aten.as_strided_copy.default)
 def as_strided(self, size, stride, storage_offset=None):
     # Reads relative to the contiguous layout of the array it is applied to (the storage
     # base), which is what PyTorch's as_strided means for our always-contiguous bases.
