@@ -152,3 +152,16 @@ def test_new_shape_recompiles_visibly():
     for n in (2, 2, 2, 3, 3):
         f(torch.ones(n, 4).to("tpu"))
     assert f.stats.traces == 2
+
+
+def test_copies_taken_before_training_survive_donation():
+    model = _mlp().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    step = torchtpu.compile(_make_step(model, opt))
+    w = model[0].weight
+    snapshots = [w.detach().clone(), w.detach().to("tpu", copy=True), w.detach().cpu()]
+    for x, y in _batches(4):
+        step(x.to("tpu"), y.to("tpu"))
+    for s in snapshots:
+        torch.testing.assert_close(s.cpu(), snapshots[2])  # readable and unchanged
+    assert not torch.equal(w.detach().cpu(), snapshots[2])  # the parameter itself trained

@@ -76,7 +76,13 @@ def _to_copy(args, kwargs):
         a = cast(a, jdt)
     if index != x._st.device_index and not tracing():
         a = jax.device_put(a, _device(index))
+    elif a is array_of(x) and not tracing():
+        # A real copy: sharing the buffer would let a donated step invalidate it.
+        a = _copy_array(a)
     return new_base(a, index, dtype)
+
+
+_copy_array = jax.jit(jnp.copy)
 
 
 @custom(aten._local_scalar_dense.default)
