@@ -19,6 +19,7 @@ _load_ops()
 
 from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
+from .backend.checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
 

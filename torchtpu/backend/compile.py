@@ -74,7 +74,7 @@ class _Capture:
 
 
 class _Entry:
-    __slots__ = ("executable", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages")
+    __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages")
 
 
 class CompiledFunction:
@@ -116,10 +116,14 @@ class CompiledFunction:
     def _warmup(self, args, kwargs, flat):
         recorder = _Recorder()
         HOOKS.read = recorder
+        # storages created by the call that outlive it (a first .grad) are state too
+        prev_create = Storage.on_create
+        Storage.on_create = lambda st: recorder(st, None)
         try:
             out = self.fn(*args, **kwargs)
         finally:
             HOOKS.read = None
+            Storage.on_create = prev_create
         arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
         state = []
         for sid, ref in recorder.seen.items():
@@ -193,7 +197,8 @@ class CompiledFunction:
             return out_arrays, new_state, [st.array for st in alive]
 
         donate = (0,) if self.donate else ()
-        entry.executable = jax.jit(step, donate_argnums=donate)
+        entry.executable = None
+        entry.jitted = jax.jit(step, donate_argnums=donate)
         entry.arg_storages = tensor_pos
         self._pending = (entry, holder, flat)
         return entry
@@ -217,6 +222,13 @@ class CompiledFunction:
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
         gen = tpu_random.generator(0)
         key_data = tpu_random.key_data_for_step(gen)
+        if entry.executable is None:
+            # Ahead-of-time lower + compile, so the executable's memory and cost analyses
+            # are available (CompiledFunction.memory_analysis / cost_analysis / as_text).
+            lowered = entry.jitted.lower(state_arrays, arg_arrays, key_data)
+            entry.executable = lowered.compile()
+            entry.lowered_text = lowered.as_text()
+            self.last = entry
         out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data)
         self.stats.executions += 1
         if first_holder is not None:
@@ -240,9 +252,25 @@ class CompiledFunction:
                 outs.append(kind[1])
         return tree_unflatten(outs, entry.out_tree)
 
-    def lower(self, *args, **kwargs):
-        """Not for users yet: the jitted step for ahead-of-time inspection."""
-        raise NotImplementedError
+    # -- inspection of the most recently compiled program
+    def _compiled(self):
+        entry = getattr(self, "last", None)
+        if entry is None or entry.executable is None:
+            raise RuntimeError("torchtpu.compile: nothing compiled yet (the second call compiles the step)")
+        return entry.executable
+
+    def memory_analysis(self):
+        """XLA's memory analysis of the compiled step (argument/output/temp bytes)."""
+        return self._compiled().memory_analysis()
+
+    def cost_analysis(self):
+        """XLA's cost analysis of the compiled step (flops, bytes accessed, ...)."""
+        return self._compiled().cost_analysis()
+
+    def as_text(self, optimized: bool = True) -> str:
+        """The compiled step's HLO: XLA-optimized, or as lowered (StableHLO) before XLA passes."""
+        self._compiled()
+        return self.last.executable.as_text() if optimized else self.last.lowered_text
 
 
 def array_of_storage(st):

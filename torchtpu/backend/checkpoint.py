@@ -1,0 +1,97 @@
+"""Activation checkpointing (rematerialisation) for tpu programs.
+
+PyTorch's own non-reentrant `torch.utils.checkpoint` drops a block's activations after the
+forward and recomputes them during backward. Inside a compiled torchtpu step, forward and
+recomputation end up in one XLA program, where XLA would merge the recomputation with the
+original forward (common subexpression elimination) and keep the activations alive after
+all. The recomputation therefore starts from its inputs passed through an XLA optimization
+barrier, as jax.checkpoint does, which keeps the two computations apart.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from jax import lax
+
+from .registry import lower
+
+_lib = torch.library.Library("torchtpu", "DEF")
+_lib.define("optimization_barrier(Tensor[] xs) -> Tensor[]")
+
+
+def _barrier_cpu(xs):
+    return [x.clone() for x in xs]
+
+
+_lib.impl("optimization_barrier", _barrier_cpu, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("torchtpu::optimization_barrier")
+def _barrier_fake(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
+def _barrier_backward(ctx, grads):
+    return list(grads)
+
+
+torch.library.register_autograd("torchtpu::optimization_barrier", _barrier_backward)
+
+
+@lower(torch.ops.torchtpu.optimization_barrier.default)
+def optimization_barrier(xs):
+    return list(lax.optimization_barrier(tuple(xs)))
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _barrier_tensors(args):
+    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "tpu"]
+    if not idx:
+        return args
+    out = torch.ops.torchtpu.optimization_barrier([args[i] for i in idx])
+    args = list(args)
+    for i, t in zip(idx, out):
+        args[i] = t
+    return tuple(args)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Wraps a module so its activations are recomputed in backward."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        def run(*a):
+            if _in_backward():
+                a = _barrier_tensors(a)
+            return self.module(*a, **kwargs)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Return `module` wrapped so that its activations are recomputed during backward."""
+    return _Checkpointed(module)
+
+
+def apply_activation_checkpointing(blocks: torch.nn.Module, mode: str = "full", every: int = 1) -> None:
+    """Checkpoint the children of `blocks` (a ModuleDict/ModuleList/Sequential of layers).
+
+    mode="full": every block; mode="selective": every `every`-th block (torchtitan's
+    layer-selective policy); mode="none": nothing.
+    """
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r} is not one of 'none', 'full', 'selective'")
+    if mode == "selective" and every < 1:
+        raise ValueError(f"selective activation checkpointing needs every >= 1, got {every}")
+    if mode == "none":
+        return
+    step = 1 if mode == "full" else every
+    for i, (name, child) in enumerate(list(blocks.named_children())):
+        if i % step == step - 1 if mode == "selective" else True:
+            setattr(blocks, name, checkpoint_module(child))
