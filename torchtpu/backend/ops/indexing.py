@@ -286,6 +286,8 @@ def scatter_add(self, dim, index, src):
     if index.size == 0:
         return self
     dim, index, src = _prep_scatter(self, dim, index, src)
+    if self.dtype == jnp.bool_:
+        return self.at[_full_index(index, dim)].max(src)
     return self.at[_full_index(index, dim)].add(src)
 
 
@@ -309,6 +311,8 @@ def _reduce_into(self, idx, src, reduce, include_self):
     touched = jnp.zeros(self.shape, jnp.bool_).at[idx].set(True)
     base = self if include_self else jnp.where(touched, _identity(reduce, dtype), self)
     at = base.at[idx]
+    if dtype == jnp.bool_ and reduce in ("sum", "prod"):
+        reduce = "amax" if reduce == "sum" else "amin"  # logical or / and
     if reduce == "sum":
         return at.add(src)
     if reduce == "prod":
@@ -463,7 +467,10 @@ def put(self, index, source, accumulate=False):
     idx = index.reshape(-1)
     if idx.size == 0:
         return self
-    out = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    if accumulate:
+        out = flat.at[idx].max(src) if self.dtype == jnp.bool_ else flat.at[idx].add(src)
+    else:
+        out = flat.at[idx].set(src)
     return out.reshape(self.shape)
 
 
@@ -507,13 +514,6 @@ def nonzero_static(self, size, fill_value=-1):
 @lower(aten.argwhere.default, jit=False)
 def argwhere(self):
     return nonzero(self)
-
-
-@lower(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
-def count_nonzero(self, dim=None):
-    if isinstance(dim, int):
-        dim = (dim,)
-    return jnp.count_nonzero(self, axis=None if dim is None else tuple(_dim(d, self.ndim) for d in dim)).astype(jnp.int64)
 
 
 def _unique_np(a, sorted_, return_inverse, return_counts):

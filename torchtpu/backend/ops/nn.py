@@ -603,3 +603,12 @@ def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropou
     _no_dropout("_scaled_dot_product_flash_attention_for_cpu_backward", dropout_p)
     _, vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, attn_mask, is_causal, scale)[0], query, key, value)
     return vjp(grad_out.astype(query.dtype))
+
+
+@lower(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("torchtpu: embedding_bag(sparse=True) gradients are not supported; use sparse=False")
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)

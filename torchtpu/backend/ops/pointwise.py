@@ -623,8 +623,6 @@ def floor_divide(self, other):
 def _fmod_float(a, b):
     # XLA's float remainder loses precision for large quotients; float64 is exact for float32 operands.
     if a.dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
-        # the barrier keeps XLA from folding an int->float32->float64 chain into int->float64
-        a, b = lax.optimization_barrier((a, b))
         return jnp.fmod(a.astype(jnp.float64), b.astype(jnp.float64)).astype(a.dtype)
     return jnp.fmod(a, b)
 

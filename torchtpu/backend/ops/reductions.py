@@ -118,6 +118,12 @@ def _wide_ok() -> bool:
     return jax.config.jax_enable_x64 and jax.default_backend() != "tpu"
 
 
+def _no_bool(name, a):
+    """PyTorch's CPU kernels for these ops reject bool tensors; so do we."""
+    if a.dtype == jnp.bool_:
+        raise RuntimeError(f'"{name}" is not implemented for \'Bool\' tensors; convert the tensor with .int() or .float() first')
+
+
 def _zeros_index(shape):
     return jnp.zeros(shape, _I64)
 
@@ -137,7 +143,7 @@ def nansum(self, dim=None, keepdim=False, *, dtype=None):
     x = self.astype(_compute(out))
     if _is_inexact(x):
         x = jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)
-    return jnp.sum(x, axis=_axes(dim, self.ndim, empty_means_all=False), keepdims=keepdim)
+    return jnp.sum(x, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
 @lower(aten.mean.default, aten.mean.dim)
@@ -152,7 +158,7 @@ def mean(self, dim=None, keepdim=False, *, dtype=None):
 @lower(aten.nanmean.default)
 def nanmean(self, dim=None, keepdim=False, *, dtype=None):
     x = self.astype(_compute(_jdt(dtype))) if dtype is not None else _up(self)
-    axes = _axes(dim, self.ndim, empty_means_all=False)
+    axes = _axes(dim, self.ndim)
     ok = ~jnp.isnan(x)
     s = jnp.sum(jnp.where(ok, x, jnp.zeros((), x.dtype)), axis=axes, keepdims=keepdim)
     n = jnp.sum(ok, axis=axes, keepdims=keepdim)
@@ -167,6 +173,7 @@ def prod(self, dim=None, keepdim=False, *, dtype=None):
 
 @lower(aten.trace.default)
 def trace(self):
+    _no_bool("trace", self)
     out = _sum_dtype(self, None)
     return jnp.trace(self.astype(_compute(out)))
 
@@ -229,6 +236,7 @@ def aminmax(self, *, dim=None, keepdim=False):
 
 
 def _arg_ext(self, dim, keepdim, largest):
+    _no_bool("argmax/argmin", self)
     if dim is None:
         x = self.reshape(-1)
         v = jnp.max(x) if largest else jnp.min(x)
@@ -288,6 +296,7 @@ def _correction(unbiased=True, correction=None):
 
 
 def _var_mean(x, axes, correction, keepdim):
+    _no_bool("var/std", x)
     x = _to_float(x)
     n = _count(x.shape, axes)
     m = jnp.mean(x, axis=axes, keepdims=True) if n else jnp.full(
@@ -488,6 +497,7 @@ def cumprod_backward(grad, input, dim, output):
 
 @lower(aten.logcumsumexp.default)
 def logcumsumexp(self, dim):
+    _no_bool("logcumsumexp", self)
     x = _to_float(self)
     ax = _axis(dim, x.ndim)
     if ax is None:
@@ -594,6 +604,7 @@ def msort(self):
 
 @lower(aten.topk.default)
 def topk(self, k, dim=-1, largest=True, sorted=True):
+    _no_bool("topk", self)
     ax = _axis(dim, self.ndim)
     if ax is None:
         return self, _zeros_index(())
@@ -609,17 +620,26 @@ def _take(a, pos, ax, keepdim):
 
 @lower(aten.kthvalue.default)
 def kthvalue(self, k, dim=-1, keepdim=False):
+    _no_bool("kthvalue", self)
     ax = _axis(dim, self.ndim)
     if ax is None:
         return self, _zeros_index(())
+    _nonempty_dim("kthvalue", self.shape, ax)
     values, indices = _sort(self, ax, False)
     v = lax.slice_in_dim(values, k - 1, k, axis=ax)
     i = lax.slice_in_dim(indices, k - 1, k, axis=ax)
     return (v, i) if keepdim else (jnp.squeeze(v, ax), jnp.squeeze(i, ax))
 
 
+def _nonempty_dim(name, shape, ax):
+    if shape[ax] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {ax} to have non-zero size.")
+
+
 def _median_dim(self, ax, keepdim, ignore_nan):
+    _no_bool("median", self)
     n = self.shape[ax]
+    _nonempty_dim("median", self.shape, ax)
     values, indices = _sort(self, ax, False)
     if ignore_nan and _is_float(self):
         valid = jnp.sum(~jnp.isnan(self), axis=ax, keepdims=True)
@@ -654,6 +674,7 @@ def nanmedian_dim(self, dim, keepdim=False):
 
 @lower(aten.median.default)
 def median(self):
+    _no_bool("median", self)
     if self.size == 0:
         return jnp.full((), jnp.nan, self.dtype if _is_inexact(self) else jnp.float32)
     return _median_dim(self.reshape(-1), 0, False, False)[0]
@@ -661,6 +682,7 @@ def median(self):
 
 @lower(aten.nanmedian.default)
 def nanmedian(self):
+    _no_bool("nanmedian", self)
     if self.size == 0:
         return jnp.full((), jnp.nan, self.dtype if _is_inexact(self) else jnp.float32)
     return _median_dim(self.reshape(-1), 0, False, True)[0]
@@ -674,9 +696,7 @@ def mode(self, dim=-1, keepdim=False):
     if ax is None:
         return self, _zeros_index(())
     n = self.shape[ax]
-    if n == 0:
-        shape = tuple(s for i, s in enumerate(self.shape) if i != ax or keepdim)
-        return jnp.zeros(shape, self.dtype), _zeros_index(shape)
+    _nonempty_dim("mode", self.shape, ax)
     values, indices = _sort(self, ax, False)
     pos = lax.broadcasted_iota(_I64, self.shape, ax)
     prev = jnp.concatenate([lax.slice_in_dim(values, 0, 1, axis=ax),
@@ -733,6 +753,7 @@ def bucketize(self, boundaries, *, out_int32=False, right=False):
 
 @lower(aten.histc.default, static=("bins",))
 def histc(self, bins=100, min=0, max=0):
+    _no_bool("histc", self)
     x = _to_float(self)
     lo = jnp.asarray(min, x.dtype)
     hi = jnp.asarray(max, x.dtype)

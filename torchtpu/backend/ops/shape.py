@@ -373,22 +373,12 @@ def unfold_backward(grad_in, input_sizes, dim, size, step):
 # ----------------------------------------------------------------------------- *_like
 
 
-@lower(aten.full_like.default)
-def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+@lower(aten.empty_like.default)
+def empty_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    # full_like / zeros_like / ones_like live in factory.py
     from ..dtypes import to_jax_dtype
 
-    jdt = to_jax_dtype(dtype) if dtype is not None else self.dtype
-    return jnp.full(self.shape, fill_value, jdt)
-
-
-@lower(aten.zeros_like.default, aten.empty_like.default)
-def zeros_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return full_like(self, 0, dtype)
-
-
-@lower(aten.ones_like.default)
-def ones_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return full_like(self, 1, dtype)
+    return jnp.zeros(self.shape, to_jax_dtype(dtype) if dtype is not None else self.dtype)
 
 
 # ----------------------------------------------------------------------------- prims shape ops
