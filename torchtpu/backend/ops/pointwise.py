@@ -488,13 +488,13 @@ def frexp(self):
     return m, e.astype(jnp.int32)
 
 
-@lower(aten.real.default, prims.real.default)
-def real(self):
+@lower(prims.real.default)
+def prims_real(self):
     return jnp.real(self)
 
 
-@lower(aten.imag.default, prims.imag.default)
-def imag(self):
+@lower(prims.imag.default)
+def prims_imag(self):
     return jnp.imag(self)
 
 
@@ -918,18 +918,6 @@ def addcdiv(self, tensor1, tensor2, value=1):
     if not jnp.issubdtype(a.dtype, jnp.inexact):
         raise TypeError("Integer division with addcdiv is no longer supported; use addcdiv on float tensors")
     return a + cast(value, _opmath(dt)) * (t1 / t2)
-
-
-@lower(aten.complex.default)
-def complex_(real, imag):
-    real, imag = jnp.broadcast_arrays(real, imag)
-    return lax.complex(real, imag)
-
-
-@lower(aten.polar.default)
-def polar(abs, angle):
-    abs, angle = jnp.broadcast_arrays(abs, angle)
-    return lax.complex(abs * jnp.cos(angle), abs * jnp.sin(angle))
 
 
 @lower(aten.isclose.default, static=("equal_nan",))

@@ -124,6 +124,12 @@ def _no_bool(name, a):
         raise RuntimeError(f'"{name}" is not implemented for \'Bool\' tensors; convert the tensor with .int() or .float() first')
 
 
+def _no_complex(name, a):
+    """Ordering ops are undefined for complex numbers (PyTorch raises too)."""
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        raise RuntimeError(f'"{name}" is not implemented for complex tensors; compare .abs() or .real instead')
+
+
 def _zeros_index(shape):
     return jnp.zeros(shape, _I64)
 
@@ -190,15 +196,18 @@ def trace_backward(grad, sizes):
 
 @lower(aten.amax.default)
 def amax(self, dim=(), keepdim=False):
+    _no_complex("amax", self)
     return jnp.max(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
 @lower(aten.amin.default)
 def amin(self, dim=(), keepdim=False):
+    _no_complex("amin", self)
     return jnp.min(self, axis=_axes(dim, self.ndim), keepdims=keepdim)
 
 
 def _ext_with_index(self, dim, keepdim, largest):
+    _no_complex("max/min", self)
     ax = _axis(dim, self.ndim)
     if ax is None:
         return self, _zeros_index(())
@@ -211,11 +220,13 @@ def _ext_with_index(self, dim, keepdim, largest):
 
 @lower(aten.max.default)
 def max_(self):
+    _no_complex("max", self)
     return jnp.max(self)
 
 
 @lower(aten.min.default)
 def min_(self):
+    _no_complex("min", self)
     return jnp.min(self)
 
 
@@ -231,11 +242,13 @@ def min_dim(self, dim, keepdim=False):
 
 @lower(aten.aminmax.default)
 def aminmax(self, *, dim=None, keepdim=False):
+    _no_complex("aminmax", self)
     axes = _axes(dim, self.ndim)
     return (jnp.min(self, axis=axes, keepdims=keepdim), jnp.max(self, axis=axes, keepdims=keepdim))
 
 
 def _arg_ext(self, dim, keepdim, largest):
+    _no_complex("argmax/argmin", self)
     _no_bool("argmax/argmin", self)
     if dim is None:
         x = self.reshape(-1)
@@ -296,7 +309,9 @@ def _correction(unbiased=True, correction=None):
 
 
 def _var_mean(x, axes, correction, keepdim):
-    _no_bool("var/std", x)
+    if not _is_inexact(x):
+        raise RuntimeError(f"std and var only support floating point and complex dtypes, got {x.dtype}; "
+                           "convert the tensor with .float() first")
     x = _to_float(x)
     n = _count(x.shape, axes)
     m = jnp.mean(x, axis=axes, keepdims=True) if n else jnp.full(
@@ -514,6 +529,7 @@ def logcumsumexp(self, dim):
 
 
 def _cum_ext(self, dim, largest):
+    _no_complex("cummax/cummin", self)
     ax = _axis(dim, self.ndim)
     if ax is None:
         return self, _zeros_index(())
@@ -560,6 +576,7 @@ def _cummin_helper(self, values, indices, dim):
 
 def _sort(x, ax, descending):
     """Stable sort along `ax`: (values, int64 indices). NaN sorts above +inf."""
+    _no_complex("sort", x)
     idx = lax.broadcasted_iota(_I64, x.shape, ax)
     if x.shape[ax] <= 1:
         return x, idx
