@@ -754,7 +754,22 @@ def _mutating(plan: OpPlan, func, args, kwargs):
 
 
 def _strip_outs(plan, args, kwargs):
+    """Arguments for the functional variant: no out= tensors, and every positional argument
+    spelled out (an in-place overload's default, like bernoulli_'s p=0.5, may be required
+    by its functional twin)."""
     outs = {plan.arg_names[i] for i in plan.mutated if func_arg_is_kwarg_only(plan, i)}
+    schema_args = plan.func._schema.arguments
+    positional = [a for a in schema_args if not a.kwarg_only]
+    if len(args) < len(positional):
+        args = list(args)
+        for a in positional[len(args):]:
+            if a.name in kwargs:
+                args.append(kwargs[a.name])
+            elif a.has_default_value():
+                args.append(a.default_value)
+            else:
+                break
+        kwargs = {k: v for k, v in kwargs.items() if k not in {a.name for a in positional}}
     return args, {k: v for k, v in kwargs.items() if k not in outs}
 
 
