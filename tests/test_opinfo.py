@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from tests import opinfo_harness as harness
-from tests.opinfo_known_failures import BACKWARD, FORWARD
+from tests.opinfo_known_failures import BACKWARD, CRASHES, FORWARD
 
 FORWARD_BAR = 0.05   # at most this fraction of OpInfos may fail forward
 BACKWARD_BAR = 0.10  # ... and backward
@@ -28,11 +28,13 @@ _FORWARD_OPS = _ALL
 _BACKWARD_OPS = [o for o in _ALL if o.supports_autograd]
 
 
-def _params(ops, known):
+def _params(ops, known, direction):
     params = []
     for o in ops:
         oid = harness.opinfo_id(o)
         marks = [pytest.mark.xfail(strict=True, reason=known[oid])] if oid in known else []
+        if f"{direction}:{oid}" in CRASHES:
+            marks = [pytest.mark.skip(reason=CRASHES[f"{direction}:{oid}"])]
         params.append(pytest.param(o, id=oid, marks=marks))
     return params
 
@@ -58,12 +60,12 @@ def _run_bounded(check, op):
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.mark.parametrize("op", _params(_FORWARD_OPS, FORWARD))
+@pytest.mark.parametrize("op", _params(_FORWARD_OPS, FORWARD, "forward"))
 def test_forward(op):
     _run_bounded(harness.check_forward, op)
 
 
-@pytest.mark.parametrize("op", _params(_BACKWARD_OPS, BACKWARD))
+@pytest.mark.parametrize("op", _params(_BACKWARD_OPS, BACKWARD, "backward"))
 def test_backward(op):
     _run_bounded(harness.check_backward, op)
 
@@ -80,7 +82,8 @@ def test_known_failures_name_real_opinfos():
 def test_forward_pass_rate():
     total = len(_FORWARD_OPS)
     assert total > 600, f"only {total} float32 OpInfos found"
-    rate = len(FORWARD) / total
+    crashes = [k for k in CRASHES if k.startswith("forward:")]
+    rate = (len(FORWARD) + len(crashes)) / total
     assert rate <= FORWARD_BAR, (
         f"{len(FORWARD)}/{total} OpInfos ({100 * rate:.1f}%) are known to fail forward; the bar is "
         f"{100 * FORWARD_BAR:.0f}%")
@@ -89,7 +92,8 @@ def test_forward_pass_rate():
 def test_backward_pass_rate():
     total = len(_BACKWARD_OPS)
     assert total > 450, f"only {total} autograd OpInfos found"
-    rate = len(BACKWARD) / total
+    crashes = [k for k in CRASHES if k.startswith("backward:")]
+    rate = (len(BACKWARD) + len(crashes)) / total
     assert rate <= BACKWARD_BAR, (
         f"{len(BACKWARD)}/{total} OpInfos ({100 * rate:.1f}%) are known to fail backward; the bar is "
         f"{100 * BACKWARD_BAR:.0f}%")
