@@ -229,3 +229,15 @@ def test_manual_seed_reproducible():
     d = torch.rand(4, device="tpu").cpu()
     torch.tpu.set_rng_state(state)
     assert torch.equal(torch.rand(4, device="tpu").cpu(), d)
+
+
+def test_index_bounds_checked_in_debug_mode():
+    x = torch.arange(5.0).to("tpu")
+    idx = torch.tensor([1, 7]).to("tpu")
+    torchtpu.set_debug(True)
+    try:
+        with pytest.raises(IndexError, match="index 7 is out of bounds for dimension 0 with size 5"):
+            x[idx]
+    finally:
+        torchtpu.set_debug(False)
+    x[torch.tensor([1, 3]).to("tpu")]  # in range: fine in both modes

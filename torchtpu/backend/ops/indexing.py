@@ -65,7 +65,12 @@ _INDEX_JIT = jax.jit(_index_fn)
 
 
 def _check_bounds(self, indices):
-    if any(not _concrete(ix) for ix in indices if ix is not None):
+    # Reading the indices back to the host would stall the asynchronous pipeline on every
+    # x[idx], so bounds are checked in debug mode only (TORCHTPU_DEBUG=1); otherwise XLA
+    # clamps out-of-range gathers and drops out-of-range scatters.
+    from ..dispatch import CONFIG
+
+    if not CONFIG.debug or any(not _concrete(ix) for ix in indices if ix is not None):
         return
     for d, ix in enumerate(indices):
         if ix is None or ix.size == 0:
