@@ -17,6 +17,11 @@ from .backend.ops import load_all as _load_ops  # noqa: E402
 _device.register()
 _load_ops()
 
+# Run backward on the calling thread rather than on autograd's per-device worker threads:
+# JAX tracing is thread-local (a compiled step traces backward too), and an exception raised
+# by a lowering on a worker thread could abort the process instead of reaching the caller.
+torch.autograd.set_multithreading_enabled(False)
+
 from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
 from .backend.checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
