@@ -108,9 +108,10 @@ class CompiledFunction:
         key = (tree, self._signature(flat))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._trace(args, kwargs, flat, tree)
-            return self._finish_first(entry)
-        return self._execute(entry, flat)
+            entry, holder = self._trace(flat, tree)
+            self.entries[key] = entry
+            return self._run(entry, flat, first_holder=holder)
+        return self._run(entry, flat)
 
     # -- 1. eager warm-up
     def _warmup(self, args, kwargs, flat):
@@ -134,7 +135,7 @@ class CompiledFunction:
         return out
 
     # -- 2. trace + compile
-    def _trace(self, args, kwargs, flat, tree):
+    def _trace(self, flat, tree):
         entry = _Entry()
         state = [st for st in self.state]
         entry.state = state
@@ -200,19 +201,9 @@ class CompiledFunction:
         entry.executable = None
         entry.jitted = jax.jit(step, donate_argnums=donate)
         entry.arg_storages = tensor_pos
-        self._pending = (entry, holder, flat)
-        return entry
+        return entry, holder
 
-    def _finish_first(self, entry):
-        entry_, holder, flat = self._pending
-        del self._pending
-        result = self._run(entry, flat, first_holder=holder)
-        return result
-
-    # -- 3. cached execution
-    def _execute(self, entry, flat):
-        return self._run(entry, flat)
-
+    # -- 3. execution (the first one also lowers and compiles)
     def _run(self, entry, flat, first_holder=None):
         state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
         if first_holder is not None:

@@ -235,25 +235,17 @@ def _functional_variant(func):
     packet = getattr(aten, packet_name, None)
     if packet is None:
         return None
-    non_out = [a for a in schema.arguments if not (a.alias_info and a.alias_info.is_write and a.kwarg_only)]
-    want = [(a.name, str(a.type)) for a in non_out]
-    if packet_name != name:  # in-place: the functional has the same arguments
-        want_set = want
-    else:
-        want_set = want
-    for overload in packet.overloads():
-        cand = getattr(packet, overload)
-        if cand is func or cand._schema.is_mutable:
-            continue
-        args = [(a.name, str(a.type)) for a in cand._schema.arguments]
-        if args == want_set:
+    # the functional twin takes the same arguments minus the out= tensors
+    want = [(a.name, str(a.type)) for a in schema.arguments
+            if not (a.alias_info and a.alias_info.is_write and a.kwarg_only)]
+    candidates = [getattr(packet, o) for o in packet.overloads()]
+    candidates = [c for c in candidates if c is not func and not c._schema.is_mutable]
+    for cand in candidates:
+        if [(a.name, str(a.type)) for a in cand._schema.arguments] == want:
             return cand
-    # Loose match on names only (types differ as Tensor vs Tensor? etc.).
-    for overload in packet.overloads():
-        cand = getattr(packet, overload)
-        if cand is func or cand._schema.is_mutable:
-            continue
-        if [a.name for a in cand._schema.arguments] == [n for n, _ in want_set]:
+    # loose match on names only (types may differ, as Tensor vs Tensor?)
+    for cand in candidates:
+        if [a.name for a in cand._schema.arguments] == [n for n, _ in want]:
             return cand
     return None
 
@@ -898,7 +890,7 @@ def _view(plan: OpPlan, func, args, kwargs):
         if func not in LOWERINGS:
             raise _unsupported(func)
         m = torch.empty_strided(
-            (base._st_numel_(),), (1,), dtype=base.dtype, device="meta"
+            (_meta_storage_numel(base),), (1,), dtype=base.dtype, device="meta"
         ).as_strided(tuple(base.shape), base.stride(), base.storage_offset())
         with no_dispatch():
             out = func(m, *statics)
@@ -922,15 +914,13 @@ def _view(plan: OpPlan, func, args, kwargs):
     return TpuTensor(st, base._vw + ((func, statics, None),), s, d, strides=stride, offset=off)
 
 
-def _st_numel(self):
+def _meta_storage_numel(t) -> int:
+    """Elements of the meta storage a view's metadata is computed on: the base's, with room
+    for dtype views (view.dtype) that change the element size."""
     n = 1
-    for d in self._st.shape:
+    for d in t._st.shape:
         n *= d
-    # dtype views (view.dtype) can change element size; be generous
     return max(n * 8, 1)
-
-
-TpuTensor._st_numel_ = _st_numel
 
 
 def _inplace_view(plan: OpPlan, func, args, kwargs):
