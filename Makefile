@@ -17,6 +17,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/eager_overhead.py
+	$(PY) bench/compile_cache.py
+	$(PY) bench/encoder_step.py
+	$(PY) bench/train_step.py
 
 clean:
 	rm -rf $(VENV)
