@@ -54,8 +54,7 @@ def _copy_(args, kwargs):
     return self
 
 
-def _broadcast(a, shape):
-    return jax.jit(jnp.broadcast_to, static_argnums=1)(a, shape)
+_broadcast = jax.jit(jnp.broadcast_to, static_argnums=1)
 
 
 @custom(aten._to_copy.default)
