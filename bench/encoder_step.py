@@ -16,36 +16,16 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
+from common import lm_step, timed
+
 
 def make_step(model, head, opt):
-    def step(x, y):
-        opt.zero_grad()
-        logits = head(model(x))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters()), 1.0)
-        opt.step()
-        return loss.detach()
-
-    return step
-
-
-def timed(fn, sync, warmup, steps):
-    for _ in range(warmup):
-        sync(fn())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        sync(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return lm_step(torch.nn.Sequential(model, head), opt, 1.0)
 
 
 def build(a):
@@ -66,7 +46,7 @@ def torch_reference(a):
     opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-3)
     step = make_step(model, head, opt)
     xd, yd = x.to(dev), y.to(dev)
-    return timed(lambda: step(xd, yd), lambda l: l.item(), 2, a.steps)
+    return timed(lambda: step(xd, yd), lambda l: l.item(), warmup=2, steps=a.steps)
 
 
 def main():
@@ -98,7 +78,7 @@ def main():
     step = torchtpu.compile(make_step(model, head, opt))
     xt, yt = x.to("tpu"), y.to("tpu")
     rows = {
-        f"torchtpu compiled ({torchtpu.platform()})": timed(lambda: step(xt, yt), lambda l: l.item(), 3, a.steps),
+        f"torchtpu compiled ({torchtpu.platform()})": timed(lambda: step(xt, yt), lambda l: l.item(), warmup=3, steps=a.steps),
         f"PyTorch eager ({a.torch_device})": reference_s,
     }
     nparams = sum(p.numel() for p in base.parameters()) + sum(p.numel() for p in base_head.parameters())

@@ -18,8 +18,6 @@ import argparse
 import copy
 import math
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -30,6 +28,7 @@ import torch  # noqa: E402
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args  # noqa: E402
 
 import torchtpu  # noqa: E402
+from common import lm_step, timed  # noqa: E402
 
 CONFIGS = {
     "debugmodel": (llama3_args["debugmodel"], 4, 128),
@@ -126,27 +125,7 @@ def make_jax_step(loss_fn):
 
 
 def torch_step_fn(model, opt):
-    def step(tokens, labels):
-        opt.zero_grad()
-        logits = model(tokens)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        return loss.detach()
-
-    return step
-
-
-def timed(run_step, sync, steps, warmup):
-    for _ in range(warmup):
-        sync(run_step())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        sync(run_step())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return lm_step(model, opt, MAX_NORM)
 
 
 def bench_config(name, steps, include_inductor):
@@ -169,7 +148,7 @@ def bench_config(name, steps, include_inductor):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True)
     step = torchtpu.compile(torch_step_fn(model, opt))
     xt, yt = x.to("tpu"), y.to("tpu")
-    results["torchtpu (compiled step)"] = timed(lambda: step(xt, yt), lambda l: l.item(), steps, warmup=3)
+    results["torchtpu (compiled step)"] = timed(lambda: step(xt, yt), lambda l: l.item(), warmup=3, steps=steps)
     del model, opt, step
 
     # (b) pure JAX
@@ -184,21 +163,21 @@ def bench_config(name, steps, include_inductor):
         state["p"], state["m"], state["v"], state["c"], loss = jstep(state["p"], state["m"], state["v"], state["c"], xj, yj)
         return loss
 
-    results["pure JAX reference"] = timed(run_jax, lambda l: float(l), steps, warmup=2)
+    results["pure JAX reference"] = timed(run_jax, lambda l: float(l), warmup=2, steps=steps)
     del state
 
     # (c) PyTorch eager on CPU
     cpu_model = copy.deepcopy(base)
     cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     cstep = torch_step_fn(cpu_model, cpu_opt)
-    results["PyTorch eager (CPU)"] = timed(lambda: cstep(x, y), lambda l: l.item(), steps, warmup=1)
+    results["PyTorch eager (CPU)"] = timed(lambda: cstep(x, y), lambda l: l.item(), warmup=1, steps=steps)
 
     # (d) torch.compile / inductor on CPU
     if include_inductor:
         ind_model = copy.deepcopy(base)
         ind_opt = torch.optim.AdamW(ind_model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         istep = torch.compile(torch_step_fn(ind_model, ind_opt))
-        results["torch.compile inductor (CPU)"] = timed(lambda: istep(x, y), lambda l: l.item(), steps, warmup=2)
+        results["torch.compile inductor (CPU)"] = timed(lambda: istep(x, y), lambda l: l.item(), warmup=2, steps=steps)
 
     print(f"\n{name}: {nparams / 1e6:.1f}M parameters, batch {batch} x seq {seq} = {ntok} tokens/step, 1 XLA CPU device")
     print(f"{'path':<32}{'s/step':>10}{'tokens/s':>12}")
