@@ -79,21 +79,15 @@ def test_known_failures_name_real_opinfos():
         assert all(isinstance(r, str) and r.strip() for r in known.values()), "every known failure needs a reason"
 
 
-def test_forward_pass_rate():
-    total = len(_FORWARD_OPS)
-    assert total > 600, f"only {total} float32 OpInfos found"
-    crashes = [k for k in CRASHES if k.startswith("forward:")]
-    rate = (len(FORWARD) + len(crashes)) / total
-    assert rate <= FORWARD_BAR, (
-        f"{len(FORWARD)}/{total} OpInfos ({100 * rate:.1f}%) are known to fail forward; the bar is "
-        f"{100 * FORWARD_BAR:.0f}%")
-
-
-def test_backward_pass_rate():
-    total = len(_BACKWARD_OPS)
-    assert total > 450, f"only {total} autograd OpInfos found"
-    crashes = [k for k in CRASHES if k.startswith("backward:")]
-    rate = (len(BACKWARD) + len(crashes)) / total
-    assert rate <= BACKWARD_BAR, (
-        f"{len(BACKWARD)}/{total} OpInfos ({100 * rate:.1f}%) are known to fail backward; the bar is "
-        f"{100 * BACKWARD_BAR:.0f}%")
+@pytest.mark.parametrize("direction,ops,known,bar,minimum", [
+    ("forward", _FORWARD_OPS, FORWARD, FORWARD_BAR, 600),
+    ("backward", _BACKWARD_OPS, BACKWARD, BACKWARD_BAR, 450),
+])
+def test_pass_rate(direction, ops, known, bar, minimum):
+    total = len(ops)
+    assert total > minimum, f"only {total} {direction} OpInfos found"
+    crashes = [k for k in CRASHES if k.startswith(f"{direction}:")]
+    failing = len(known) + len(crashes)
+    rate = failing / total
+    assert rate <= bar, (
+        f"{failing}/{total} OpInfos ({100 * rate:.1f}%) are known to fail {direction}; the bar is {100 * bar:.0f}%")

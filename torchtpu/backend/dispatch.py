@@ -579,9 +579,6 @@ def _trace_body(func, impl, spec, kwspec, random, *leaves):
     return conform(out, expected)
 
 
-_EXECUTABLES: dict = {}
-
-
 def run(plan: OpPlan, func, args, kwargs):
     """Compute the functional outputs of `func` as JAX arrays."""
     spec, kwspec, leaves = flatten(plan, args, kwargs)
@@ -618,16 +615,11 @@ def run(plan: OpPlan, func, args, kwargs):
     return exe(*leaves)
 
 
-_IMPLS: dict = {}
-
-
 def _impl_for(plan, func):
-    impl = _IMPLS.get(func)
+    # cached by the caller on plan.impl (one plan per op)
+    impl = implementation(func)
     if impl is None:
-        impl = implementation(func)
-        if impl is None:
-            raise _unsupported(func)
-        _IMPLS[func] = impl
+        raise _unsupported(func)
     return impl
 
 
@@ -734,7 +726,6 @@ def _mutating(plan: OpPlan, func, args, kwargs):
     fargs, fkwargs = _strip_outs(plan, args, kwargs)
     result = run(fplan, plan.functional, fargs, fkwargs)
     results = result if isinstance(result, (tuple, list)) else [result]
-    schema_name = func._schema.name
     if len(targets) == 1 and isinstance(targets[0], (list, tuple)):
         # _foreach_X_: one list argument mutated by a functional returning a list
         for t, new in zip(targets[0], results):
