@@ -26,7 +26,9 @@ from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
 from .backend.checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401
+from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
+from . import distributed  # noqa: E402,F401  (the sharding layer; registers torchtpu::shard)
 
 __version__ = "0.1.0"
 
@@ -35,15 +37,17 @@ def cache_stats() -> dict:
     """Executable cache counters.
 
     hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
-    xla_compiles: every XLA compilation in this process, eager or compiled programs.
+    xla_compiles: every XLA compilation in this process, eager or compiled programs;
+    dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched.
     """
     from ._platform import XLA_COMPILES
 
-    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0])
+    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot())
 
 
 def reset_cache_stats() -> None:
     _dispatch.STATS.reset()
+    _dynamo.STATS.reset()
 
 
 def set_debug(enabled: bool = True) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import random as tpu_random
-from .dispatch import HOOKS, STATE, _Tracing, array_of, write
+from .dispatch import CONFIG, HOOKS, STATE, _Tracing, array_of, write
 from .tensor import Storage, TpuTensor, new_base
 
 
@@ -74,7 +74,8 @@ class _Capture:
 
 
 class _Entry:
-    __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages")
+    __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages",
+                 "state_shardings", "mesh")
 
 
 class CompiledFunction:
@@ -137,6 +138,8 @@ class CompiledFunction:
     # -- 2. trace + compile
     def _trace(self, flat, tree):
         entry = _Entry()
+        entry.state_shardings = [None] * len(self.state)
+        entry.mesh = None
         state = [st for st in self.state]
         entry.state = state
         tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, TpuTensor)]
@@ -175,7 +178,7 @@ class CompiledFunction:
                         out_kinds.append(("T", o.dtype, o._st.device_index))
                     else:
                         out_kinds.append(("V", o))
-                new_state = [st.array for st in state]
+                new_state = [_keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
                 del out, targs, tkwargs, new_flat, out_flat
                 alive = [r() for r in created]
                 alive = [st for st in alive if st is not None and st.array is not None]
@@ -206,11 +209,18 @@ class CompiledFunction:
     # -- 3. execution (the first one also lowers and compiles)
     def _run(self, entry, flat, first_holder=None):
         state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
-        if first_holder is not None:
-            # Commit eager-made arrays to their device: later calls feed the executable's
-            # (committed) outputs back, and a committedness change would compile it again.
-            state_arrays = [_committed(a, st.device_index) for a, st in zip(state_arrays, entry.state)]
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
+        if first_holder is not None:
+            # Commit eager-made arrays to their device (or, in a program over a device mesh,
+            # replicate them over the mesh): later calls feed the executable's committed
+            # outputs back, and a committedness change would compile it again.
+            mesh = _program_mesh(state_arrays + arg_arrays)
+            state_arrays = [_committed(a, st.device_index, mesh) for a, st in zip(state_arrays, entry.state)]
+            # Parameters and optimizer state keep their layout from step to step.
+            entry.state_shardings = [a.sharding for a in state_arrays]
+            entry.mesh = mesh
+        if entry.mesh is not None:
+            arg_arrays = [_committed(a, 0, entry.mesh) for a in arg_arrays]
         gen = tpu_random.generator(0)
         key_data = tpu_random.key_data_for_step(gen)
         if entry.executable is None:
@@ -221,6 +231,8 @@ class CompiledFunction:
             entry.lowered_text = lowered.as_text()
             self.last = entry
         out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data)
+        if entry.mesh is not None and CONFIG.sync_dispatch:
+            jax.block_until_ready(new_state)
         self.stats.executions += 1
         if first_holder is not None:
             entry.created = first_holder["created"]
@@ -270,10 +282,32 @@ def array_of_storage(st):
     return storage_array(st)
 
 
-def _committed(a, device_index):
+def _program_mesh(arrays):
+    """The device mesh of a program whose inputs include arrays laid out over one (else None)."""
+    for a in arrays:
+        s = getattr(a, "sharding", None)
+        if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+    return None
+
+
+def _committed(a, device_index, mesh=None):
     if getattr(a, "_committed", True):
         return a
+    if mesh is not None:
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return jax.device_put(a, jax.devices()[device_index])
+
+
+def _keep_sharding(a, sharding):
+    if a is None or not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size == 1:
+        return a
+    from ..distributed.mesh import jax_mesh_for
+
+    target = jax_mesh_for(sharding.mesh)
+    if target is not sharding.mesh:
+        sharding = jax.sharding.NamedSharding(target, sharding.spec)
+    return jax.lax.with_sharding_constraint(a, sharding)
 
 
 def _unique_arrays(arrays):

@@ -31,7 +31,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from .registry import LOWERINGS, Lowering
-from .tensor import Storage, TpuTensor, contiguous_strides, new_base, torch_device
+from .tensor import Storage, TpuTensor, contiguous_strides, new_base, place, torch_device
 
 aten = torch.ops.aten
 
@@ -69,6 +69,10 @@ _LOG_RECOMPILES = bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
 class _Config:
     debug = bool(os.environ.get("TORCHTPU_DEBUG"))
     cpu_fallback = bool(os.environ.get("TORCHTPU_CPU_FALLBACK"))
+    # XLA:CPU runs the collectives of programs over several host devices with a rendezvous
+    # that can deadlock when many such programs are in flight at once (async dispatch). Once
+    # a device mesh exists on the CPU platform, eager ops therefore wait for their results.
+    sync_dispatch = False
 
 
 CONFIG = _Config()
@@ -114,6 +118,9 @@ def storage_array(st: Storage):
         jdt = dtypes.to_jax_dtype(st.dtype)
         if tracing():
             a = jnp.zeros(st.shape, jdt)
+        elif st.dist is not None and len(st.dist) > 2:
+            a = jnp.zeros(st.shape, jdt, device=st.dist[2])  # made in place, never whole on one device
+            st.array = a
         else:
             with jax.default_device(jax.devices()[st.device_index]):
                 a = _ZEROS(st.shape, jdt)
@@ -142,10 +149,23 @@ def write(t: TpuTensor, new) -> None:
     """Make `new` (shaped and typed like `t`) the value of `t`, through any view."""
     st = t._st
     if not t._vw:
+        if st.dist is not None:
+            new = _keep_dist_layout(st, new)
         st.array = new
     else:
         st.array = scatter_chain(t._vw, storage_array(st), new)
     st.version += 1
+
+
+def _keep_dist_layout(st, new):
+    # A write into a tensor laid out over a mesh keeps its layout (as DTensor's in-place ops
+    # do): parameters initialised in place stay sharded.
+    old = st.array
+    if type(new) is _ArrayImpl:
+        sharding = old.sharding if type(old) is _ArrayImpl else st.dist[2] if len(st.dist) > 2 else None
+        if sharding is not None and new.sharding != sharding:
+            new = jax.device_put(new, sharding)
+    return new
 
 
 # ----------------------------------------------------------------------------- view chains
@@ -177,7 +197,8 @@ def _jitted_chain(chain):
 def run_chain(chain, base):
     if tracing():
         return _chain_fn(chain, base)
-    return _jitted_chain(chain)(base)
+    out = _jitted_chain(chain)(base)
+    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 
 
 def _scatter_fn(chain, base, new):
@@ -196,7 +217,8 @@ def _jitted_scatter(chain):
 def scatter_chain(chain, base, new):
     if tracing():
         return _scatter_fn(chain, base, new)
-    return _jitted_scatter(chain)(base, new)
+    out = _jitted_scatter(chain)(base, new)
+    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 
 
 # ----------------------------------------------------------------------------- op plans
@@ -207,10 +229,15 @@ def scatter_chain(chain, base, new):
 _SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
 
 
+# Ops that make a tensor "like" their input: the result keeps the input's mesh layout (so
+# optimizer moments made with zeros_like(param) are sharded like the parameter).
+_LIKE_OPS = frozenset(f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint"))
+
+
 class OpPlan:
     __slots__ = (
         "func", "kind", "arg_names", "dyn_pos", "dyn_kw", "impl", "mutated", "returns_alias",
-        "functional", "lowering", "random", "jit", "name", "executables",
+        "functional", "lowering", "random", "jit", "name", "executables", "like",
     )
 
 
@@ -257,6 +284,7 @@ def _plan(func) -> OpPlan:
     p.executables = {}
     p.name = str(func)
     schema = func._schema
+    p.like = schema.name in _LIKE_OPS
     p.arg_names = [a.name for a in schema.arguments]
     p.lowering = LOWERINGS.get(func)
     static = p.lowering.static if p.lowering else frozenset()
@@ -612,6 +640,8 @@ def run(plan: OpPlan, func, args, kwargs):
             raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}")
         exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
     STATS.calls += 1
+    if CONFIG.sync_dispatch:
+        return jax.block_until_ready(exe(*leaves))
     return exe(*leaves)
 
 
@@ -677,6 +707,8 @@ def dispatch(func, args, kwargs):
         kind = plan.kind
         if kind == "functional":
             out = run(plan, func, args, kwargs)
+            if plan.like and not STATE.trace_depth:
+                out = _keep_layout(args[0], out)
             if type(out) is _ArrayImpl:
                 a0 = args[0] if args else None
                 out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else _device_index_of(args, kwargs))
@@ -698,6 +730,14 @@ def dispatch(func, args, kwargs):
         raise
     if CONFIG.debug and not STATE.trace_depth:
         check_finite(func, out)
+    return out
+
+
+def _keep_layout(src, out):
+    if type(src) is TpuTensor and type(out) is _ArrayImpl:
+        sharding = array_of(src).sharding
+        if len(sharding.device_set) > 1 and out.sharding != sharding:
+            return jax.device_put(out, sharding)
     return out
 
 
@@ -952,7 +992,7 @@ def to_cpu(x):
 
 def _to_tpu_like(x, device_index):
     if isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor):
-        return new_base(jax.device_put(dtypes.torch_to_numpy(x.contiguous()), jax.devices()[device_index]), device_index, x.dtype)
+        return new_base(place(dtypes.torch_to_numpy(x.contiguous()), device_index), device_index, x.dtype)
     if isinstance(x, (list, tuple)):
         return type(x)(_to_tpu_like(v, device_index) for v in x)
     return x

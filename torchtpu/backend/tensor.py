@@ -49,7 +49,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "__weakref__")
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "__weakref__")
     on_create = None  # observer used while torchtpu.compile traces a step
 
     def __init__(self, array, shape, dtype, device_index):
@@ -58,6 +58,7 @@ class Storage:
         self.shape = shape
         self.dtype = dtype
         self.device_index = device_index
+        self.dist = None  # (DeviceMesh, placements) given by torchtpu.distributed
         if Storage.on_create is not None:
             Storage.on_create(self)
 
@@ -126,6 +127,17 @@ def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuT
 _JAX_TO_TORCH = dtypes.JAX_TO_TORCH
 _NO_KWARGS: dict = {}
 _dispatch = None  # bound by dispatch.py (import cycle)
+
+
+def place(x, device_index: int):
+    """Put host data (or an array) on tpu:`device_index`.
+
+    tpu:0 arrays stay *uncommitted* on JAX's default device, so that they combine with arrays
+    laid out over a whole device mesh (a batch made with `.to("tpu")` meets sharded
+    parameters); arrays on other indices are committed to their device."""
+    if device_index == 0:
+        return jax.device_put(x)
+    return jax.device_put(x, jax.devices()[device_index])
 
 
 def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:

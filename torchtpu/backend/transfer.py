@@ -11,7 +11,7 @@ from . import dtypes
 from .dispatch import (
     STATE, _set_meta, array_of, cast, custom, to_cpu, tracing, write,
 )
-from .tensor import Storage, TpuTensor, new_base
+from .tensor import Storage, TpuTensor, new_base, place
 
 aten = torch.ops.aten
 
@@ -24,11 +24,10 @@ def cpu_to_array(t: torch.Tensor, device_index: int):
     a = dtypes.torch_to_numpy(t.contiguous())
     if tracing():
         return jnp.asarray(a)
-    dev = _device(device_index)
-    if dev.platform == "cpu":
+    if _device(device_index).platform == "cpu":
         # XLA:CPU may alias the NumPy buffer: later writes to the CPU tensor must not show
         a = np.array(a, copy=True)
-    return jax.device_put(a, dev)
+    return place(a, device_index)
 
 
 @custom(aten.copy_.default)

@@ -22,6 +22,7 @@ import torch
 
 from .. import dtypes
 from ..registry import aten, lower
+from ..tensor import place
 
 
 def _dispatch():
@@ -65,7 +66,7 @@ def _finish(out, value):
     if value.dtype != jdt:
         value = value.astype(jdt)
     if not d.tracing() and isinstance(out, d.TpuTensor):
-        value = jax.device_put(value, jax.devices()[out._st.device_index])
+        value = place(value, out._st.device_index)
     d._write_any(out, value, resize=True)
     return out
 
@@ -309,8 +310,7 @@ def _make_tri(lower_):
 
         dt = dtype or torch.int64
         idx = _device_index(device)
-        a = jax.device_put(_tri_indices(int(row), int(col), int(offset), lower_).astype(
-            dtypes.to_jax_dtype(dt)), jax.devices()[idx])
+        a = place(_tri_indices(int(row), int(col), int(offset), lower_).astype(dtypes.to_jax_dtype(dt)), idx)
         return new_base(a, idx, dt)
 
     return kernel

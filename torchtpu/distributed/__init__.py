@@ -1,0 +1,27 @@
+"""The sharding layer: PyTorch's DeviceMesh / DTensor placements / FSDP2 / tensor-parallel
+plans, mapped onto one global JAX mesh and `NamedSharding`s, so that XLA emits the
+collectives (single-program SPMD).
+
+    from torchtpu.distributed import init_device_mesh, fully_shard, parallelize_module
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp_shard", "tp"))
+
+See mesh.py (meshes), placements.py (placements <-> PartitionSpec), dtensor.py
+(distribute_tensor and the DTensor methods of tpu tensors), parallel.py (tensor parallelism),
+fsdp.py (fully_shard), params.py (parameter layouts, materialize), collectives.py
+(functional collectives, local_map, loss_parallel).
+"""
+from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: F401
+from torch.distributed.tensor.parallel import (  # noqa: F401
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from .dtensor import distribute_tensor, local_shards, shard_as  # noqa: F401
+from .fsdp import FSDPState, MixedPrecisionPolicy, fully_shard  # noqa: F401
+from .mesh import DeviceMesh, current_mesh, init_device_mesh, set_mesh  # noqa: F401
+from .parallel import parallelize_module  # noqa: F401
+from .params import local_bytes, materialize  # noqa: F401

@@ -1,0 +1,175 @@
+"""FSDP2's `fully_shard` as parameter layouts.
+
+`fully_shard(module, mesh=...)` splits each parameter the call manages on dim 0 over the
+data-parallel mesh axes (on a 2-D mesh, HSDP: replicated over the first dim, sharded over the
+second). Parameters already split on dim 0 by tensor parallelism are split further, TP axes
+first, so gathering the FSDP axes yields exactly the TP shard. Nothing is gathered by hand:
+each use of a parameter inside a program goes through a sharding constraint to the
+parameter's own layout, whose backward lays the gradient out the same way, so XLA emits the
+all-gather before use and the reduce-scatter of the gradient (FSDP's collectives) on the
+interconnect, and schedules them itself. `reshard_after_forward` is accepted for
+compatibility; XLA decides whether a gathered parameter stays live between forward and
+backward.
+
+Mixed precision (`MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
+cast_forward_inputs)`): the module computes with parameters cast to `param_dtype`; their
+gradients are cast to `reduce_dtype` before the reduction and to the parameter's own dtype
+(the fp32 master copy) after it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
+
+from . import placements as pl
+from .mesh import DeviceMesh, current_mesh
+from .params import apply_layout, get_layout, layout_of, set_layout, spec_of
+
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPState"]
+
+
+class FSDPState:
+    def __init__(self, mesh, params, mp_policy, reshard_after_forward):
+        self.mesh = mesh
+        self.params = params  # [(owner module, name)]
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+
+
+def _managed(module: nn.Module, ignored) -> list[tuple[nn.Module, str]]:
+    out = []
+
+    def walk(m, top):
+        if not top and "_tpu_fsdp" in m.__dict__:
+            return  # an inner fully_shard manages this subtree
+        for name, p in m._parameters.items():
+            if p is not None and p not in ignored:
+                out.append((m, name))
+        for child in m.children():
+            walk(child, False)
+
+    walk(module, True)
+    return out
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy=None,
+    ignored_params=None,
+) -> nn.Module:
+    """Shard `module`'s parameters over the data-parallel mesh (FSDP2's API)."""
+    mesh = mesh or current_mesh()
+    if mesh is None:
+        raise RuntimeError("fully_shard needs a device mesh: call torchtpu.distributed.init_device_mesh first")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got {mesh}")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError("fully_shard: CPU offload is not supported on tpu")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    shard_axes = mesh.dims[-1]
+    n = mesh.size(mesh.ndim - 1)
+    ignored = set(ignored_params or ())
+    params = _managed(module, ignored)
+    for owner, name in params:
+        p = owner._parameters[name]
+        entries = layout_of(owner, name, p.dim())
+        rec = get_layout(owner, name)
+        if rec is not None and rec[0] is not None and rec[0].jax_mesh != mesh.jax_mesh:
+            raise ValueError(f"parameter {name!r} is laid out on another mesh than {mesh}")
+        if any(a in e for e in entries for a in shard_axes):
+            continue  # already sharded over these axes
+        dim = 0
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None:
+                if not isinstance(placement, Shard):
+                    raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r}")
+                dim = placement.dim % max(p.dim(), 1)
+        if p.dim() == 0:
+            continue
+        dim = _divisible_dim(p.shape, entries, dim, n, mesh)
+        if dim is None:
+            warnings.warn(
+                f"fully_shard: {type(owner).__name__}.{name} of shape {tuple(p.shape)} has no dim divisible by "
+                f"the {n} data-parallel shards; it stays replicated", stacklevel=2)
+            continue
+        entries[dim].extend(shard_axes)
+        set_layout(owner, name, mesh, entries)
+        apply_layout(owner, name)
+    state = FSDPState(mesh, params, mp_policy, reshard_after_forward)
+    module.__dict__["_tpu_fsdp"] = state
+    module.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
+    module.register_forward_hook(_post_forward(state))
+    return module
+
+
+def _divisible_dim(shape, entries, preferred, n, mesh):
+    from math import prod
+
+    def ok(d):
+        split = prod(mesh.jax_mesh.shape[a] for a in entries[d]) * n
+        return shape[d] % split == 0
+
+    if ok(preferred):
+        return preferred
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if ok(d):
+            return d
+    return None
+
+
+def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor:
+    """The parameter as the forward uses it: constrained to its own layout (so its gradient
+    is reduced into that layout), cast for mixed precision."""
+    rec = get_layout(owner, name)
+    v = p
+    pd, rd = mp.param_dtype, mp.reduce_dtype
+    floating = p.is_floating_point()
+    if floating and rd is not None and rd != p.dtype:
+        v = v.to(rd)
+    if rec is not None and rec[0] is not None and p.device.type == "tpu":
+        spec = pl.encode(rec[0], spec_of(rec[1]))
+        v = torch.ops.torchtpu.shard(v, spec, spec)
+    if floating and pd is not None and pd != v.dtype:
+        v = v.to(pd)
+    return v
+
+
+def _pre_forward(state: FSDPState):
+    mp = state.mp_policy
+
+    def hook(module, args, kwargs):
+        for owner, name in state.params:
+            p = owner._parameters.get(name)
+            if p is not None:
+                owner.__dict__[name] = _use(p, owner, name, mp)
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    return hook
+
+
+def _post_forward(state: FSDPState):
+    mp = state.mp_policy
+
+    def hook(module, args, out):
+        for owner, name in state.params:
+            owner.__dict__.pop(name, None)
+        if mp.output_dtype is not None:
+            cast = lambda x: x.to(mp.output_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+            out = torch.utils._pytree.tree_map(cast, out)
+        return out
+
+    return hook

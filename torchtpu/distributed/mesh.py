@@ -1,0 +1,234 @@
+"""Device meshes: PyTorch's `DeviceMesh` API over one global `jax.sharding.Mesh`.
+
+In single-program SPMD there is one mesh for the whole job, covering every device of every
+process. A `DeviceMesh` here is a *view* of that mesh: a tuple of mesh dimensions, each of
+which is one or more named JAX mesh axes. The root mesh has one axis per dimension;
+`mesh["tp"]` selects a dimension; `mesh["dp_replicate", "dp_shard"]` selects several; and
+`mesh["dp_replicate", "dp_shard"]._flatten("dp")` makes a one-dimensional view whose single
+dimension spans both axes (registered on the root, so `root["dp"]` finds it afterwards).
+
+Placements on a sub-mesh only talk about that sub-mesh's axes; the other axes of the global
+mesh are left to the program (see placements.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh"]
+
+
+class DeviceMesh:
+    """A view of the global JAX mesh: `dims[i]` is the tuple of JAX axis names of mesh dim i."""
+
+    def __init__(self, jax_mesh: Mesh, dims: Sequence[tuple[str, ...]], names: Sequence[str], root: "DeviceMesh | None" = None):
+        self.jax_mesh = jax_mesh
+        self.dims = tuple(tuple(d) for d in dims)
+        self._names = tuple(names)
+        self._root = root
+        self._flattened: dict[str, tuple[str, ...]] = {}
+
+    # -- torch.distributed.DeviceMesh API
+    @property
+    def device_type(self) -> str:
+        return "tpu"
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._dim_size(d) for d in self.dims)
+
+    def _dim_size(self, axes) -> int:
+        return math.prod(self.jax_mesh.shape[a] for a in axes)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return math.prod(self.shape)
+        return self._dim_size(self.dims[self._index(mesh_dim)])
+
+    def numel(self) -> int:
+        return self.size()
+
+    @property
+    def mesh(self):
+        """Device ids laid out like this mesh (the global mesh's ids for the selected axes)."""
+        import torch
+
+        ids = np.vectorize(lambda d: d.id)(self.jax_mesh.devices)
+        order = [a for d in self.dims for a in d]
+        rest = [a for a in self.jax_mesh.axis_names if a not in order]
+        names = list(self.jax_mesh.axis_names)
+        ids = np.transpose(ids, [names.index(a) for a in order + rest])
+        ids = ids.reshape(self.shape + (-1,))[..., 0] if rest else ids.reshape(self.shape)
+        return torch.as_tensor(ids)
+
+    def root(self) -> "DeviceMesh":
+        return self._root or self
+
+    def _index(self, mesh_dim) -> int:
+        if isinstance(mesh_dim, int):
+            if not -self.ndim <= mesh_dim < self.ndim:
+                raise IndexError(f"mesh dim {mesh_dim} out of range for a {self.ndim}-D mesh {self._names}")
+            return mesh_dim % self.ndim
+        if mesh_dim not in self._names:
+            raise KeyError(f"mesh has no dimension named {mesh_dim!r}; its dimensions are {self._names}")
+        return self._names.index(mesh_dim)
+
+    def __getitem__(self, names) -> "DeviceMesh":
+        if isinstance(names, str):
+            names = (names,)
+        names = tuple(names)
+        root = self.root()
+        dims = []
+        for n in names:
+            if n in self._names:
+                dims.append(self.dims[self._names.index(n)])
+            elif n in root._flattened:
+                dims.append(root._flattened[n])
+            else:
+                valid = list(self._names) + [k for k in root._flattened if k not in self._names]
+                raise KeyError(f"mesh has no dimension named {n!r}; valid names: {valid}")
+        axes = [a for d in dims for a in d]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"mesh dimensions {names} overlap")
+        return DeviceMesh(self.jax_mesh, dims, names, root)
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+        """One mesh dimension spanning all of this mesh's axes (torch's DeviceMesh._flatten)."""
+        axes = tuple(a for d in self.dims for a in d)
+        name = mesh_dim_name or "_".join(self._names)
+        root = self.root()
+        known = root._flattened.get(name)
+        if (name in root._names and root.dims[root._names.index(name)] != axes) or (known and known != axes):
+            raise ValueError(f"mesh dimension name {name!r} is already used for other axes")
+        root._flattened[name] = axes
+        return DeviceMesh(self.jax_mesh, (axes,), (name,), root)
+
+    def get_group(self, mesh_dim=None):
+        # Collectives here are XLA collectives over mesh axes; a "group" is the mesh dim itself.
+        return self if mesh_dim is None else self[self._names[self._index(mesh_dim)]]
+
+    def get_local_rank(self, mesh_dim=None) -> int:
+        """This process's coordinate along `mesh_dim`, from its first addressable device."""
+        idx = 0 if mesh_dim is None else self._index(mesh_dim)
+        if mesh_dim is None and self.ndim != 1:
+            raise RuntimeError("get_local_rank() needs mesh_dim on a multi-dimensional mesh")
+        return self.get_coordinate()[idx]
+
+    def get_coordinate(self) -> list[int]:
+        dev = jax.local_devices()[0]
+        pos = dict(zip(self.jax_mesh.axis_names, [int(i[0]) for i in np.nonzero(self.jax_mesh.devices == dev)]))
+        coords = []
+        for axes in self.dims:
+            c = 0
+            for a in axes:
+                c = c * self.jax_mesh.shape[a] + pos[a]
+            coords.append(c)
+        return coords
+
+    def __eq__(self, other):
+        return isinstance(other, DeviceMesh) and other.jax_mesh == self.jax_mesh and other.dims == self.dims
+
+    def __hash__(self):
+        return hash((self.jax_mesh, self.dims))
+
+    def __repr__(self):
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self._names, self.shape))
+        return f"DeviceMesh(tpu, {dims})"
+
+
+_CURRENT: DeviceMesh | None = None
+_TARGET = None  # a jax Mesh that stands in for the global mesh while compiling for a TPU topology
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The root mesh made by the last `init_device_mesh` (None before)."""
+    return _CURRENT
+
+
+def set_mesh(mesh: DeviceMesh | None) -> None:
+    global _CURRENT
+    _CURRENT = mesh
+    if mesh is not None and mesh.size() > 1 and mesh.jax_mesh.devices.flat[0].platform == "cpu":
+        from ..backend.dispatch import CONFIG
+
+        CONFIG.sync_dispatch = True
+
+
+def jax_mesh_for(mesh: Mesh) -> Mesh:
+    """The mesh to resolve shardings against: `mesh`, or the TPU topology mesh standing in for it."""
+    if _TARGET is not None and _TARGET.axis_names == mesh.axis_names and _TARGET.devices.shape == mesh.devices.shape:
+        return _TARGET
+    return mesh
+
+
+def _device_grid(devices, shape: tuple[int, ...], dcn_shape: tuple[int, ...] | None):
+    from jax.experimental import mesh_utils
+
+    platform = devices[0].platform
+    slices = sorted({getattr(d, "slice_index", 0) or 0 for d in devices})
+    if platform == "tpu" and len(slices) > 1:
+        if dcn_shape is None:
+            # Slices go on the outermost dimension that they divide (data parallelism over DCN).
+            dcn_shape = [1] * len(shape)
+            for i, n in enumerate(shape):
+                if n % len(slices) == 0:
+                    dcn_shape[i] = len(slices)
+                    break
+            else:
+                raise ValueError(
+                    f"mesh shape {shape} has no dimension divisible by the {len(slices)} slices; "
+                    "pass dcn_mesh_shape= to say which dimensions span slices"
+                )
+        ici = tuple(n // d for n, d in zip(shape, dcn_shape))
+        return mesh_utils.create_hybrid_device_mesh(ici, tuple(dcn_shape), devices)
+    if platform == "tpu":
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return np.array(devices).reshape(shape)
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+    dcn_mesh_shape: Sequence[int] | None = None,
+    devices=None,
+) -> DeviceMesh:
+    """Build the job's mesh over all devices of all processes (torch's `init_device_mesh`).
+
+    On TPUs the device order follows the physical topology; with several slices the mesh is
+    hybrid: `dcn_mesh_shape` (default: slices on the first dimension they divide) spans slices
+    over the data-centre network, the rest lies inside a slice on the chip interconnect.
+    """
+    if device_type != "tpu":
+        raise ValueError(f"torchtpu.distributed.init_device_mesh builds meshes of tpu devices, got device_type={device_type!r}")
+    shape = tuple(int(n) for n in mesh_shape)
+    if not shape or any(n < 1 for n in shape):
+        raise ValueError(f"mesh_shape must be a non-empty tuple of positive sizes, got {tuple(mesh_shape)}")
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else tuple(f"dim{i}" for i in range(len(shape)))
+    if len(names) != len(shape):
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {len(shape)}-D mesh_shape {shape}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh_dim_names must be unique, got {names}")
+    devices = list(devices) if devices is not None else jax.devices()
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"mesh shape {shape} ({'x'.join(map(str, shape))} = {math.prod(shape)} devices) does not match the "
+            f"{len(devices)} devices of this job; choose degrees whose product is {len(devices)}"
+        )
+    grid = _device_grid(devices, shape, tuple(dcn_mesh_shape) if dcn_mesh_shape is not None else None)
+    mesh = DeviceMesh(Mesh(grid, names), [(n,) for n in names], names)
+    set_mesh(mesh)
+    return mesh

@@ -1,0 +1,125 @@
+"""Parameter layouts: what tensor parallelism and FSDP decide for each parameter.
+
+A layout is, per tensor dim, the list of global mesh axes that dim is split over. Tensor
+parallelism writes it first (e.g. a colwise weight: dim 0 over "tp"), FSDP then adds its
+data-parallel axes (dim 0 over "tp" then "dp_shard"). The layout lives on the module that owns
+the parameter (`module._tpu_layouts[name]`), so it survives `to_empty()`, and is applied:
+
+- to a tpu parameter: its array is resharded in place (same Parameter object);
+- to a CPU parameter: it becomes a tpu Parameter sharded straight from host memory;
+- to a `meta` parameter: nothing yet. `materialize(model)` later makes every parameter and
+  buffer a tpu tensor whose storage is created directly in its sharded layout, so no device
+  (and no host) ever holds a whole model; `init_weights()` then writes in place, keeping the
+  layout.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import torch
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..backend.dispatch import array_of
+from ..backend.tensor import Storage, TpuTensor
+from . import placements as pl
+from .mesh import DeviceMesh
+
+
+def layout_of(module: torch.nn.Module, name: str, ndim: int) -> list[list[str]]:
+    layouts = module.__dict__.setdefault("_tpu_layouts", {})
+    entry = layouts.get(name)
+    if entry is None:
+        entry = layouts[name] = (None, [[] for _ in range(ndim)])
+    return entry[1]
+
+
+def set_layout(module: torch.nn.Module, name: str, mesh: DeviceMesh, entries: list[list[str]]) -> None:
+    module.__dict__.setdefault("_tpu_layouts", {})[name] = (mesh.root(), entries)
+
+
+def get_layout(module, name):
+    return module.__dict__.get("_tpu_layouts", {}).get(name)
+
+
+def spec_of(entries) -> P:
+    return P(*[(e[0] if len(e) == 1 else tuple(e)) if e else None for e in entries])
+
+
+def _root_placements(root: DeviceMesh, sharding, ndim):
+    return pl.placements_for(sharding, ndim, root)
+
+
+def apply_layout(module: torch.nn.Module, name: str) -> None:
+    """Put parameter `name` of `module` into its recorded layout (see module docstring)."""
+    rec = get_layout(module, name)
+    p = module._parameters.get(name)
+    if rec is None or p is None:
+        return
+    root, entries = rec
+    if root is None:
+        return
+    sharding = NamedSharding(root.jax_mesh, spec_of(entries))
+    placements = _root_placements(root, sharding, p.dim())
+    if p.device.type == "meta":
+        return
+    if isinstance(p, TpuTensor):
+        if p._vw:
+            raise RuntimeError(f"parameter {name!r} is a view of another tensor; it cannot be resharded in place")
+        st = p._st
+        st.dist = (root, placements, sharding)
+        if st.array is not None and st.array.sharding != sharding:
+            st.array = jax.device_put(st.array, sharding)
+            st.version += 1
+        return
+    from .dtensor import distribute_tensor
+
+    new = distribute_tensor(p.detach(), root, placements)
+    module._parameters[name] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+
+
+def materialize(model: torch.nn.Module, buffer_device="tpu") -> torch.nn.Module:
+    """Replace `meta` parameters and buffers by tpu tensors created in their layouts.
+
+    Values are zeros until written (e.g. by `model.init_weights()`), and each storage is
+    created directly sharded, so the whole model never exists on one device.
+    """
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            t = _lazy(tuple(p.shape), p.dtype, get_layout(mod, name))
+            mod._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is None or b.device.type != "meta":
+                continue
+            mod._buffers[name] = _lazy(tuple(b.shape), b.dtype, None)
+    return model
+
+
+def _lazy(shape, dtype, rec) -> TpuTensor:
+    from ..backend.tensor import new_empty
+
+    t = new_empty(shape, dtype, 0)
+    if rec is not None and rec[0] is not None:
+        root, entries = rec
+        sharding = NamedSharding(root.jax_mesh, spec_of(entries))
+        t._st.dist = (root, _root_placements(root, sharding, len(shape)), sharding)
+    return t
+
+
+def local_bytes(tensors) -> dict:
+    """Bytes each device holds for `tensors` (from the arrays' addressable shards)."""
+    out: dict = {}
+    for t in tensors:
+        a = array_of(t)
+        for s in a.addressable_shards:
+            out[s.device] = out.get(s.device, 0) + math.prod(s.data.shape) * a.dtype.itemsize
+    return out
+
+
+def is_laid_out(p) -> bool:
+    return isinstance(p, TpuTensor) and isinstance(getattr(p._st, "dist", None), tuple)
+
+
+__all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "Storage"]

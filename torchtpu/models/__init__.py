@@ -1,0 +1,1 @@
+"""Per-model glue: parallelize plans and flavors. Model code comes from torchtitan."""

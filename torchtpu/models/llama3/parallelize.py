@@ -1,0 +1,114 @@
+"""Parallelize torchtitan's Llama 3 `Transformer` through torchtpu's sharding layer.
+
+The same layout torchtitan's `parallelize_llama` gives the model on GPUs, written with the
+same PyTorch parallel styles, so the model shards on a TPU mesh the way it does there:
+
+- tensor parallelism over "tp": attention q/k/v and the feed-forward w1/w3 split their output
+  features (colwise), attention output and w2 split their input features (rowwise); the
+  token embedding splits the vocabulary, the output projection the vocabulary too
+  (vocab-parallel logits when `loss_parallel`);
+- sequence parallelism (optional): the norms run on sequence shards, and the blocks gather
+  the sequence before attention/feed-forward and reduce-scatter after them;
+- FSDP over the data-parallel axes ("dp_shard", with "dp_replicate" for HSDP) per transformer
+  block and for the rest of the model, with mixed precision;
+- activation checkpointing of blocks (none, full, or every n-th block).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from ...backend.checkpoint import apply_activation_checkpointing
+from ...distributed import (
+    ColwiseParallel,
+    MixedPrecisionPolicy,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    fully_shard,
+    parallelize_module,
+)
+from ...distributed.mesh import DeviceMesh
+
+
+def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = True):
+    """The tensor-parallel plans: (top-level plan, per-block plan)."""
+    act = Shard(1) if sequence_parallel else Replicate()
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    block = {
+        "attention": PrepareModuleInput(input_layouts=(act, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),
+        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=act),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+        block["attention_norm"] = SequenceParallel()
+        block["ffn_norm"] = SequenceParallel()
+    return top, block
+
+
+def _has(mesh: DeviceMesh, name: str) -> bool:
+    return name in mesh.mesh_dim_names and mesh.size(name) > 1
+
+
+def parallelize_llama(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    ac_mode: str = "none",
+    ac_every: int = 1,
+) -> torch.nn.Module:
+    """Shard `model` (a torchtitan llama3 Transformer, on meta, CPU or tpu) over `mesh`.
+
+    `mesh` is the job's root mesh with any of the dims "dp_replicate", "dp_shard", "tp"
+    (size-1 dims may be left out)."""
+    names = mesh.mesh_dim_names
+    unknown = [n for n in names if n not in ("dp_replicate", "dp_shard", "tp")]
+    if unknown:
+        raise ValueError(f"parallelize_llama: mesh dims {unknown} are not supported (use dp_replicate, dp_shard, tp)")
+    if _has(mesh, "tp"):
+        tp = mesh["tp"]
+        n = tp.size()
+        args = model.model_args if hasattr(model, "model_args") else None
+        n_kv = getattr(args, "n_kv_heads", None) or getattr(args, "n_heads", None)
+        if args is not None and (args.n_heads % n or (n_kv and n_kv % n)):
+            raise ValueError(
+                f"tensor parallel degree {n} must divide n_heads={args.n_heads} and n_kv_heads={n_kv}")
+        top, block = tp_plan(sequence_parallel, loss_parallel)
+        parallelize_module(model, tp, top)
+        for layer in model.layers.values():
+            parallelize_module(layer, tp, block)
+    if ac_mode != "none":
+        apply_activation_checkpointing(model.layers, ac_mode, ac_every)
+    dp = [n for n in ("dp_replicate", "dp_shard") if _has(mesh, n)]
+    if dp:
+        dp_mesh = mesh[tuple(dp)] if len(dp) == 2 or dp == ["dp_shard"] else None
+        if dp == ["dp_replicate"]:
+            # pure data parallelism: parameters replicated, only the batch is split
+            dp_mesh = None
+        if dp_mesh is not None:
+            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    return model
+
+
+def batch_placements(mesh: DeviceMesh):
+    """How a (batch, seq) token array is laid out: batch over the data-parallel dims."""
+    return tuple(Shard(0) if n in ("dp_replicate", "dp_shard") else Replicate() for n in mesh.mesh_dim_names)
