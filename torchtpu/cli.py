@@ -1,11 +1,22 @@
 """Console entry points declared in pyproject.toml.
 
-The trainer (`torchtpu-train`) and the launcher (`torchtpu-launch`) are not built yet; until
-they are, the commands say so and exit non-zero instead of failing on a missing module.
+`torchtpu-train` (also `python -m torchtpu.train`) reads the configuration (defaults, then the TOML
+file, then command-line options) and hands it to the training loop in torchtpu.train.trainer.
+Exit status: 0 on success, 2 for a configuration error (one line on stderr), 1 for any other
+failure (one line on stderr; the traceback only with --debug).
+
+The launcher (`torchtpu-launch`) is not built yet; until it is, the command says so and exits
+non-zero instead of failing on a missing module.
 """
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+import traceback
+
+_PROG = "torchtpu-train"
+_REEXEC_MARK = "_TORCHTPU_TRAIN_REEXEC"
 
 
 def _not_yet(command: str) -> int:
@@ -17,8 +28,140 @@ def _not_yet(command: str) -> int:
     return 2
 
 
-def train_main() -> int:
-    return _not_yet("torchtpu-train")
+def _wants_debug(args: list[str]) -> bool:
+    """--debug / --debug.verbose seen on the command line (before the config is parsed)."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--debug", "--debug.verbose"):
+            if eq:
+                return value.strip().lower() in ("true", "1", "yes", "on")
+            following = args[i + 1].strip().lower() if i + 1 < len(args) else ""
+            return following not in ("false", "0", "no", "off")
+    return False
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    lines = text.splitlines()
+    first = lines[0].strip() if lines else ""
+    if len(lines) > 1:
+        first += " ..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+class _TrainerMissing(Exception):
+    pass
+
+
+def _load_trainer():
+    try:
+        module = importlib.import_module("torchtpu.train.trainer")
+    except ModuleNotFoundError as e:
+        if e.name == "torchtpu.train.trainer":
+            raise _TrainerMissing(
+                "the training loop (torchtpu.train.trainer) is not part of this build yet; the configuration "
+                "itself is fine (see it with --job.print_config)"
+            ) from None
+        raise
+    return module.main
+
+
+def _xla_backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:  # private API moved: assume the worst
+        return True
+
+
+def _only_cpu_devices() -> bool:
+    try:
+        import jax
+
+        return all(d.platform == "cpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+def _apply_xla_env(cfg, args: list[str], as_program: bool) -> None:
+    """Make tpu.xla_flags / tpu.libtpu_init_args take effect.
+
+    XLA reads them when its backend starts. If that already happened (importing torchtpu starts it),
+    a command-line run on CPU devices re-executes itself once with the flags in the environment;
+    otherwise the flags cannot apply any more and a warning says how to set them.
+    """
+    from torchtpu.train.config import xla_env_updates
+
+    updates = xla_env_updates(cfg)
+    if not updates:
+        return
+    if not _xla_backend_started():
+        os.environ.update(updates)
+        return
+    if as_program and not os.environ.get(_REEXEC_MARK) and _only_cpu_devices():
+        env = dict(os.environ, **updates)
+        env[_REEXEC_MARK] = "1"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "torchtpu.train", *args], env)
+    settings = " ".join(f"{k}='{v}'" for k, v in updates.items())
+    print(
+        f"{_PROG}: warning: [tpu] xla_flags / libtpu_init_args not applied because the XLA backend had already "
+        f"started; set them in the environment instead: {settings}",
+        file=sys.stderr,
+    )
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """`torchtpu-train --config FILE [--SECTION.KEY VALUE ...]`; returns the exit status."""
+    as_program = argv is None
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = _wants_debug(args)
+    from torchtpu.train.config import ConfigError, HelpRequested, load_config, topology_num_devices, validate
+
+    try:
+        try:
+            cfg = load_config(args)
+        except HelpRequested as h:
+            sys.stdout.write(h.text)
+            return 0
+        debug = debug or cfg.debug.verbose
+        if cfg.job.print_config:
+            cfg.job.print_config = False  # the printed file can be used as is
+            sys.stdout.write(cfg.to_toml())
+            sys.stdout.flush()
+            return 0
+        if cfg.tpu.topology:
+            # The target slice is named: check the configuration against it before any device work.
+            validate(cfg, topology_num_devices(cfg.tpu.topology))
+        _apply_xla_env(cfg, args, as_program)
+        run = _load_trainer()
+        # The trainer calls validate(cfg, <global device count>) once the devices are known.
+        status = run(cfg)
+        return status if isinstance(status, int) and not isinstance(status, bool) else 0
+    except ConfigError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except _TrainerMissing as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+            print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
+        else:
+            print(f"{_PROG}: error: {_one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 def launch_main() -> int:
