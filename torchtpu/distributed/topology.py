@@ -1,0 +1,357 @@
+"""Compile for real TPU topologies on a machine without TPUs.
+
+libtpu can describe any TPU slice ("v5p:4x4x8", "v6e:16x16", ...) as compile-only devices.
+`jax.jit(f).lower(<ShapeDtypeStructs with NamedShardings over those devices>).compile()` then
+runs the real TPU compiler, and the executable reports its per-chip HBM use, its flops and
+XLA's estimated step time, and its HLO shows the collectives the sharding produced. This works
+in the same process as the CPU devices the tests use (JAX_PLATFORMS=cpu): the TPU plugin is
+loaded for topology descriptions only and never becomes a JAX backend.
+
+    devices = topology_devices("v5p:2x2x1")
+    mesh = topology_mesh("v5p:2x2x1", (4,), ("fsdp",))
+    compiled = aot_compile(jax.jit(step).lower(*abstract_args))   # or .compile()
+    print(format_report(compile_report(compiled, mesh)))
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import math
+import os
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+__all__ = [
+    "TopologyError",
+    "topology_devices",
+    "topology_mesh",
+    "chip_spec",
+    "aot_compile",
+    "compile_report",
+    "format_report",
+    "COLLECTIVES",
+]
+
+EXAMPLES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v5p:4x4x8", "v6e:2x2", "v6e:16x16")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+GiB = 1024**3
+GB = 10**9
+
+# Per chip. device_kind strings as libtpu reports them (checked with libtpu 0.0.42.1):
+# v4 -> "TPU v4", v5e -> "TPU v5 lite", v5p -> "TPU v5", v6e -> "TPU v6 lite".
+_CHIPS = {
+    "v4": dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB),
+    "v5e": dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB),
+    "v5p": dict(name="v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB),
+    "v6e": dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB),
+}
+_KIND_ALIASES = {
+    "v4": "v4",
+    "v5lite": "v5e", "v5e": "v5e", "v5litepod": "v5e",
+    "v5": "v5p", "v5p": "v5p",
+    "v6lite": "v6e", "v6e": "v6e", "trillium": "v6e",
+}
+
+
+class TopologyError(RuntimeError):
+    """A TPU topology cannot be described (libtpu missing, or an invalid topology name)."""
+
+
+def chip_spec(device_kind: str) -> dict:
+    """Peak bf16 flops and HBM bytes of one chip: dict(name, peak_bf16_flops, hbm_bytes).
+
+    Accepts a device's `device_kind` ("TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4") or a
+    generation name ("v5e", "v5p", "v6e", "v4").
+    """
+    key = re.sub(r"[\s_-]+", "", str(device_kind).lower()).removeprefix("tpu")
+    gen = _KIND_ALIASES.get(key)
+    if gen is None:
+        raise ValueError(
+            f"unknown TPU device kind {device_kind!r}; known: 'TPU v4', 'TPU v5 lite' (v5e), 'TPU v5' (v5p), "
+            "'TPU v6 lite' (v6e)"
+        )
+    return dict(_CHIPS[gen])
+
+
+def _accelerator_type(name: str) -> str:
+    """A plausible TPU_ACCELERATOR_TYPE for a topology name (v5p:2x2x1 -> v5p-8)."""
+    gen, _, dims = name.partition(":")
+    gen = _KIND_ALIASES.get(gen.lower().replace(" ", ""), gen.lower())
+    try:
+        chips = math.prod(int(d) for d in re.findall(r"\d+", dims)) or 1
+    except ValueError:
+        chips = 1
+    if gen in ("v4", "v5p"):  # named by TensorCores, two per chip
+        return f"{gen}-{2 * chips}"
+    return f"{'v5litepod' if gen == 'v5e' else gen}-{chips}"
+
+
+@contextlib.contextmanager
+def _quiet_libtpu_env(name: str):
+    """Give libtpu the host facts it would otherwise look up (and warn about) on a non-TPU host.
+
+    Only on hosts without TPU chips: on a TPU VM libtpu must discover the real slice itself.
+    libtpu reads these when it initialises (once per process), so they are set around that
+    call only and then removed again, keeping them out of subprocesses; existing values win.
+    """
+    from torchtpu._platform import has_tpu_chips
+
+    values = {} if has_tpu_chips() else {
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": _accelerator_type(name),
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_WORKER_ID": "0",
+        # libtpu takes /tmp/libtpu_lockfile so that one process owns the chips; a second
+        # process (pytest-xdist workers, a user's second shell) would fail with "ABORTED ...
+        # lockfile". Compile-only devices own no chips, so several processes may load libtpu.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+    added = [k for k in values if k not in os.environ]
+    for k in added:
+        os.environ[k] = values[k]
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _devices(name: str) -> tuple:
+    if not libtpu_available():
+        raise TopologyError(
+            f"compiling for TPU topology {name!r} needs libtpu, which is not installed: pip install torchtpu[tpu]"
+        )
+    from jax.experimental import topologies
+
+    try:
+        with _quiet_libtpu_env(name):
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # noqa: BLE001  (libtpu reports bad names as JaxRuntimeError)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "not installed" in msg:
+            raise TopologyError(
+                f"compiling for TPU topology {name!r} needs libtpu, which JAX cannot load ({msg}): "
+                "pip install torchtpu[tpu]"
+            ) from e
+        if "INVALID_ARGUMENT" in msg:
+            raise TopologyError(
+                f"invalid TPU topology {name!r}: {msg}; use <generation>:<chips per axis>, e.g. {', '.join(EXAMPLES)}"
+            ) from e
+        raise TopologyError(f"libtpu could not describe TPU topology {name!r}: {msg}") from e
+    return tuple(desc.devices)
+
+
+def topology_devices(name: str) -> list:
+    """The compile-only TPU devices of topology `name` (e.g. "v5p:2x2x1", "v6e:2x2", "v5p:4x4x4").
+
+    One device per chip on v5e/v5p/v6e; libtpu describes v4 with one device per TensorCore
+    (two per chip). Repeated calls return the same device objects.
+    """
+    if not isinstance(name, str) or ":" not in name:
+        raise TopologyError(
+            f"invalid TPU topology {name!r}: expected <generation>:<chips per axis>, e.g. {', '.join(EXAMPLES)}"
+        )
+    return list(_devices(name.strip()))
+
+
+def topology_mesh(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> jax.sharding.Mesh:
+    """A `Mesh` over topology `name`, with devices ordered by the physical interconnect."""
+    from jax.experimental import mesh_utils
+
+    devices = topology_devices(name)
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    axis_names = tuple(axis_names)
+    if len(mesh_shape) != len(axis_names):
+        raise ValueError(f"mesh_shape {mesh_shape} and axis_names {axis_names} differ in length")
+    if math.prod(mesh_shape) != len(devices):
+        raise ValueError(
+            f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices but topology {name!r} has {len(devices)}"
+        )
+    if len({tuple(d.coords) for d in devices}) < len(devices):
+        # v4 topologies come with one device per TensorCore, which mesh_utils rejects (it wants
+        # one per chip, "megacore"). libtpu numbers them x-fastest with a chip's two cores
+        # adjacent, so the id order keeps each chip's cores together on the last mesh axis.
+        arr = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(mesh_shape)
+        return jax.sharding.Mesh(arr, axis_names)
+    try:
+        arr = mesh_utils.create_device_mesh(mesh_shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        # Shapes that do not tile the physical torus: let mesh_utils split physical axes.
+        arr = mesh_utils.create_device_mesh(mesh_shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(arr, axis_names)
+
+
+# ----------------------------------------------------------------------------- compile report
+
+def aot_compile(lowered, compiler_options: dict | None = None):
+    """`lowered.compile()` for topology devices, bypassing JAX's persistent compilation cache.
+
+    torchtpu turns the persistent cache on; JAX would write the compile-only TPU executable
+    into it and on the next run fail to load it ("PjRtCompiler must be constructed with a
+    Client"), warn and compile again. The cache is switched off for this one compilation and
+    then restored for the process's ordinary compilations.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        cc.reset_cache()
+
+
+
+_OP = re.compile(r"\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start)?\(")
+_COMP_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """Counts of each collective in optimized HLO text.
+
+    Async pairs count once (the `-start`). The TPU compiler lowers a reduce-scatter to a custom
+    fusion whose computation is named `all-reduce-scatter*` (an all-reduce feeding a
+    dynamic-slice); each call of such a fusion counts as one reduce-scatter and the all-reduce
+    inside it is not counted again.
+    """
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    comp = None
+    for line in hlo_text.splitlines():
+        header = _COMP_HEADER.match(line)
+        if header:
+            comp = header.group(1)
+            continue
+        if comp is not None and comp.startswith("all-reduce-scatter"):
+            continue
+        if "fusion(" in line:
+            m = _CALLS.search(line)
+            if m and m.group(1).startswith("all-reduce-scatter"):
+                counts["reduce-scatter"] += 1
+                continue
+        for m in _OP.finditer(line):
+            counts[m.group(1)] += 1
+    return counts
+
+
+def _devices_of(compiled, mesh_or_devices) -> list:
+    if isinstance(mesh_or_devices, jax.sharding.Mesh):
+        return list(mesh_or_devices.devices.flat)
+    if mesh_or_devices is not None:
+        return list(mesh_or_devices)
+    for s in jax.tree.leaves(compiled.input_shardings) + jax.tree.leaves(compiled.output_shardings):
+        if isinstance(s, jax.sharding.Sharding):
+            return sorted(s.device_set, key=lambda d: d.id)
+    raise ValueError("cannot tell which devices the executable runs on; pass the mesh or the device list")
+
+
+def compile_report(compiled, mesh_or_devices=None) -> dict:
+    """What the TPU compiler says about one compiled step (a `jax.stages.Compiled`).
+
+    Memory, flops and bytes are per device: the executable is the SPMD-partitioned program one
+    device runs (a matmul sharded 4 ways reports a quarter of the total flops).
+    """
+    devices = _devices_of(compiled, mesh_or_devices)
+    kind = devices[0].device_kind
+    spec = chip_spec(kind) if getattr(devices[0], "platform", "tpu") == "tpu" else None
+    coords = [tuple(getattr(d, "coords", (d.id,))) for d in devices]
+    per_chip = max(1, len(coords) // max(1, len(set(coords))))  # v4 topologies: 2 devices per chip
+
+    ma = compiled.memory_analysis()
+    mem = {
+        "argument_bytes": int(ma.argument_size_in_bytes),
+        "output_bytes": int(ma.output_size_in_bytes),
+        "alias_bytes": int(ma.alias_size_in_bytes),
+        "temp_bytes": int(ma.temp_size_in_bytes),
+        "generated_code_bytes": int(ma.generated_code_size_in_bytes),
+        "peak_bytes": int(getattr(ma, "peak_memory_in_bytes", 0) or 0),
+    }
+    # HBM one device needs: its arguments, plus outputs that do not reuse a donated argument
+    # (alias bytes are counted in both argument and output), plus XLA's scratch (temp), plus
+    # the program itself. peak_memory_in_bytes is the buffer assigner's simulated peak of live
+    # buffers; it is sometimes above that sum (e.g. layout copies of parameters) and sometimes
+    # below (buffers that are never live together), so the larger of the two is used.
+    live = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+    needed = max(live, mem["peak_bytes"]) + mem["generated_code_bytes"]
+
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older jax: one dict per executable
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    flops = float(ca.get("flops", 0.0))
+    available = spec["hbm_bytes"] // per_chip if spec else None
+    peak_flops = spec["peak_bf16_flops"] / per_chip if spec else None
+
+    return {
+        "device_kind": kind,
+        "chip": spec["name"] if spec else kind,
+        "num_devices": len(devices),
+        "devices_per_chip": per_chip,
+        "hbm_bytes_needed": needed,
+        "hbm_bytes_available": available,
+        "fits": (needed <= available) if available is not None else None,
+        "memory": mem,
+        "flops_per_device": flops,
+        "flops_total": flops * len(devices),
+        "bytes_accessed_per_device": float(ca.get("bytes accessed", 0.0)),
+        "estimated_step_seconds": float(ca.get("optimal_seconds", 0.0)),
+        "peak_bf16_flops_per_device": peak_flops,
+        "compute_bound_seconds": flops / peak_flops if peak_flops else None,
+        "collectives": count_collectives(compiled.as_text()),
+    }
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _secs(s) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def format_report(report: dict) -> str:
+    """A two-column table of a `compile_report` for people."""
+    mem = report["memory"]
+    fits = report["fits"]
+    rows = [
+        ("device", f"{report['device_kind']} ({report['chip']}) x {report['num_devices']}"
+                   + (f", {report['devices_per_chip']} per chip" if report["devices_per_chip"] > 1 else "")),
+        ("HBM needed / device", _bytes(report["hbm_bytes_needed"])),
+        ("HBM available / device", _bytes(report["hbm_bytes_available"])),
+        ("fits", "-" if fits is None else ("yes" if fits else "NO")),
+        ("  arguments", _bytes(mem["argument_bytes"])),
+        ("  outputs (not aliased)", _bytes(mem["output_bytes"] - mem["alias_bytes"])),
+        ("  temporaries", _bytes(mem["temp_bytes"])),
+        ("  program", _bytes(mem["generated_code_bytes"])),
+        ("  simulated peak", _bytes(mem["peak_bytes"])),
+        ("flops / device", f"{report['flops_per_device']:.4g}"),
+        ("flops total", f"{report['flops_total']:.4g}"),
+        ("XLA estimated step", _secs(report["estimated_step_seconds"])),
+        ("compute-bound step", _secs(report["compute_bound_seconds"])),
+    ]
+    rows += [(f"{name}", str(n)) for name, n in report["collectives"].items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
