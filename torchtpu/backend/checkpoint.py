@@ -48,7 +48,9 @@ def _in_backward() -> bool:
 
 
 def _barrier_tensors(args):
-    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "tpu"]
+    # Complex inputs (such as a rotary table) skip the barrier: a complex output of the
+    # custom op aborts PyTorch's autograd engine during recomputation.
+    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "tpu" and not a.is_complex()]
     if not idx:
         return args
     out = torch.ops.torchtpu.optimization_barrier([args[i] for i in idx])

@@ -20,6 +20,7 @@ an input of the program, and the generator advances after each call as eager mod
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 
 import jax
@@ -255,6 +256,94 @@ class CompiledFunction:
                 outs.append(kind[1])
         return tree_unflatten(outs, entry.out_tree)
 
+    # -- ahead-of-time compilation without running anything
+    def compile_for(self, *args, **kwargs):
+        """Trace and compile the step for these arguments without running it; returns the
+        `jax.stages.Compiled` (memory_analysis, cost_analysis, as_text).
+
+        Arguments and state may be lazy tensors that were never filled (parameters made by
+        `torchtpu.distributed.materialize`, inputs made by `torchtpu.distributed.empty`),
+        laid out over a mesh of any devices, including a TPU topology's devices on a machine
+        without TPUs. If the step never ran, its state (optimizer moments, ...) is discovered
+        by an abstract warm-up that runs the function on shapes only.
+        """
+        flat, tree = tree_flatten((args, kwargs))
+        if self.state is None:
+            self._abstract_warmup(args, kwargs, flat)
+        entry, holder = self._trace(flat, tree)
+        tensors = [flat[i] for i in entry.arg_storages]
+        mesh = _program_mesh([_storage_sharding_hint(st) for st in entry.state] + [_storage_sharding_hint(t._st) for t in tensors])
+        state_sds = [_abstract(st, mesh) for st in entry.state]
+        arg_sds = [_abstract(t._st, mesh) for t in tensors]
+        key = tpu_random.key_data_for_step(tpu_random.generator(0))
+        key_sds = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh) if mesh is not None else None)
+        entry.state_shardings = [a.sharding for a in state_sds]
+        entry.mesh = mesh
+        lowered = entry.jitted.lower(state_sds, arg_sds, key_sds)
+        from ..distributed.topology import aot_compile
+
+        entry.executable = aot_compile(lowered)
+        entry.lowered_text = lowered.as_text()
+        for k in ("created", "out_tree", "out_kinds", "n_random"):
+            setattr(entry, k, holder.get(k))
+        self.last = entry
+        self.compiled_for = entry
+        return entry.executable
+
+    def _abstract_warmup(self, args, kwargs, flat):
+        """The eager warm-up on shapes only (inside jax.eval_shape): records the state the
+        step reads and creates, then puts every touched storage back as it was. Created
+        state (optimizer moments) is left unfilled, with the layout of the tensor it was
+        made like."""
+        recorder = _Recorder()
+        before: dict[int, tuple] = {}
+        created: list[weakref.ref] = []
+
+        def on_read(st, a):
+            recorder(st, a)
+            if id(st) not in before:
+                before[id(st)] = (st, st.array, st.version)
+            return a
+
+        def on_create(st):
+            created.append(weakref.ref(st))
+            recorder(st, None)
+
+        def body(key_data):
+            prev_keys = tpu_random.TRACED
+            tpu_random.TRACED = tpu_random.TracedKeys(key_data)
+            HOOKS.read = on_read
+            prev_create = Storage.on_create
+            Storage.on_create = on_create
+            prev_mt = torch.autograd.is_multithreading_enabled()
+            torch._C._set_multithreading_enabled(False)
+            try:
+                with _Tracing():
+                    self.fn(*args, **kwargs)
+            finally:
+                torch._C._set_multithreading_enabled(prev_mt)
+                HOOKS.read = None
+                Storage.on_create = prev_create
+                tpu_random.TRACED = prev_keys
+            return None
+
+        key = tpu_random.key_data_for_step(tpu_random.generator(0))
+        try:
+            jax.eval_shape(body, jax.ShapeDtypeStruct(key.shape, key.dtype))
+        finally:
+            for st, a, v in before.values():
+                st.array, st.version = a, v
+            before.clear()
+            st = None
+            gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
+            for ref in created:
+                st = ref()
+                if st is not None:
+                    st.array = None  # never filled: zeros if it is ever read eagerly
+            st = None
+        arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
+        self.state = [st for sid, ref in recorder.seen.items() if (st := ref()) is not None and sid not in arg_ids]
+
     # -- inspection of the most recently compiled program
     def _compiled(self):
         entry = getattr(self, "last", None)
@@ -280,6 +369,35 @@ def array_of_storage(st):
     from .dispatch import storage_array
 
     return storage_array(st)
+
+
+def _storage_sharding_hint(st):
+    if st.array is not None and not isinstance(st.array, jax.core.Tracer):
+        return st.array
+    if st.dist is not None:
+        return jax.ShapeDtypeStruct(st.shape, jax.numpy.float32, sharding=st.dist[2])
+    return None
+
+
+def _replicated(mesh):
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _abstract(st, mesh):
+    from . import dtypes
+
+    if st.array is not None and not isinstance(st.array, jax.core.Tracer):
+        sharding = st.array.sharding
+        if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = _replicated(mesh)
+        return jax.ShapeDtypeStruct(st.array.shape, st.array.dtype, sharding=sharding)
+    if st.dist is not None:
+        sharding = st.dist[2]
+    elif mesh is not None:
+        sharding = _replicated(mesh)
+    else:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[st.device_index])
+    return jax.ShapeDtypeStruct(tuple(st.shape), dtypes.to_jax_dtype(st.dtype), sharding=sharding)
 
 
 def _program_mesh(arrays):

@@ -73,6 +73,7 @@ class _Config:
     # that can deadlock when many such programs are in flight at once (async dispatch). Once
     # a device mesh exists on the CPU platform, eager ops therefore wait for their results.
     sync_dispatch = False
+    mesh_active = False  # a device mesh exists: in-place writes keep mesh layouts
 
 
 CONFIG = _Config()
@@ -149,7 +150,7 @@ def write(t: TpuTensor, new) -> None:
     """Make `new` (shaped and typed like `t`) the value of `t`, through any view."""
     st = t._st
     if not t._vw:
-        if st.dist is not None:
+        if st.dist is not None or CONFIG.mesh_active:
             new = _keep_dist_layout(st, new)
         st.array = new
     else:
@@ -157,13 +158,28 @@ def write(t: TpuTensor, new) -> None:
     st.version += 1
 
 
+def note_mesh(jax_mesh) -> None:
+    """Arrays laid out over `jax_mesh` exist from now on (see _Config)."""
+    if jax_mesh.size > 1:
+        CONFIG.mesh_active = True
+        if jax_mesh.devices.flat[0].platform == "cpu":
+            CONFIG.sync_dispatch = True
+
+
 def _keep_dist_layout(st, new):
     # A write into a tensor laid out over a mesh keeps its layout (as DTensor's in-place ops
     # do): parameters initialised in place stay sharded.
     old = st.array
     if type(new) is _ArrayImpl:
-        sharding = old.sharding if type(old) is _ArrayImpl else st.dist[2] if len(st.dist) > 2 else None
-        if sharding is not None and new.sharding != sharding:
+        if type(old) is _ArrayImpl:
+            sharding = old.sharding
+            if not isinstance(sharding, jax.sharding.NamedSharding):
+                return new
+        elif st.dist is not None:
+            sharding = st.dist[2]
+        else:
+            return new
+        if new.sharding != sharding:
             new = jax.device_put(new, sharding)
     return new
 
@@ -714,6 +730,8 @@ def dispatch(func, args, kwargs):
                 out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else _device_index_of(args, kwargs))
             else:
                 out = wrap(out, _device_index_of(args, kwargs))
+            if plan.like and type(args[0]) is TpuTensor and args[0]._st.dist is not None and type(out) is TpuTensor:
+                out._st.dist = args[0]._st.dist
         elif kind == "view":
             out = _view(plan, func, args, kwargs)
         elif kind == "mutating":

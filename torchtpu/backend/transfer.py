@@ -159,4 +159,8 @@ def from_jax(a: jax.Array) -> torch.Tensor:
         devs = list(a.devices())
         if len(devs) == 1:
             index = jax.devices().index(next(iter(devs)))
+        elif isinstance(a.sharding, jax.sharding.NamedSharding):
+            from .dispatch import note_mesh
+
+            note_mesh(a.sharding.mesh)
     return new_base(a, index)

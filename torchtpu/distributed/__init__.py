@@ -24,4 +24,4 @@ from .dtensor import distribute_tensor, local_shards, shard_as  # noqa: F401
 from .fsdp import FSDPState, MixedPrecisionPolicy, fully_shard  # noqa: F401
 from .mesh import DeviceMesh, current_mesh, init_device_mesh, set_mesh  # noqa: F401
 from .parallel import parallelize_module  # noqa: F401
-from .params import local_bytes, materialize  # noqa: F401
+from .params import empty, local_bytes, materialize  # noqa: F401

@@ -160,10 +160,10 @@ def current_mesh() -> DeviceMesh | None:
 def set_mesh(mesh: DeviceMesh | None) -> None:
     global _CURRENT
     _CURRENT = mesh
-    if mesh is not None and mesh.size() > 1 and mesh.jax_mesh.devices.flat[0].platform == "cpu":
-        from ..backend.dispatch import CONFIG
+    if mesh is not None:
+        from ..backend.dispatch import note_mesh
 
-        CONFIG.sync_dispatch = True
+        note_mesh(mesh.jax_mesh)
 
 
 def jax_mesh_for(mesh: Mesh) -> Mesh:

@@ -108,6 +108,18 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
     return t
 
 
+def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTensor:
+    """A tpu tensor laid out over `mesh` whose storage is not created until it is read:
+    an input for `CompiledFunction.compile_for` (ahead-of-time compilation)."""
+    from ..backend.tensor import new_empty
+
+    shape = tuple(shape)
+    t = new_empty(shape, dtype, 0)
+    sharding = pl.sharding_for(mesh, placements, len(shape))
+    t._st.dist = (mesh, tuple(placements), sharding)
+    return t
+
+
 def local_bytes(tensors) -> dict:
     """Bytes each device holds for `tensors` (from the arrays' addressable shards)."""
     out: dict = {}

@@ -306,7 +306,8 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
         "flops_per_device": flops,
         "flops_total": flops * len(devices),
         "bytes_accessed_per_device": float(ca.get("bytes accessed", 0.0)),
-        "estimated_step_seconds": float(ca.get("optimal_seconds", 0.0)),
+        # XLA reports a negative optimal_seconds when its cost model cannot time the program
+        "estimated_step_seconds": (float(ca["optimal_seconds"]) if float(ca.get("optimal_seconds", -1.0)) > 0 else None),
         "peak_bf16_flops_per_device": peak_flops,
         "compute_bound_seconds": flops / peak_flops if peak_flops else None,
         "collectives": count_collectives(compiled.as_text()),
@@ -324,7 +325,7 @@ def _bytes(n) -> str:
 
 def _secs(s) -> str:
     if s is None:
-        return "-"
+        return "n/a (XLA's cost model gave no estimate)"
     if s >= 1:
         return f"{s:.3f} s"
     if s >= 1e-3:

@@ -104,7 +104,9 @@ def parallelize_llama(
         if dp_mesh is not None:
             mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             for layer in model.layers.values():
-                fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+                # shard the block itself, inside any checkpoint wrapper: its hooks then run
+                # again when the backward recomputes the block
+                fully_shard(getattr(layer, "module", layer), mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     return model
 
