@@ -89,10 +89,16 @@ def _tp_axes(mesh: DeviceMesh, style) -> tuple[str, ...]:
 
 
 def _split_param(module, name, mesh, dim):
+    """Split parameter `name` on `dim` over the tensor-parallel axes (dim None: replicate it
+    over the mesh, so every parameter of a parallelized module lives on the mesh)."""
     p = module._parameters.get(name)
     if p is None:
         return
     entries = layout_of(module, name, p.dim())
+    if dim is None:
+        set_layout(module, name, mesh, entries)
+        apply_layout(module, name)
+        return
     d = dim % p.dim()
     if p.shape[d] % mesh.size() != 0:
         raise ValueError(
@@ -132,6 +138,7 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
         _tp_axes(mesh, style)
         if isinstance(module, nn.Linear):
             _split_param(module, "weight", mesh, 1)
+            _split_param(module, "bias", mesh, None)
             desired = Shard(-1)
         elif isinstance(module, nn.Embedding):
             _split_param(module, "weight", mesh, 0)
@@ -142,6 +149,8 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
     elif isinstance(style, SequenceParallel):
         _tp_axes(mesh, style)
         seq = style.sequence_sharding
+        for pname in list(module._parameters):
+            _split_param(module, pname, mesh, None)
         _io_hooks(module, mesh, seq, seq, seq, seq)
     elif isinstance(style, PrepareModuleInputOutput):
         _apply(module, mesh, style.prepare_module_input, name)

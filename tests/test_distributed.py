@@ -1,0 +1,303 @@
+"""The sharding layer on 8 XLA CPU devices: meshes, placements, distribute_tensor, tensor
+parallelism, FSDP, and torchtitan's Llama 3 sharded every supported way against one device."""
+from __future__ import annotations
+
+import copy
+import re
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import torchtpu
+from torchtpu.distributed import (
+    ColwiseParallel,
+    MixedPrecisionPolicy,
+    Partial,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+    distribute_tensor,
+    fully_shard,
+    init_device_mesh,
+    local_bytes,
+    parallelize_module,
+)
+from torchtpu.distributed.placements import placements_for, spec_for
+
+
+def spec(t):
+    """The PartitionSpec of a tpu tensor, trailing unsplit dims dropped (P('x', None) == P('x'))."""
+    entries = list(torchtpu.to_jax(t).sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def test_mesh_dims_submeshes_and_flatten():
+    mesh = init_device_mesh("tpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    assert mesh.shape == (2, 2, 2) and mesh.size() == 8 and mesh.ndim == 3
+    tp = mesh["tp"]
+    assert tp.ndim == 1 and tp.size() == 2 and tp.mesh_dim_names == ("tp",)
+    dp = mesh["dp_replicate", "dp_shard"]
+    assert dp.shape == (2, 2)
+    flat = dp._flatten("dp")
+    assert flat.ndim == 1 and flat.size() == 4 and flat.dims == (("dp_replicate", "dp_shard"),)
+    assert mesh["dp"].dims == flat.dims  # the flattened name is known to the root afterwards
+    # device ids laid out like the mesh
+    assert mesh.mesh.shape == (2, 2, 2) and sorted(mesh.mesh.flatten().tolist()) == list(range(8))
+
+
+def test_mesh_errors_are_clear():
+    with pytest.raises(ValueError, match=r"does not match the 8 devices.*product is 8"):
+        init_device_mesh("tpu", (3, 2), mesh_dim_names=("a", "b"))
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(KeyError, match="no dimension named 'pp'"):
+        mesh["pp"]
+    with pytest.raises(ValueError, match="device_type"):
+        init_device_mesh("cuda", (8,))
+
+
+# ----------------------------------------------------------------------------- placements
+
+
+def test_placements_to_partition_specs_and_back():
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    assert spec_for(mesh, (Shard(0), Shard(1)), 2) == P("dp", "tp")
+    assert spec_for(mesh, (Shard(0), Shard(0)), 2) == P(("dp", "tp"), None)
+    assert spec_for(mesh, (Replicate(), Shard(-1)), 3) == P(None, None, "tp")
+    assert spec_for(mesh, (Partial(), Replicate()), 2) == P(None, None)  # noqa: the raw spec keeps its Nones
+    flat = mesh["dp", "tp"]._flatten("all")
+    assert spec_for(flat, (Shard(1),), 2) == P(None, ("dp", "tp"))
+    for pl in [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(1), Replicate()), (Replicate(), Replicate())]:
+        s = NamedSharding(mesh.jax_mesh, spec_for(mesh, pl, 2))
+        assert placements_for(s, 2, mesh) == pl
+    with pytest.raises(ValueError, match="one placement per mesh dimension"):
+        spec_for(mesh, (Shard(0),), 2)
+
+
+def test_distribute_tensor_full_tensor_redistribute():
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(8, 12)
+    d = distribute_tensor(x, mesh, (Shard(0), Shard(1)))
+    assert d.device.type == "tpu" and tuple(d.shape) == (8, 12)
+    assert spec(d) == P("dp", "tp")
+    assert d.placements == (Shard(0), Shard(1)) and d.device_mesh == mesh
+    shard_shapes = {s.data.shape for s in torchtpu.to_jax(d).addressable_shards}
+    assert shard_shapes == {(4, 3)}
+    full = d.full_tensor()
+    assert spec(full) == P() and torch.equal(full.cpu(), x)
+    r = d.redistribute(mesh, (Replicate(), Shard(0)))
+    assert r.placements == (Replicate(), Shard(0)) and torch.equal(r.cpu(), x)
+    assert d.to_local() is d  # single-program SPMD: the program works on the global tensor
+    # a sub-mesh placement leaves the other axes replicated
+    t = distribute_tensor(x, mesh["tp"], (Shard(1),))
+    assert spec(t) == P(None, "tp") and t.device_mesh == mesh["tp"]
+    # Partial is bookkeeping: the array already holds the reduced value
+    p = distribute_tensor(x, mesh, (Partial(), Replicate()))
+    assert p.placements[0] == Partial() and torch.equal(p.full_tensor().cpu(), x)
+    with pytest.raises(ValueError, match="not divisible by 4"):
+        distribute_tensor(torch.randn(8, 10), mesh, (Replicate(), Shard(1)))
+
+
+def test_redistribute_and_full_tensor_are_differentiable():
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    x = torch.randn(16, 4)
+    d = distribute_tensor(x, mesh, (Shard(0),)).requires_grad_()
+    (d.full_tensor() * 3).sum().backward()
+    assert torch.allclose(d.grad.cpu(), torch.full((16, 4), 3.0))
+    assert spec(d.grad) == P("dp")  # the gradient comes back in the input's layout
+
+
+def test_ops_keep_layouts_and_in_place_writes_keep_them():
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    w = distribute_tensor(torch.ones(16, 4), mesh, (Shard(0),))
+    m = torch.zeros_like(w)
+    assert spec(m) == P("dp")
+    w.zero_()
+    w.fill_(2.0)
+    assert spec(w) == P("dp") and torch.equal(w.cpu(), torch.full((16, 4), 2.0))
+    batch = torch.randn(16, 4).to("tpu")  # an ordinary tpu:0 tensor meets a sharded one
+    assert torch.allclose((w + batch).cpu(), 2.0 + batch.cpu())
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, h)
+        self.down = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_colwise_rowwise_mlp_matches_cpu(sp):
+    torch.manual_seed(0)
+    ref = MLP()
+    m = copy.deepcopy(ref).to("tpu")
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    act = Shard(1) if sp else Replicate()
+    plan = {"up": ColwiseParallel(input_layouts=act), "down": RowwiseParallel(output_layouts=act)}
+    if sp:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(m, mesh["tp"], plan)
+    assert spec(m.up.weight) == P("tp") and spec(m.up.bias) == P("tp")
+    assert spec(m.down.weight) == P(None, "tp") and spec(m.down.bias) == P()
+    x = torch.randn(4, 8, 16)
+    xt = distribute_tensor(x, mesh, (Shard(0), act))
+    out = m(xt)
+    expect = ref(x)
+    assert torch.allclose(out.cpu(), expect, atol=1e-5)
+    out.square().sum().backward()
+    expect.square().sum().backward()
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad.cpu(), q.grad, atol=1e-4, rtol=1e-4), n
+
+
+def test_parallelize_module_errors():
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match="matches no submodule"):
+        parallelize_module(MLP().to("tpu"), mesh, {"upp": ColwiseParallel()})
+    with pytest.raises(TypeError, match="supports nn.Linear and nn.Embedding"):
+        parallelize_module(MLP().to("tpu"), mesh, {"norm": ColwiseParallel()})
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        parallelize_module(MLP(d=16, h=12).to("tpu"), mesh, {"up": ColwiseParallel()})
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+
+def test_fully_shard_mixed_precision_matches_cpu_reference():
+    torch.manual_seed(0)
+    ref = MLP()
+    m = copy.deepcopy(ref).to("tpu")
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert spec(m.up.weight) == P("dp_shard") and m.up.weight.dtype == torch.float32
+    x = torch.randn(8, 16)
+    out = m(distribute_tensor(x, mesh, (Shard(0),)))
+    assert out.dtype == torch.bfloat16  # computed with bf16 parameters
+    bf = copy.deepcopy(ref).to(torch.bfloat16)
+    expect = bf(x.to(torch.bfloat16))
+    assert torch.allclose(out.float().cpu(), expect.float(), atol=2e-2, rtol=2e-2)
+    out.float().sum().backward()
+    g = m.up.weight.grad
+    assert g.dtype == torch.float32 and spec(g) == P("dp_shard")  # reduced into the shard
+    expect.float().sum().backward()
+    assert torch.allclose(g.cpu(), bf.up.weight.grad.float(), atol=5e-2, rtol=5e-2)
+
+
+# ----------------------------------------------------------------------------- Llama 3
+
+
+def _llama(seed=0):
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    torch.manual_seed(seed)
+    m = Transformer(llama3_args["debugmodel"])
+    with torch.no_grad():
+        m.init_weights()
+    return m
+
+
+B, S, STEPS = 8, 32, 10
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 2048, (B, S + 1), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, batches, mesh=None):
+    from torchtpu.models.llama3.parallelize import batch_placements
+
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, weight_decay=0.1, capturable=True, foreach=True)
+
+    def step(inp, lab):
+        loss = F.cross_entropy(model(inp).flatten(0, 1).float(), lab.flatten(0, 1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    cstep = torchtpu.compile(step)
+    losses = []
+    for b in batches:
+        inp, lab = b[:, :-1], b[:, 1:]
+        if mesh is None:
+            inp, lab = inp.to("tpu"), lab.to("tpu")
+        else:
+            inp = distribute_tensor(inp, mesh, batch_placements(mesh))
+            lab = distribute_tensor(lab, mesh, batch_placements(mesh))
+        losses.append(cstep(inp, lab))
+    return [float(x.item()) for x in losses], cstep, opt
+
+
+_REF: dict = {}
+
+
+def _reference_losses():
+    if "losses" not in _REF:
+        _REF["losses"] = _train(_llama().to("tpu"), _batches())[0]
+    return _REF["losses"]
+
+
+CONFIGS = {
+    "fsdp8": ((8,), ("dp_shard",), False),
+    "hsdp2x4": ((2, 4), ("dp_replicate", "dp_shard"), False),
+    "tp2_fsdp4": ((4, 2), ("dp_shard", "tp"), False),
+    "tp8": ((8,), ("tp",), False),
+    "tp4sp_fsdp2": ((2, 4), ("dp_shard", "tp"), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_llama3_sharded_training_matches_one_device(name):
+    from torchtpu.models.llama3 import parallelize_llama
+
+    shape, names, sp = CONFIGS[name]
+    mesh = init_device_mesh("tpu", shape, mesh_dim_names=names)
+    model = _llama().to("tpu")
+    parallelize_llama(model, mesh, sequence_parallel=sp, loss_parallel="tp" in names)
+    losses, cstep, opt = _train(model, _batches(), mesh)
+    ref = _reference_losses()
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    # parameters and optimizer state kept their layouts through the compiled steps
+    wq = model.layers["0"].attention.wq.weight
+    expect = {"fsdp8": P("dp_shard"), "hsdp2x4": P("dp_shard"), "tp2_fsdp4": P(("tp", "dp_shard")),
+              "tp8": P("tp"), "tp4sp_fsdp2": P(("tp", "dp_shard"))}[name]
+    assert spec(wq) == expect and spec(opt.state[wq]["exp_avg"]) == expect
+    hlo = cstep.as_text()
+    if "tp" in names:
+        assert re.search(r"all-reduce|reduce-scatter", hlo)  # rowwise layers reduce their partial sums
+    if "dp_shard" in names:
+        assert "all-gather" in hlo  # FSDP gathers parameters before use
+
+
+def test_fsdp8_each_device_holds_an_eighth_of_parameters_and_optimizer_state():
+    from torchtpu.models.llama3 import parallelize_llama
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    model = _llama().to("tpu")
+    parallelize_llama(model, mesh)
+    _, _, opt = _train(model, _batches()[:2], mesh)
+    tensors = list(model.parameters()) + [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    per_device = local_bytes(tensors)
+    assert len(per_device) == 8
+    for dev, n in per_device.items():
+        assert abs(n - total / 8) <= 0.10 * total / 8, (dev, n, total / 8)
