@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .dtensor import shard_as
 from .mesh import DeviceMesh, current_mesh
-from .params import apply_layout, layout_of, set_layout
+from . import placements as pl
+from .params import apply_layout, get_layout, layout_of, set_layout, spec_of
 
 __all__ = ["parallelize_module"]
 
@@ -110,6 +111,36 @@ def _split_param(module, name, mesh, dim):
             entries[d].append(a)
     set_layout(module, name, mesh, entries)
     apply_layout(module, name)
+    _constrain_uses(module)
+
+
+def _constrain_uses(module):
+    """Each forward uses the module's laid-out parameters through a sharding constraint to
+    their own layout, so their gradients come back in that layout too (and XLA never gathers
+    a tensor-parallel weight whole to update it). A constraint already put in place by
+    fully_shard (which also casts for mixed precision) is left alone."""
+    if module.__dict__.get("_tpu_tp_uses"):
+        return
+    module.__dict__["_tpu_tp_uses"] = True
+
+    def pre(mod, args):
+        placed = []
+        for name in mod.__dict__.get("_tpu_layouts", {}):
+            p = mod._parameters.get(name)
+            if p is not None and name not in mod.__dict__ and p.device.type == "tpu":
+                rec = get_layout(mod, name)
+                spec = pl.encode(rec[0], spec_of(rec[1]))
+                mod.__dict__[name] = torch.ops.torchtpu.shard(p, spec, spec)
+                placed.append(name)
+        mod.__dict__["_tpu_tp_placed"] = placed
+
+    def post(mod, args, out):
+        for name in mod.__dict__.pop("_tpu_tp_placed", ()):
+            mod.__dict__.pop(name, None)
+        return out
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
 
 
 def _layout(t, mesh, placement, grad_placement):
