@@ -44,7 +44,7 @@ class _State(threading.local):
 
 
 STATE = _State()
-_ArrayImpl = type(jnp.zeros(()))
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (the concrete jax.Array type)
 
 
 class CacheStats:

@@ -19,7 +19,27 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initialize"]
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               local_device_ids=None) -> None:
+    """Join this process to a multi-host job (`jax.distributed.initialize`).
+
+    On a TPU pod the arguments are found automatically. Call it before any tpu tensor is
+    made (JAX's backend must not have started yet); `torchtpu-launch` does it for you.
+    """
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "torchtpu.distributed.initialize() must run before the first tpu tensor or jax call in this "
+            "process (JAX's backend is already running); call it right after `import torchtpu`"
+        )
+    kwargs = {}
+    if local_device_ids is not None:
+        kwargs["local_device_ids"] = local_device_ids
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
 
 
 class DeviceMesh:
