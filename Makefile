@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench clean
+.PHONY: install test bench train clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ bench: $(STAMP)
 	$(PY) bench/compile_cache.py
 	$(PY) bench/encoder_step.py
 	$(PY) bench/train_step.py
+	$(PY) bench/sharded_step.py
+
+train: $(STAMP)
+	$(PY) -m torchtpu.train --config train_configs/debug_model.toml
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,641 @@
+"""The training loop behind `torchtpu-train`: one compiled XLA program per optimizer step.
+
+    status = main(cfg)          # cfg from torchtpu.train.config.load_config; returns the exit status
+
+What a run does, in order:
+
+1. Devices and mesh. The devices are this job's (all hosts') JAX devices, or with `[tpu] topology`
+   and `--dry-run` the compile-only devices of that TPU slice. `validate(cfg, len(devices))`
+   resolves the parallel degrees; the mesh has the axes ("dp_replicate", "dp_shard", "tp").
+2. Model. torchtitan's Llama 3 `Transformer` for `[model] flavor` is built on `meta` (its
+   vocab_size is the flavor's; a tokenizer with a larger vocabulary is refused; max_seq_len is
+   the training seq_len), parallelized with `parallelize_llama` (FSDP/HSDP, tensor and sequence
+   parallelism, mixed precision, activation checkpointing), then materialized: every parameter
+   is created directly in its sharded layout, so no device and no host ever holds the whole
+   model, and `init_weights()` fills them in place under the seed `[debug] seed`.
+3. Optimizer and schedule. `torch.optim.AdamW(capturable=True, foreach=True)` with its learning
+   rate held in a tpu tensor, so the LR schedule (a LambdaLR that writes that tensor in place)
+   reaches the compiled step without recompiling it.
+4. The step. Forward and backward over the gradient-accumulation micro-batches, gradient
+   clipping, the optimizer update and zeroing the gradients run as ONE `torchtpu.compile`
+   program (the first call runs eagerly and discovers the state, the second compiles). The loss
+   and the gradient norm stay on the devices; the host reads them only at logging steps.
+5. Data: each host reads its own shard of the token stream; batches are laid out over the
+   data-parallel mesh axes.
+6. Metrics (loss, grad_norm, lr, tokens/s per device, TFLOP/s, MFU, step time, memory) go to
+   `<dump_folder>/metrics.jsonl`, the console and optionally TensorBoard / W&B, from process 0.
+7. Checkpoints (Orbax): model, optimizer, LR schedule, data position and step, every
+   `interval` steps and at the end; a run resumes from the newest checkpoint automatically.
+8. `--dry-run`: builds the same job without allocating any array, compiles the step ahead of
+   time (for the TPU topology when one is named) and reports HBM needed vs available, FLOPs,
+   XLA's estimated step time and the implied tokens/s and MFU; exit 0 if it fits, 1 if not.
+
+`Trainer(cfg)` exposes the pieces (model, optimizer, step function, data loader) for tests and
+notebooks; `Trainer.train()` runs the loop and returns the logged metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import sys
+import time
+import warnings
+
+from .config import ConfigError, JobConfig, ParallelDims, validate
+
+__all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def _log(msg: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"[torchtpu-train] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
+    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len.
+
+    The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
+    be trained on (its ids would index past the embedding table) and is refused."""
+    from torchtitan.models.llama3 import llama3_args
+
+    flavor = cfg.model.flavor
+    if flavor not in llama3_args:
+        known = ", ".join(k for k in llama3_args if "_" not in k)
+        raise ConfigError(f"[model] flavor = {flavor!r}: not a torchtitan llama3 flavor; allowed: {known}")
+    args = dataclasses.replace(llama3_args[flavor])
+    if args.attn_type != "sdpa":
+        raise ConfigError(f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
+                          "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)")
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
+        where = cfg.origin("model", "hf_assets_path") or "default"
+        raise ConfigError(
+            f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: the tokenizer has "
+            f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
+            f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
+            f"{tokenizer_vocab_size})")
+    args.max_seq_len = cfg.training.seq_len
+    return args
+
+
+def cross_entropy_loss(logits, labels):
+    """torchtitan's loss: mean token cross entropy, computed in float32."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _scalar(value: float, mesh=None, lazy: bool = False):
+    """A float32 scalar on tpu: replicated over `mesh` when given (so it can meet sharded tensors in
+    eager ops even after a checkpoint restore commits it), else on the default tpu device.
+    lazy=True: an unfilled tensor laid out over the mesh (for ahead-of-time compilation)."""
+    import torch
+
+    from torchtpu.distributed import Replicate, distribute_tensor, empty
+
+    if lazy:
+        return empty((), torch.float32, mesh=mesh, placements=[Replicate()] * mesh.ndim)
+    t = torch.tensor(value, dtype=torch.float32)
+    if mesh is None:
+        return t.to("tpu")
+    return distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)
+
+
+def build_optimizer(params, cfg: JobConfig, mesh=None, lazy: bool = False):
+    """AdamW/Adam from [optimizer], capturable, foreach, with the learning rate as a tpu tensor.
+
+    A Python-float learning rate would be baked into a compiled step as a constant; a tensor is
+    an input of the program, and LambdaLR updates it in place (fill_)."""
+    import torch
+
+    o = cfg.optimizer
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
+    kw = dict(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, capturable=True, foreach=True)
+    if lazy:
+        # the constructor reads lr to check it; give it the number, then the unfilled tensor
+        opt = cls(params, lr=o.lr, **kw)
+        for group in opt.param_groups:
+            group["lr"] = _scalar(o.lr, mesh, lazy=True)
+        return opt
+    return cls(params, lr=_scalar(o.lr, mesh), **kw)
+
+
+def init_optimizer_state(optimizer, mesh=None) -> None:
+    """Create Adam(W)'s state (step, exp_avg, exp_avg_sq) now, laid out like each parameter,
+    instead of lazily in the first step, so a checkpoint can be restored into it in place."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            st = optimizer.state[p]
+            st["step"] = _scalar(0.0, mesh)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def _ac_settings(cfg: JobConfig) -> tuple[str, int]:
+    ac = cfg.activation_checkpoint
+    if ac.mode != "selective":
+        return ac.mode, 1
+    if ac.selective_ac_option == "op":
+        warnings.warn('activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
+                      'supported by torchtpu yet; recomputing every block (mode "full") instead', stacklevel=2)
+        return "full", 1
+    return "selective", int(ac.selective_ac_option)
+
+
+def _memory_gib() -> float | None:
+    """Device memory in use on this process's first device (GiB)."""
+    import jax
+    import torch
+
+    try:
+        used = torch.tpu.memory_allocated()
+    except Exception:  # noqa: BLE001
+        used = 0
+    if not used:
+        dev = jax.local_devices()[0]
+        used = 0
+        for a in jax.live_arrays():
+            for s in a.addressable_shards:
+                if s.device == dev:
+                    used += s.data.nbytes
+    return used / 1024**3
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """A training job built from a configuration. `train()` runs it; `dry_run()` compiles it only.
+
+    Attributes after construction: dims (ParallelDims), mesh, devices, tokenizer, model_args,
+    model, optimizer, lr_scheduler, dataloader (None in a dry run), step_fn (the compiled step),
+    checkpointer (or None), step (the last completed step), history (the logged metrics).
+    """
+
+    def __init__(self, cfg: JobConfig):
+        import jax
+        import torch
+
+        import torchtpu  # noqa: F401  (registers the tpu device)
+        from torchtpu.distributed import init_device_mesh, materialize
+        from torchtpu.models.llama3.parallelize import parallelize_llama
+
+        from .tokenizer import build_tokenizer
+
+        self.cfg = cfg
+        self.dry = bool(cfg.tpu.dry_run)
+        self.history: list[dict] = []
+        self.step = 0
+
+        # -- devices, mesh
+        if cfg.tpu.topology:
+            if not self.dry:
+                local = jax.devices()
+                if local[0].platform != "tpu":
+                    raise ConfigError(
+                        f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
+                        f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
+                        "here, or leave topology empty to train on the attached devices")
+                self.devices = local
+            else:
+                from torchtpu.distributed.topology import topology_devices
+
+                self.devices = topology_devices(cfg.tpu.topology)
+        else:
+            self.devices = jax.devices()
+        self.dims: ParallelDims = validate(cfg, len(self.devices))
+        dims = self.dims
+        kwargs = {}
+        if cfg.tpu.topology:
+            kwargs["devices"] = self.devices
+        if dims.num_slices > 1:
+            kwargs["dcn_mesh_shape"] = dims.dcn_mesh_shape
+        self.mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES, **kwargs)
+
+        # -- tokenizer and model arguments
+        try:
+            self.tokenizer = build_tokenizer(cfg.model.hf_assets_path or None)
+        except (FileNotFoundError, ValueError) as e:
+            where = cfg.origin("model", "hf_assets_path") or "default"
+            raise ConfigError(f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: {e}") from None
+        self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
+
+        # -- seed
+        seed = cfg.debug.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+            _log(f"seed {seed} (set [debug] seed to repeat this run)")
+        self.seed = seed
+        torch.manual_seed(seed)
+        torch.tpu.manual_seed_all(seed)
+
+        # -- model on meta, parallelized, materialized sharded, initialised in place
+        from torchtitan.models.llama3 import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        param_dtype = _torch_dtype(cfg.training.dtype)
+        if param_dtype != torch.float32:
+            # parameters only: the RoPE table (freqs_cis) stays complex64
+            for mod in model.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is not None and p.is_floating_point():
+                        mod._parameters[name] = torch.nn.Parameter(p.to(param_dtype), requires_grad=p.requires_grad)
+        from .metrics import model_flops_per_token
+
+        self.num_params, self.flops_per_token = model_flops_per_token(model, self.model_args, cfg.training.seq_len)
+        mp_param = _torch_dtype(cfg.training.mixed_precision_param)
+        mp_reduce = _torch_dtype(cfg.training.mixed_precision_reduce)
+        ac_mode, ac_every = _ac_settings(cfg)
+        parallelize_llama(
+            model, self.mesh,
+            sequence_parallel=dims.tp > 1, loss_parallel=False,
+            param_dtype=None if mp_param == param_dtype else mp_param,
+            reduce_dtype=None if mp_reduce == param_dtype else mp_reduce,
+            ac_mode=ac_mode, ac_every=ac_every,
+        )
+        materialize(model)
+        if not self.dry:
+            with torch.no_grad():
+                model.init_weights(buffer_device=torch.device("tpu"))
+        self.model = model
+        self.model.train()
+
+        # -- optimizer, schedule
+        from .lr import build_lr_scheduler
+
+        # In a dry run the learning rate is an unfilled program input too, and there is no schedule
+        # to write it (the compiled program is the same: the rate is an input either way).
+        self.optimizer = build_optimizer(list(model.parameters()), cfg, self.mesh, lazy=self.dry)
+        ls = cfg.lr_scheduler
+        self.schedule_steps = ls.total_steps or cfg.training.steps
+        self.lr_scheduler = None
+        if not self.dry:
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type,
+                                                   ls.min_lr_factor, self.schedule_steps)
+
+        # -- the step
+        import torchtpu as _tt
+
+        self.step_fn = _tt.compile(self._train_step)
+
+        # -- data
+        self.dataloader = None
+        if not self.dry:
+            from .data import build_dataloader
+
+            nproc = jax.process_count()
+            micro = dims.local_batch_size * dims.dp  # sequences per micro-batch, all hosts
+            if micro % nproc:
+                raise ConfigError(
+                    f"[training] local_batch_size = {dims.local_batch_size}: the micro-batch of "
+                    f"{dims.local_batch_size} x {dims.dp} data-parallel ranks = {micro} sequences cannot be split "
+                    f"evenly over {nproc} hosts")
+            self.host_batch = micro // nproc
+            try:
+                self.dataloader = build_dataloader(
+                    cfg.training.dataset, cfg.training.dataset_path, self.tokenizer, cfg.training.seq_len,
+                    self.host_batch, dp_rank=jax.process_index(), dp_world_size=nproc,
+                    seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
+                                  f"{cfg.training.dataset_path!r}: {e}") from None
+
+        # -- checkpoints
+        self.checkpointer = None
+        ck = cfg.checkpoint
+        if ck.enable and not self.dry:
+            from .checkpoint import CheckpointManager
+
+            self.checkpointer = CheckpointManager(
+                os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
+                keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode)
+
+    # -- the compiled step -------------------------------------------------------------------
+
+    def _train_step(self, microbatches):
+        """Forward + backward over the micro-batches, clip, update, zero grads. One XLA program."""
+        import torch
+
+        n = len(microbatches)
+        total = None
+        for inputs, labels in microbatches:
+            loss = cross_entropy_loss(self.model(inputs), labels)
+            (loss / n if n > 1 else loss).backward()
+            d = loss.detach()
+            total = d if total is None else total + d
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return (total / n if n > 1 else total), grad_norm
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _place(self, x):
+        """A host numpy (host_batch, seq_len) int64 array -> a tpu tensor laid out over the dp axes."""
+        import jax
+        import torch
+
+        import torchtpu
+        from torchtpu.distributed import distribute_tensor
+        from torchtpu.models.llama3.parallelize import batch_placements
+
+        placements = batch_placements(self.mesh)
+        if jax.process_count() == 1:
+            return distribute_tensor(torch.from_numpy(x), self.mesh, placements)
+        from torchtpu.distributed.placements import sharding_for
+
+        sharding = sharding_for(self.mesh, placements, x.ndim)
+        return torchtpu.from_jax(jax.make_array_from_process_local_data(sharding, x))
+
+    def next_batch(self):
+        """The next optimizer step's micro-batches: [(inputs, labels)] * grad_accum_steps on tpu."""
+        out = []
+        for _ in range(self.dims.grad_accum_steps):
+            inputs, labels = next(self.dataloader)
+            out.append((self._place(inputs), self._place(labels)))
+        return out
+
+    # -- checkpoint state --------------------------------------------------------------------
+
+    def state(self) -> dict:
+        from .checkpoint import model_state, optimizer_state
+
+        return {
+            "model": model_state(self.model),
+            "optimizer": optimizer_state(self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": self.dataloader.state_dict(),
+            "step": self.step,
+        }
+
+    def maybe_resume(self) -> bool:
+        ck = self.checkpointer
+        if ck is None:
+            return False
+        cfg = self.cfg.checkpoint
+        step = None if cfg.load_step == -1 else cfg.load_step
+        if ck.latest_step() is None:
+            if cfg.initial_load_path:
+                raise ConfigError(f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}: loading initial "
+                                  "weights is not supported by torchtpu's trainer yet; leave it out")
+            return False
+        from .checkpoint import load_model_state, load_optimizer_state
+
+        init_optimizer_state(self.optimizer, self.mesh)
+        excluded = set(cfg.exclude_from_loading)
+        target = self.state()
+        restored = ck.restore(step, target=target)
+        load_model_state(self.model, restored["model"])
+        if "optimizer" not in excluded:
+            load_optimizer_state(self.optimizer, restored["optimizer"])
+        if "lr_scheduler" not in excluded:
+            self.lr_scheduler.load_state_dict(restored["lr_scheduler"])
+        if "dataloader" not in excluded:
+            self.dataloader.load_state_dict(restored["dataloader"])
+        self.step = int(restored["step"])
+        _log(f"resumed from {ck.step_path(self.step)} (step {self.step})")
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def current_lr(self) -> float:
+        """The learning rate the next step uses, computed on the host (no device read)."""
+        sch = self.lr_scheduler
+        return float(self.cfg.optimizer.lr * sch.lr_lambdas[0](sch.last_epoch))
+
+    def train(self) -> list[dict]:
+        import jax
+
+        from .metrics import MetricsLogger, peak_flops
+
+        cfg = self.cfg
+        dims = self.dims
+        self.maybe_resume()
+        total_steps = cfg.training.steps
+        is_main = jax.process_index() == 0
+        logger = MetricsLogger(
+            cfg.job.dump_folder, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard, cfg.metrics.enable_wandb,
+            run_name=cfg.job.description, config_dict=cfg.to_dict(),
+            is_main_process=is_main, total_steps=total_steps)
+        peak, peak_src = peak_flops(self.devices[0].device_kind)
+        tokens_per_step = dims.tokens_per_step
+        world = dims.world_size
+        _log(f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
+             f"{dict(zip(MESH_AXES, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
+             f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
+             f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}")
+        _log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+
+        profiler = _Profiler(cfg)
+        t_last = time.perf_counter()
+        steps_since = 0
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            while self.step < total_steps:
+                step = self.step + 1
+                profiler.before(step)
+                batch = self.next_batch()
+                lr = self.current_lr()
+                loss, grad_norm = self.step_fn(batch)
+                self.lr_scheduler.step()
+                self.step = step
+                steps_since += 1
+                profiler.after(step, loss)
+                if step % cfg.training.gc_freq == 0:
+                    gc.collect(1)
+                if logger.should_log(step):
+                    loss_v = float(loss.item())  # the one host sync per log interval
+                    gn_v = float(grad_norm.item())
+                    now = time.perf_counter()
+                    dt = (now - t_last) / steps_since
+                    tps = tokens_per_step / dt / world
+                    tflops = self.flops_per_token * tps / 1e12
+                    rec = {"loss": loss_v, "grad_norm": gn_v, "lr": lr, "tps": tps, "tflops": tflops,
+                           "mfu": 100.0 * tflops * 1e12 / peak, "step_time": dt, "memory_gib": _memory_gib()}
+                    if not math.isfinite(loss_v):
+                        logger.log(step, rec)
+                        raise FloatingPointError(f"loss is {loss_v} at step {step}; lower [optimizer] lr or check "
+                                                 "the data")
+                    logger.log(step, rec)
+                    self.history.append({"step": step, **rec})
+                    t_last = time.perf_counter()
+                    steps_since = 0
+                else:
+                    logger.progress(step)
+                if self.checkpointer is not None and not cfg.checkpoint.load_only:
+                    force = step == total_steps or (step == 1 and cfg.checkpoint.enable_first_step_checkpoint)
+                    if self.checkpointer.should_save(step, force):
+                        self.checkpointer.save(step, self.state(), force=force)
+        finally:
+            profiler.close()
+            if gc_was:
+                gc.enable()
+            logger.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        return self.history
+
+    # -- dry run -------------------------------------------------------------------------------
+
+    def dry_run(self) -> int:
+        """Compile the step ahead of time without allocating arrays; report; 0 if it fits else 1."""
+        import torch
+
+        import torchtpu.distributed as td
+        from torchtpu.distributed.topology import compile_report, format_report
+        from torchtpu.models.llama3.parallelize import batch_placements
+
+        if not hasattr(self.step_fn, "compile_for") or not hasattr(td, "empty"):
+            raise RuntimeError("this torchtpu build cannot compile a step ahead of time (compile_for / "
+                               "torchtpu.distributed.empty are missing)")
+        dims = self.dims
+        shape = (dims.local_batch_size * dims.dp, dims.seq_len)
+        placements = batch_placements(self.mesh)
+        batch = [(td.empty(shape, torch.int64, mesh=self.mesh, placements=placements),
+                  td.empty(shape, torch.int64, mesh=self.mesh, placements=placements))
+                 for _ in range(dims.grad_accum_steps)]
+        t0 = time.perf_counter()
+        try:
+            compiled = self.step_fn.compile_for(batch)
+        except Exception as e:  # noqa: BLE001
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+                raise
+            first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
+            print(f"torchtpu-train: dry run: the step does NOT fit in device memory on {self._where()}: the XLA "
+                  f"compiler says: {first}; {self._fit_hint()}", file=sys.stderr, flush=True)
+            return 1
+        t_compile = time.perf_counter() - t0
+        report = compile_report(compiled, self.mesh.jax_mesh)
+        print(format_report(report), flush=True)
+        est = report["estimated_step_seconds"]
+        peak = report["peak_bf16_flops_per_device"]
+        tokens = dims.tokens_per_step
+        model_flops = self.flops_per_token * tokens
+        lines = [f"compile time          {t_compile:.1f} s",
+                 f"model FLOPs / step    {model_flops:.4g} ({self.flops_per_token:.4g} per token x {tokens} tokens)"]
+        if est:
+            lines.append(f"tokens/s (XLA est.)   {tokens / est:,.0f} total, {tokens / est / dims.world_size:,.0f} "
+                         "per device")
+            if peak:
+                lines.append(f"MFU (XLA est.)        {100 * model_flops / (est * dims.world_size * peak):.1f}%")
+        else:
+            bound = report.get("compute_bound_seconds")
+            if bound:
+                lines.append(f"tokens/s upper bound  {tokens / bound:,.0f} total, {tokens / bound / dims.world_size:,.0f} "
+                             "per device (compute-bound step; XLA gave no time estimate, so no MFU estimate)")
+        print("\n".join(lines), flush=True)
+        fits = report["fits"]
+        if fits is False:
+            print(f"torchtpu-train: dry run: the step needs {report['hbm_bytes_needed'] / 1024**3:.2f} GiB of HBM per "
+                  f"device but a {report['chip']} device has {report['hbm_bytes_available'] / 1024**3:.2f} GiB: "
+                  f"it does NOT fit on {self._where()}; {self._fit_hint()}", file=sys.stderr, flush=True)
+            return 1
+        if fits is None:
+            print("dry run: compiled; no HBM capacity known for these devices (name a [tpu] topology to check the fit)",
+                  flush=True)
+        else:
+            print("dry run: it fits", flush=True)
+        return 0
+
+
+    def _fit_hint(self) -> str:
+        hint = ("shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
+                "training.local_batch_size / seq_len")
+        if self.cfg.activation_checkpoint.mode != "full":
+            hint += ', or set activation_checkpoint.mode = "full"'
+        return hint
+
+    def _where(self) -> str:
+        return (self.cfg.tpu.topology or f"{len(self.devices)} {self.devices[0].device_kind} devices")
+
+
+
+
+class _Profiler:
+    """jax.profiler traces of `profiler_active` steps ending at each multiple of profile_freq."""
+
+    def __init__(self, cfg: JobConfig):
+        p = cfg.profiling
+        self.enabled = p.enable_profiling
+        self.freq = p.profile_freq
+        self.active = min(p.profiler_active, p.profile_freq)
+        self.folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
+        self.on = False
+
+    def before(self, step: int) -> None:
+        if not self.enabled or self.on:
+            return
+        end = -(-step // self.freq) * self.freq
+        if step == end - self.active + 1:
+            import jax
+
+            self.dir = os.path.join(self.folder, f"iteration_{end}")
+            os.makedirs(self.dir, exist_ok=True)
+            jax.profiler.start_trace(self.dir)
+            self.on = True
+
+    def after(self, step: int, out) -> None:
+        if self.on and step % self.freq == 0:
+            import jax
+
+            import torchtpu
+
+            jax.block_until_ready(torchtpu.to_jax(out))
+            jax.profiler.stop_trace()
+            self.on = False
+            _log(f"profiler trace of step(s) {step - self.active + 1}..{step} in {self.dir}")
+
+    def close(self) -> None:
+        if self.on:
+            import jax
+
+            jax.profiler.stop_trace()
+            self.on = False
+
+
+def main(cfg: JobConfig) -> int:
+    """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
+
+    Configuration problems raise ConfigError (the CLI prints one line and exits 2)."""
+    if cfg.job.save_config_file:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        with open(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file), "w", encoding="utf-8") as f:
+            f.write(cfg.to_toml())
+    trainer = Trainer(cfg)
+    if trainer.dry:
+        return trainer.dry_run()
+    t0 = time.perf_counter()
+    history = trainer.train()
+    if history:
+        _log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
+    return 0
