@@ -67,7 +67,9 @@ def _multiplier(step: int, warmup: int, stable: int, decay: int, decay_type: str
     decay_start = warmup + stable
     if step < decay_start:
         return 1.0
-    progress = (step + 1 - decay_start) / decay
+    if decay <= 0:
+        return 1.0  # past a schedule with no decay phase: stay at the peak
+    progress = min((step + 1 - decay_start) / decay, 1.0)  # past the end: stay at the floor
     if decay_type == "linear":
         shape = 1.0 - progress
     elif decay_type == "sqrt":
