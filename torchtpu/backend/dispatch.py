@@ -250,10 +250,15 @@ _SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
 _LIKE_OPS = frozenset(f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint"))
 
 
+# func -> fn(args, out) -> out: fix-ups of an op's wrapped outputs (e.g. strides PyTorch's meta
+# function promises that differ from the contiguous layout of a fresh result)
+POST: dict = {}
+
+
 class OpPlan:
     __slots__ = (
         "func", "kind", "arg_names", "dyn_pos", "dyn_kw", "impl", "mutated", "returns_alias",
-        "functional", "lowering", "random", "jit", "name", "executables", "like",
+        "functional", "lowering", "random", "jit", "name", "executables", "like", "int_returns", "post",
     )
 
 
@@ -301,6 +306,8 @@ def _plan(func) -> OpPlan:
     p.name = str(func)
     schema = func._schema
     p.like = schema.name in _LIKE_OPS
+    p.post = POST.get(func)
+    p.int_returns = tuple(i for i, r in enumerate(schema.returns) if str(r.type) in ("SymInt", "int"))
     p.arg_names = [a.name for a in schema.arguments]
     p.lowering = LOWERINGS.get(func)
     static = p.lowering.static if p.lowering else frozenset()
@@ -729,9 +736,16 @@ def dispatch(func, args, kwargs):
                 a0 = args[0] if args else None
                 out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else _device_index_of(args, kwargs))
             else:
+                if plan.int_returns:  # SymInt returns left jit as arrays
+                    out = list(out)
+                    for i in plan.int_returns:
+                        out[i] = int(out[i]) if not isinstance(out[i], jax.core.Tracer) else out[i]
+                    out = tuple(out)
                 out = wrap(out, _device_index_of(args, kwargs))
             if plan.like and type(args[0]) is TpuTensor and args[0]._st.dist is not None and type(out) is TpuTensor:
                 out._st.dist = args[0]._st.dist
+            if plan.post is not None:
+                out = plan.post(args, out)
         elif kind == "view":
             out = _view(plan, func, args, kwargs)
         elif kind == "mutating":

@@ -187,7 +187,7 @@ class _CompiledGraph:
         args = []
         for kind in kinds:
             if kind[0] == "T":
-                args.append(new_base(next(it_a), kind[2], kind[1]))
+                args.append(_strided(next(it_a), kind[2], kind[1], kind[3]))
             else:
                 args.append(next(it_s))
         prev_keys = tpu_random.TRACED
@@ -204,7 +204,7 @@ class _CompiledGraph:
         for o in outs:
             if isinstance(o, TpuTensor):
                 out_arrays.append(array_of(o))
-                spec.append(("T", o.dtype, o._st.device_index))
+                spec.append(("T", o.dtype, o._st.device_index, o.stride()))
             elif isinstance(o, torch.Tensor):
                 raise NotImplementedError(
                     f"torchtpu: a torch.compile graph produced a tensor on {o.device}; only tpu outputs are supported"
@@ -222,12 +222,12 @@ class _CompiledGraph:
         for a in args:
             if type(a) is TpuTensor:
                 arrays.append(array_of(a))
-                kinds.append(("T", a.dtype, a._st.device_index))
+                kinds.append(("T", a.dtype, a._st.device_index, a.stride()))
             elif isinstance(a, torch.Tensor):
                 if a.device.type != "cpu":
                     raise TypeError(f"torchtpu: torch.compile(backend='tpu') got a tensor on {a.device}")
                 arrays.append(jax.numpy.asarray(a.detach().numpy()))
-                kinds.append(("T", a.dtype, 0))
+                kinds.append(("T", a.dtype, 0, a.stride()))
             else:
                 v = int(a) if isinstance(a, torch.SymInt) else a
                 statics.append(v)
@@ -244,10 +244,21 @@ class _CompiledGraph:
         outs = []
         for s in self.out_specs[(kinds, statics)]:
             if s[0] == "T":
-                outs.append(new_base(next(it), s[2], s[1]))
+                outs.append(_strided(next(it), s[2], s[1], s[3]))
             else:
                 outs.append(s[1])
         return outs
+
+
+def _strided(array, device_index, dtype, strides):
+    """A tpu tensor over `array` whose strides are `strides`: graphs are traced against the
+    strides PyTorch's meta functions give (a transposed view, an attention output in its
+    query's layout), and later view ops check them. The array holds the logical values
+    whatever the strides say."""
+    t = new_base(array, device_index, dtype)
+    if tuple(strides) != t.stride():
+        t = TpuTensor(t._st, (), tuple(array.shape), dtype, strides=tuple(strides))
+    return t
 
 
 def _compiler(name):

@@ -612,3 +612,199 @@ def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximu
         raise NotImplementedError("torchtpu: embedding_bag(sparse=True) gradients are not supported; use sparse=False")
     return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                          scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+# ----------------------------------------------------------------------------- fused attention
+# F.scaled_dot_product_attention on tpu runs PyTorch's "overrideable" fused kernel (the slot
+# PyTorch keeps for out-of-tree backends): forward and backward below. Unlike the math path,
+# autograd then saves only q, k, v, the output and the log-sum-exp, not the (L, S) attention
+# probabilities of every layer, and long sequences are processed in blocks of queries so that
+# no (L, S) matrix is ever whole: the backward recomputes each block's scores.
+
+_Q_BLOCK = 512  # queries per block when the sequence is long
+
+
+def _rows(mask, start, size, L):
+    """Rows [start, start+size) of a mask broadcastable to (..., L, S)."""
+    if mask is None or mask.ndim < 2 or mask.shape[-2] != L or L == 1:
+        return mask
+    return lax.dynamic_slice_in_dim(mask, start, size, axis=mask.ndim - 2)
+
+
+def _block_attention(q, k, v, mask, is_causal, scale, start, S):
+    """Attention of a block of queries starting at row `start` against all keys."""
+    acc = q.dtype
+    s = jnp.einsum("...le,...se->...ls", q, k, precision=lax.Precision.HIGHEST) * scale
+    ninf = jnp.asarray(-jnp.inf, acc)
+    if is_causal:
+        rows = start + jnp.arange(q.shape[-2])[:, None]
+        s = jnp.where(jnp.arange(S)[None, :] <= rows, s, ninf)
+    if mask is not None:
+        s = jnp.where(mask, s, ninf) if mask.dtype == jnp.bool_ else s + mask.astype(acc)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    finite = jnp.isfinite(lse)
+    p = jnp.where(finite[..., None], jnp.exp(s - jnp.where(finite, lse, 0)[..., None]), 0)
+    return jnp.einsum("...ls,...se->...le", p, v, precision=lax.Precision.HIGHEST), lse
+
+
+def _prep(query, key, value, scale):
+    acc = _acc_dtype(query)
+    q, k, v = query.astype(acc), key.astype(acc), value.astype(acc)
+    rep = 1
+    if k.ndim == q.ndim and k.ndim >= 3 and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, rep, axis=-3), jnp.repeat(v, rep, axis=-3)
+    sc = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
+    return q, k, v, sc, rep
+
+
+def _blocks(L):
+    if L <= _Q_BLOCK or L % _Q_BLOCK:
+        return 1, L
+    return L // _Q_BLOCK, _Q_BLOCK
+
+
+def _fused_forward(query, key, value, mask, is_causal, scale):
+    q, k, v, sc, _ = _prep(query, key, value, scale)
+    L, S = q.shape[-2], k.shape[-2]
+    n, size = _blocks(L)
+    if n == 1:
+        out, lse = _block_attention(q, k, v, mask, is_causal, sc, 0, S)
+    else:
+        def one(i):
+            start = i * size
+            qb = lax.dynamic_slice_in_dim(q, start, size, axis=q.ndim - 2)
+            return _block_attention(qb, k, v, _rows(mask, start, size, L), is_causal, sc, start, S)
+
+        outs, lses = lax.map(one, jnp.arange(n))
+        out = jnp.moveaxis(outs, 0, -3).reshape(q.shape[:-2] + (L, v.shape[-1]))
+        lse = jnp.moveaxis(lses, 0, -2).reshape(q.shape[:-2] + (L,))
+    return out.astype(query.dtype), lse.astype(jnp.float32)
+
+
+def _fused_backward(grad_out, query, key, value, mask, is_causal, scale):
+    q, k, v, sc, rep = _prep(query, key, value, scale)
+    g = grad_out.astype(q.dtype)
+    L, S = q.shape[-2], k.shape[-2]
+    n, size = _blocks(L)
+
+    def block_grads(start, qb, gb, mb):
+        _, vjp = jax.vjp(lambda qq, kk, vv: _block_attention(qq, kk, vv, mb, is_causal, sc, start, S)[0], qb, k, v)
+        return vjp(gb)
+
+    if n == 1:
+        dq, dk, dv = block_grads(0, q, g, mask)
+    else:
+        def step(carry, i):
+            start = i * size
+            qb = lax.dynamic_slice_in_dim(q, start, size, axis=q.ndim - 2)
+            gb = lax.dynamic_slice_in_dim(g, start, size, axis=g.ndim - 2)
+            dqb, dkb, dvb = block_grads(start, qb, gb, _rows(mask, start, size, L))
+            return (carry[0] + dkb, carry[1] + dvb), dqb
+
+        (dk, dv), dqs = lax.scan(step, (jnp.zeros_like(k), jnp.zeros_like(v)), jnp.arange(n))
+        dq = jnp.moveaxis(dqs, 0, -3).reshape(q.shape)
+    if rep > 1:  # grouped-query attention: fold the repeated heads back
+        dk = dk.reshape(dk.shape[:-3] + (dk.shape[-3] // rep, rep) + dk.shape[-2:]).sum(-3)
+        dv = dv.reshape(dv.shape[:-3] + (dv.shape[-3] // rep, rep) + dv.shape[-2:]).sum(-3)
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
+
+
+@lower(aten._scaled_dot_product_fused_attention_overrideable.default)
+def _sdpa_overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                       *, scale=None):
+    _no_dropout("_scaled_dot_product_fused_attention_overrideable", dropout_p)
+    out, lse = _fused_forward(query, key, value, attn_bias, is_causal, scale)
+    if lse.ndim == 2:  # 3-D (H, L, E) inputs: PyTorch's meta gives (1, H, L)
+        lse = lse[None]
+    zero = jnp.zeros((), jnp.int64)
+    empty = jnp.zeros((0,), jnp.int64)
+    return out, lse, empty, empty, query.shape[-2], key.shape[-2], zero, zero, jnp.zeros((0,), query.dtype)
+
+
+@lower(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def _sdpa_overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
+                                cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    dq, dk, dv = _fused_backward(grad_out, query, key, value, attn_bias, is_causal, scale)
+    return dq, dk, dv, None
+
+
+def _sdp_choice(args, kwargs):
+    """Which fused attention F.scaled_dot_product_attention uses on tpu."""
+    from torch.nn.attention import SDPBackend
+
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    mask = a.get("attn_mask")
+    if a.get("dropout_p", 0.0) or (mask is not None and mask.requires_grad) or a["query"].dim() not in (3, 4):
+        return int(SDPBackend.MATH)  # dropout, a learned bias or odd ranks: PyTorch's math path
+    return int(SDPBackend.OVERRIDEABLE)
+
+
+def _matching_layout(args, out):
+    """The attention output's wrapper takes the strides PyTorch's meta function gives it (the
+    query's layout), so graphs traced against those strides (torch.compile) view it correctly.
+    Only the wrapper's strides change: the array holds the logical values either way."""
+    from ..tensor import TpuTensor
+
+    query, res = args[0], out[0]
+    if query.dim() != 4 or res._vw:
+        return out
+    if tuple(query.shape) == tuple(res.shape):
+        strides = query.stride()
+    else:
+        order = sorted(range(4), key=lambda i: query.stride()[i], reverse=True)
+        strides, acc = [0] * 4, 1
+        for i in reversed(order):
+            strides[i] = acc
+            acc *= res.shape[i]
+    if tuple(strides) == tuple(res.stride()):
+        return out
+    fixed = TpuTensor(res._st, (), tuple(res.shape), res.dtype, strides=tuple(strides))
+    return (fixed,) + tuple(out[1:])
+
+
+def _grads_like_inputs(args, out):
+    """Attention gradients take their inputs' strides (PyTorch's meta: empty_like)."""
+    from ..tensor import TpuTensor
+
+    fixed = list(out)
+    for i, src in zip(range(3), args[1:4]):
+        g = out[i]
+        if isinstance(g, TpuTensor) and not g._vw and tuple(g.shape) == tuple(src.shape) and g.stride() != src.stride():
+            fixed[i] = TpuTensor(g._st, (), tuple(g.shape), g.dtype, strides=tuple(src.stride()))
+    return tuple(fixed)
+
+
+_SDPA_LIB = None
+
+
+def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention for tpu tensors (PyTorch's choice of fused kernel is a
+    C++ dispatch stub that out-of-tree Python backends cannot fill, so the op itself is
+    registered for the tpu autograd key)."""
+    import torch
+
+    from torch.nn.attention import SDPBackend
+
+    if _sdp_choice((query, key, value, attn_mask, dropout_p, is_causal), {}) == int(SDPBackend.MATH):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
+
+
+def _register_sdpa():
+    import torch
+
+    global _SDPA_LIB
+    _SDPA_LIB = torch.library.Library("aten", "IMPL")
+    _SDPA_LIB.impl("scaled_dot_product_attention", _sdpa_autograd, "AutogradPrivateUse1")
+    from ..dispatch import POST
+
+    POST[aten._scaled_dot_product_fused_attention_overrideable.default] = _matching_layout
+    POST[aten._scaled_dot_product_fused_attention_overrideable_backward.default] = _grads_like_inputs
+
+
+_register_sdpa()
