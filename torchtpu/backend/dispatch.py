@@ -247,7 +247,8 @@ _SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
 
 # Ops that make a tensor "like" their input: the result keeps the input's mesh layout (so
 # optimizer moments made with zeros_like(param) are sharded like the parameter).
-_LIKE_OPS = frozenset(f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint"))
+_LIKE_OPS = frozenset([f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint")]
+                       + ["aten::clone"])
 
 
 # func -> fn(args, out) -> out: fix-ups of an op's wrapped outputs (e.g. strides PyTorch's meta

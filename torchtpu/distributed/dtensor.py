@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import torch
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..backend.dispatch import array_of
@@ -62,15 +63,48 @@ def _shard_lowering(x, spec, grad_spec):
     return lax.with_sharding_constraint(x, pl.decode(spec))
 
 
-def shard_as(t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=None, unconstrained=()) -> torch.Tensor:
+def _shard_post(args, out):
+    # The result records its layout (also while tracing), so state made from it, such as a
+    # gradient accumulated into .grad, keeps the layout in ahead-of-time programs.
+    if isinstance(out, TpuTensor) and out._st.dist is None:
+        sharding = pl.decode(args[1])
+        if all(e is not P.UNCONSTRAINED for e in sharding.spec):
+            out._st.dist = (None, None, sharding)
+    return out
+
+
+def _register_post():
+    from ..backend.dispatch import POST
+
+    POST[torch.ops.torchtpu.shard.default] = _shard_post
+
+
+_register_post()
+
+
+def shard_as(t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=None, unconstrained=(),
+             batch_axes=()) -> torch.Tensor:
     """`t` laid out on `mesh` by `placements` (a sharding constraint inside programs).
 
-    The gradient is laid out by `grad_placements` (default: no constraint)."""
+    The gradient is laid out by `grad_placements` (default: no constraint). `batch_axes`: global
+    mesh axes that split dim 0 when no placement does and it divides evenly (the batch of an
+    activation, over the data-parallel axes)."""
     ndim = t.dim()
-    spec = pl.encode(mesh, pl.spec_for(mesh, placements, ndim, unconstrained=unconstrained))
+
+    def make(pls):
+        spec = pl.spec_for(mesh, pls, ndim, unconstrained=unconstrained)
+        if batch_axes and ndim and spec[0] in (None, P.UNCONSTRAINED):
+            n = 1
+            for a in batch_axes:
+                n *= mesh.jax_mesh.shape[a]
+            if t.shape[0] % n == 0:
+                spec = P(batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes), *tuple(spec)[1:])
+        return pl.encode(mesh, spec)
+
+    spec = make(placements)
     gspec = ""
     if grad_placements is not None:
-        gspec = pl.encode(mesh, pl.spec_for(mesh, _grad_placements(grad_placements), ndim, unconstrained=unconstrained))
+        gspec = make(_grad_placements(grad_placements))
     out = torch.ops.torchtpu.shard(t, spec, gspec)
     _remember(out, mesh, placements)
     return out
@@ -147,7 +181,7 @@ def _dist_info(t):
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise AttributeError("this tpu tensor is not distributed over a device mesh (use distribute_tensor)")
     info = getattr(t._st, "dist", None)
-    if info is not None and not t._vw:
+    if info is not None and info[0] is not None and not t._vw:
         mesh, placements = info[0], info[1]
         spec = pl.spec_for(mesh, placements, t.dim())
         if _same_layout(sharding, pl.NamedSharding(mesh.jax_mesh, spec), t.dim()):

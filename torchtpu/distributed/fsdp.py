@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Shard
 
 from . import placements as pl
@@ -147,7 +148,26 @@ def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor
 def _pre_forward(state: FSDPState):
     mp = state.mp_policy
 
+    axes = tuple(a for d in state.mesh.dims for a in d)
+    n = 1
+    for a in axes:
+        n *= state.mesh.jax_mesh.shape[a]
+    first = axes[0] if len(axes) == 1 else axes
+    specs: dict[int, str] = {}
+
+    def pin_batch(x):
+        # the module's main input keeps its batch dim split over the data-parallel axes, so XLA
+        # does not trade it for a split of the hidden dims (all-to-alls around the module)
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2 and x.shape[0] % n == 0:
+            s = specs.get(x.dim())
+            if s is None:
+                s = specs[x.dim()] = pl.encode(state.mesh, P(first, *([P.UNCONSTRAINED] * (x.dim() - 1))))
+            return torch.ops.torchtpu.shard(x, s, s)
+        return x
+
     def hook(module, args, kwargs):
+        if args:
+            args = (pin_batch(args[0]),) + tuple(args[1:])
         for owner, name in state.params:
             p = owner._parameters.get(name)
             if p is not None:
