@@ -520,9 +520,13 @@ class Trainer:
         dims = self.dims
         shape = (dims.local_batch_size * dims.dp, dims.seq_len)
         placements = batch_placements(self.mesh)
+        # One micro-batch: with accumulation the training step unrolls the same forward/backward
+        # grad_accum_steps times over the same buffers (gradients accumulate in place), so the
+        # per-device memory is that of one micro-batch while compile time would grow with the
+        # unrolled copies. Time and FLOPs are scaled to the whole step below.
+        accum = dims.grad_accum_steps
         batch = [(td.empty(shape, torch.int64, mesh=self.mesh, placements=placements),
-                  td.empty(shape, torch.int64, mesh=self.mesh, placements=placements))
-                 for _ in range(dims.grad_accum_steps)]
+                  td.empty(shape, torch.int64, mesh=self.mesh, placements=placements))]
         t0 = time.perf_counter()
         try:
             compiled = self.step_fn.compile_for(batch)
@@ -536,8 +540,13 @@ class Trainer:
             return 1
         t_compile = time.perf_counter() - t0
         report = compile_report(compiled, self.mesh.jax_mesh)
+        if accum > 1:
+            print(f"(program compiled for 1 of {accum} micro-batches; FLOPs and times below are per micro-batch "
+                  "program, the tokens/s and MFU lines scale them to the whole step)", flush=True)
         print(format_report(report), flush=True)
         est = report["estimated_step_seconds"]
+        if est:
+            est *= accum
         peak = report["peak_bf16_flops_per_device"]
         tokens = dims.tokens_per_step
         model_flops = self.flops_per_token * tokens
@@ -551,6 +560,7 @@ class Trainer:
         else:
             bound = report.get("compute_bound_seconds")
             if bound:
+                bound *= accum
                 lines.append(f"tokens/s upper bound  {tokens / bound:,.0f} total, {tokens / bound / dims.world_size:,.0f} "
                              "per device (compute-bound step; XLA gave no time estimate, so no MFU estimate)")
         print("\n".join(lines), flush=True)
