@@ -45,10 +45,11 @@ GB = 10**9
 # Per chip. device_kind strings as libtpu reports them (checked with libtpu 0.0.42.1):
 # v4 -> "TPU v4", v5e -> "TPU v5 lite", v5p -> "TPU v5", v6e -> "TPU v6 lite".
 _CHIPS = {
-    "v4": dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB),
-    "v5e": dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB),
-    "v5p": dict(name="v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB),
-    "v6e": dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB),
+    # hbm_bandwidth: bytes/s per chip (Google's published figures)
+    "v4": dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB, hbm_bandwidth=1.2e12),
+    "v5e": dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=8.19e11),
+    "v5p": dict(name="v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2.765e12),
+    "v6e": dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1.64e12),
 }
 _KIND_ALIASES = {
     "v4": "v4",
@@ -310,6 +311,10 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
         "estimated_step_seconds": (float(ca["optimal_seconds"]) if float(ca.get("optimal_seconds", -1.0)) > 0 else None),
         "peak_bf16_flops_per_device": peak_flops,
         "compute_bound_seconds": flops / peak_flops if peak_flops else None,
+        # a roofline bound from XLA's own flop and byte counts (not a simulation: no overlap of
+        # collectives, no precision passes); it is what remains when XLA gives no estimate
+        "roofline_seconds": (max(flops / peak_flops, float(ca.get("bytes accessed", 0.0)) / (spec["hbm_bandwidth"] / per_chip))
+                             if spec else None),
         "collectives": count_collectives(compiled.as_text()),
     }
 
@@ -352,6 +357,7 @@ def format_report(report: dict) -> str:
         ("flops total", f"{report['flops_total']:.4g}"),
         ("XLA estimated step", _secs(report["estimated_step_seconds"])),
         ("compute-bound step", _secs(report["compute_bound_seconds"])),
+        ("roofline step", _secs(report.get("roofline_seconds"))),
     ]
     rows += [(f"{name}", str(n)) for name, n in report["collectives"].items()]
     width = max(len(k) for k, _ in rows)
