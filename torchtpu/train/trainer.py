@@ -558,6 +558,13 @@ class Trainer:
             if peak:
                 lines.append(f"MFU (XLA est.)        {100 * model_flops / (est * dims.world_size * peak):.1f}%")
         else:
+            roof = report.get("roofline_seconds")
+            if roof:
+                roof *= accum
+                lines.append(f"tokens/s (roofline)   {tokens / roof:,.0f} total, {tokens / roof / dims.world_size:,.0f} per "
+                             "device (XLA gave no time estimate; roofline = max(FLOPs/peak, bytes/HBM bandwidth))")
+                if peak:
+                    lines.append(f"MFU (roofline)        {100 * model_flops / (roof * dims.world_size * peak):.1f}%")
             bound = report.get("compute_bound_seconds")
             if bound:
                 bound *= accum
