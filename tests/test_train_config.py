@@ -312,7 +312,7 @@ def test_shipped_config_details():
     assert debug.training.seq_len in (128, 256) and debug.metrics.log_freq == 10
     dims = C.validate(debug, 8)
     assert (dims.dp_shard, dims.tp, dims.grad_accum_steps) == (8, 1, 1)
-    assert C.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 4
+    assert C.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
     d70 = C.validate(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
     assert (d70.dp_shard, d70.tp) == (16, 4)
     d405 = C.validate(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
@@ -403,7 +403,7 @@ BAD_INPUTS = {
     "seq_len vs tp": ("[parallelism]\ntensor_parallel_degree = 2\n[training]\nseq_len = 127\n",
                       ["--topology", "v5e:2x4"], ["bad.toml", "[training]", "seq_len = 127", "multiple of 2"]),
     "global batch": (None, ["--training.global_batch_size", "100", "--topology", "v5e:2x4"],
-                     ["debug_model.toml", "[training]", "global_batch_size = 100", "multiple of", "64"]),
+                     ["debug_model.toml", "[training]", "global_batch_size = 100", "multiple of", "16"]),
     "missing tokenizer": ("[model]\nhf_assets_path = \"no/such/tokenizer\"\n", ["--topology", "v5e:2x4"],
                           ["bad.toml", "[model]", "hf_assets_path", "no/such/tokenizer", "not found"]),
     "missing data": (None, ["--training.dataset_path", "/no/such/data", "--topology", "v5e:2x4"],
