@@ -29,11 +29,12 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, re
 
 
 def test_chip_spec_by_device_kind_and_generation():
-    assert chip_spec("TPU v5 lite") == chip_spec("v5e") == dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * 10**9)
+    assert chip_spec("TPU v5 lite") == chip_spec("v5e") == dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * 10**9,
+                                                                hbm_bandwidth=8.19e11)
     assert chip_spec("TPU v5")["name"] == chip_spec("v5p")["name"] == "v5p"
     assert chip_spec("TPU v5")["hbm_bytes"] == 95 * 2**30 and chip_spec("TPU v5")["peak_bf16_flops"] == 459e12
-    assert chip_spec("TPU v6 lite") == dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * 10**9)
-    assert chip_spec("TPU v4") == dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * 2**30)
+    assert chip_spec("TPU v6 lite") == dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * 10**9, hbm_bandwidth=1.64e12)
+    assert chip_spec("TPU v4") == dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * 2**30, hbm_bandwidth=1.2e12)
     with pytest.raises(ValueError, match="unknown TPU device kind 'TPU v9'"):
         chip_spec("TPU v9")
 
