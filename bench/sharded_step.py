@@ -40,7 +40,6 @@ import collections  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import math  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 
@@ -59,7 +58,7 @@ from torchtpu.models.llama3.parallelize import batch_placements  # noqa: E402
 
 from common import lm_step, timed  # noqa: E402
 from train_step import (  # noqa: E402
-    BETAS, CONFIGS, EPS, LR, MAX_NORM, WD, apply_rope, jax_params_from, make_jax_step, rms_norm, rope_tables,
+    BETAS, CONFIGS, EPS, LR, MAX_NORM, WD, jax_params_from, make_jax_loss, make_jax_step,
 )
 
 DP, TP = "dp_shard", "tp"
@@ -99,40 +98,13 @@ def jax_param_specs(names_shapes, tp: bool) -> dict:
 
 def make_sharded_loss(args, seq: int, mesh, tp: bool):
     """bench/train_step.py's pure-JAX Llama 3 with activation sharding annotations."""
-    head_dim = args.dim // args.n_heads
-    n_kv = args.n_kv_heads or args.n_heads
-    cos, sin = rope_tables(head_dim, seq, args.rope_theta)
     t = TP if tp else None
+    specs = {"resid": (DP, None, None), "heads": (DP, None, t, None), "hidden": (DP, None, t), "logits": (DP, None, None)}
 
-    def c(x, *spec):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+    def pin(x, kind):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*specs[kind])))
 
-    def loss_fn(p, tokens, labels):
-        h = c(p["tok_embeddings.weight"][tokens], DP, None, None)
-        b, s, _ = h.shape
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        for i in range(args.n_layers):
-            pre = f"layers.{i}."
-            x = rms_norm(h, p[pre + "attention_norm.weight"], args.norm_eps)
-            q = c((x @ p[pre + "attention.wq.weight"].T).reshape(b, s, args.n_heads, head_dim), DP, None, t, None)
-            k = c((x @ p[pre + "attention.wk.weight"].T).reshape(b, s, n_kv, head_dim), DP, None, t, None)
-            v = c((x @ p[pre + "attention.wv.weight"].T).reshape(b, s, n_kv, head_dim), DP, None, t, None)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            rep = args.n_heads // n_kv
-            k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-            scores = jnp.where(mask, scores, -jnp.inf)
-            attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, -1)
-            h = c(h + c(attn, DP, None, t) @ p[pre + "attention.wo.weight"].T, DP, None, None)
-            x = rms_norm(h, p[pre + "ffn_norm.weight"], args.norm_eps)
-            ff = jax.nn.silu(x @ p[pre + "feed_forward.w1.weight"].T) * (x @ p[pre + "feed_forward.w3.weight"].T)
-            h = c(h + c(ff, DP, None, t) @ p[pre + "feed_forward.w2.weight"].T, DP, None, None)
-        h = rms_norm(h, p["norm.weight"], args.norm_eps)
-        logits = c((h @ p["output.weight"].T).astype(jnp.float32), DP, None, None)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-
-    return loss_fn
+    return make_jax_loss(args, seq, pin)
 
 
 def jax_sharded_step(args, seq, mesh, specs):

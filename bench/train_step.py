@@ -66,33 +66,38 @@ def apply_rope(x, cos, sin):
     return jnp.stack([re * c - im * sn, re * sn + im * c], axis=-1).reshape(b, s, h, d)
 
 
-def make_jax_loss(args: TransformerModelArgs, seq: int):
+def make_jax_loss(args: TransformerModelArgs, seq: int, pin=None):
+    """The Llama 3 loss in plain JAX. `pin(x, kind)` may annotate activations (bench/sharded_step.py
+    pins "resid" (b, s, dim), "heads" (b, s, h, d), "hidden" (b, s, features) and "logits")."""
     head_dim = args.dim // args.n_heads
     n_kv = args.n_kv_heads or args.n_heads
     cos, sin = rope_tables(head_dim, seq, args.rope_theta)
+    if pin is None:
+        def pin(x, kind):
+            return x
 
     def loss_fn(p, tokens, labels):
-        h = p["tok_embeddings.weight"][tokens]
+        h = pin(p["tok_embeddings.weight"][tokens], "resid")
         b, s, _ = h.shape
         mask = jnp.tril(jnp.ones((s, s), bool))
         for i in range(args.n_layers):
             pre = f"layers.{i}."
             x = rms_norm(h, p[pre + "attention_norm.weight"], args.norm_eps)
-            q = (x @ p[pre + "attention.wq.weight"].T).reshape(b, s, args.n_heads, head_dim)
-            k = (x @ p[pre + "attention.wk.weight"].T).reshape(b, s, n_kv, head_dim)
-            v = (x @ p[pre + "attention.wv.weight"].T).reshape(b, s, n_kv, head_dim)
+            q = pin((x @ p[pre + "attention.wq.weight"].T).reshape(b, s, args.n_heads, head_dim), "heads")
+            k = pin((x @ p[pre + "attention.wk.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
+            v = pin((x @ p[pre + "attention.wv.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             rep = args.n_heads // n_kv
             k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
             scores = jnp.where(mask, scores, -jnp.inf)
             attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, -1)
-            h = h + attn @ p[pre + "attention.wo.weight"].T
+            h = pin(h + pin(attn, "hidden") @ p[pre + "attention.wo.weight"].T, "resid")
             x = rms_norm(h, p[pre + "ffn_norm.weight"], args.norm_eps)
             ff = jax.nn.silu(x @ p[pre + "feed_forward.w1.weight"].T) * (x @ p[pre + "feed_forward.w3.weight"].T)
-            h = h + ff @ p[pre + "feed_forward.w2.weight"].T
+            h = pin(h + pin(ff, "hidden") @ p[pre + "feed_forward.w2.weight"].T, "resid")
         h = rms_norm(h, p["norm.weight"], args.norm_eps)
-        logits = (h @ p["output.weight"].T).astype(jnp.float32)
+        logits = pin((h @ p["output.weight"].T).astype(jnp.float32), "logits")
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
