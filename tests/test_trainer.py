@@ -57,17 +57,20 @@ def runs(tmp_path_factory):
     from torchtpu.train.trainer import Trainer
 
     dump = tmp_path_factory.mktemp("trainer")
-    argv = small_argv(dump, "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    argv = small_argv(dump, "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+                      "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
     cfg = load_config(argv)
     a = Trainer(cfg)
     init = cpu_state(a.model)
     hist_a = a.train()
     traces = a.step_fn.stats.snapshot()
+    final = cpu_state(a.model)
     del a
     cfg_b = load_config(argv + ["--checkpoint.load_step", "3"])
     b = Trainer(cfg_b)
     hist_b = b.train()
-    return {"cfg": cfg, "init": init, "a": hist_a, "b": hist_b, "dump": dump, "traces": traces}
+    return {"cfg": cfg, "init": init, "a": hist_a, "b": hist_b, "dump": dump, "traces": traces, "final": final,
+            "argv": argv}
 
 
 def reference_losses(cfg, init, steps):
@@ -134,6 +137,52 @@ def test_loss_parity_and_checkpoint_resume(runs):
     # metrics.jsonl holds both runs' lines
     lines = [json.loads(ln) for ln in open(os.path.join(dump, "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+
+
+def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
+    """last_save_model_only + export_dtype: the final save of run A (step 6) holds only the weights, in
+    bfloat16. A job in the same folder finds the run complete; one with more steps resumes from the newest
+    full checkpoint (step 3); a new job starts from the final weights through initial_load_path."""
+    from torchtpu.train.checkpoint import CheckpointError, CheckpointManager, is_model_only
+    from torchtpu.train.trainer import Trainer
+
+    folder = os.path.join(runs["dump"], "checkpoint")
+    ck = CheckpointManager(folder, interval=1, async_mode="sync")
+    final_tree, full_tree = ck.manifest(STEPS), ck.manifest(3)
+    ck.close()
+    parts = dict(final_tree["dict"])
+    assert is_model_only(final_tree) and not is_model_only(full_tree)
+    assert sorted(parts) == ["model", "model_only", "step"]
+    dtypes_saved = {n["dtype"] for _, n in parts["model"]["dict"] if "array" in n}
+    assert "bfloat16" in dtypes_saved and "float32" not in dtypes_saved, dtypes_saved
+    assert all("_checkpoint_wrapped_module" not in k for k, _ in parts["model"]["dict"])
+    assert "optimizer" in dict(full_tree["dict"])
+    want = {k: v.to(torch.bfloat16).float() for k, v in runs["final"].items()}
+
+    # same folder, same steps: nothing left to train; the model holds the exported weights
+    done = Trainer(load_config(runs["argv"]))
+    assert done.maybe_resume() and done.step == STEPS
+    got = cpu_state(done.model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    del done
+    # more steps: the model-only save cannot give optimizer state; the full step-3 checkpoint does
+    more = Trainer(load_config(runs["argv"] + ["--training.steps", "8"]))
+    assert more.maybe_resume() and more.step == 3
+    del more
+    with pytest.raises(CheckpointError, match="initial_load_path"):
+        Trainer(load_config(runs["argv"] + ["--training.steps", "8", "--checkpoint.load_step", str(STEPS)])).maybe_resume()
+    # a new job (checkpointing off) starting from the exported weights
+    new = Trainer(load_config(small_argv(tmp_path, "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"))))
+    assert not new.maybe_resume() and new.step == 0
+    got = cpu_state(new.model)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    # asking for the whole state of a model-only save is a config error naming the fix
+    from torchtpu.train.config import ConfigError
+
+    bad = Trainer(load_config(small_argv(tmp_path / "b", "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"),
+                                         "--checkpoint.no-initial_load_model_only")))
+    with pytest.raises(ConfigError, match="initial_load_model_only = true"):
+        bad.maybe_resume()
 
 
 def test_lr_schedule_reaches_the_compiled_step():

@@ -53,6 +53,9 @@ __all__ = [
     "load_model_state",
     "optimizer_state",
     "load_optimizer_state",
+    "model_only_state",
+    "is_model_only",
+    "load_model_weights",
 ]
 
 FORMAT_VERSION = 1
@@ -184,6 +187,13 @@ def _array_nodes(node, path=()):
     elif "list" in node or "tuple" in node:
         for i, v in enumerate(node.get("list", node.get("tuple"))):
             yield from _array_nodes(v, path + (i,))
+
+
+def _children(node) -> dict | list:
+    """The children of a manifest container node as a dict (or list), for `_get`."""
+    if "dict" in node:
+        return {k: v for k, v in node["dict"]}
+    return list(node.get("list", node.get("tuple", [])))
 
 
 def _tensor_leaves(obj, path=()):
@@ -357,7 +367,24 @@ class CheckpointManager:
 
     # -- restore
 
-    def restore(self, step: int | None = None, target: Any = None) -> Any:
+    def manifest(self, step: int) -> dict:
+        """The manifest tree of checkpoint `step` (structure, Python values, array dtypes and shapes),
+        read without touching any array data."""
+        mgr = self._manager(create=False)
+        steps = sorted(mgr.all_steps())
+        if int(step) not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.folder} (available: {steps or 'none'}); "
+                "pass one of the available steps"
+            )
+        import orbax.checkpoint as ocp
+
+        try:
+            return mgr.restore(int(step), args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]["tree"]
+        except Exception as e:  # noqa: BLE001
+            raise _corrupt(self.step_path(step), "manifest", e, steps, int(step)) from e
+
+    def restore(self, step: int | None = None, target: Any = None, subtree: tuple = ()) -> Any:
         """Restore checkpoint `step` (default: the newest) into `target`.
 
         Returns the checkpoint's structure. Where `target` has a tensor at the same key, that
@@ -365,6 +392,9 @@ class CheckpointManager:
         reads only its shard). A `jax.ShapeDtypeStruct` in `target` gives the sharding for a new
         tensor. Other array leaves come back as new tensors/arrays (tpu tensors without a target
         go to the first local device), Python values as they were saved.
+
+        subtree: a key path, e.g. ("model",): restore only that part of the checkpoint (`target`
+        then describes that part); no other array is read.
         """
         mgr = self._manager(create=False)
         steps = sorted(mgr.all_steps())
@@ -389,6 +419,12 @@ class CheckpointManager:
             tree = manifest["tree"]
         except Exception as e:  # noqa: BLE001
             raise _corrupt(path, "manifest", e, steps, step) from e
+        for k in subtree:
+            sub = _get(_children(tree), k)
+            if sub is _MISSING:
+                raise CheckpointError(f"checkpoint {path} has no part {_keystr(subtree)}: it holds "
+                                      f"{sorted(map(str, _children(tree)))}; it was written by a different program")
+            tree = sub
 
         # Build the abstract array tree from the manifest and the target.
         abstract = {}
@@ -410,7 +446,17 @@ class CheckpointManager:
                 )
 
         arrays = {}
-        if abstract:
+        if abstract and subtree:
+            # Only this part's arrays: a partial PyTree restore of the arrays item reads just the
+            # names given (the manager's standard handler insists on the whole tree).
+            try:
+                reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+                arrays = reader.restore(os.path.join(path, _ARRAYS), args=ocp.args.PyTreeRestore(
+                    item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=True))
+            except Exception as e:  # noqa: BLE001
+                raise _corrupt(path, _guess_key(e, nodes), e, steps, step) from e
+        elif abstract:
             try:
                 arrays = mgr.restore(step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(abstract)}))[_ARRAYS]
             except Exception as e:  # noqa: BLE001
@@ -550,3 +596,83 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
                     a = array_of(v)
                     if not a.sharding.is_equivalent_to(want, a.ndim):
                         write(v, jax.device_put(a, want))
+
+
+# ----------------------------------------------------------------------------- model-only saves
+# A model-only save (torchtitan's last_save_model_only) is {"model": {name: tensor}, "model_only":
+# True, "step": N}, the weights possibly cast to an export dtype. Names are the module's own
+# parameter/buffer names without activation-checkpoint wrapper prefixes, so a job with another
+# activation-checkpointing setting can load them.
+
+_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _canonical(name: str) -> str:
+    return name.replace(_WRAPPER_PREFIX, "")
+
+
+def model_only_state(module: torch.nn.Module, step: int, dtype: torch.dtype | None = None) -> dict:
+    """The model's weights as a model-only save; floating tensors cast to `dtype` when given
+    (the cast copies keep each tensor's sharding)."""
+    out = {}
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=True).items():
+            t = t.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[_canonical(name)] = t
+    return {"model": out, "model_only": True, "step": int(step)}
+
+
+def is_model_only(tree: dict) -> bool:
+    """Whether a manifest tree (CheckpointManager.manifest) is a model-only save."""
+    node = dict(tree.get("dict", [])).get("model_only")
+    return bool(node and node.get("value"))
+
+
+def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn.Module) -> None:
+    """Fill `module`'s parameters and buffers in place from the "model" part of checkpoint `step`
+    (a full or a model-only save). Each device reads only its shards; weights saved in another
+    floating dtype (an export dtype) are cast to the module's. Nothing else is read."""
+    path = manager.step_path(step)
+    tree = manager.manifest(step)
+    model = dict(tree.get("dict", [])).get("model")
+    if not model or "dict" not in model:
+        raise CheckpointError(f"checkpoint {path} holds no model weights (no 'model' part); it was not written by "
+                              "torchtpu-train: point to a torchtpu-train checkpoint")
+    saved = {_canonical(k): (k, node) for k, node in model["dict"] if "array" in node}
+    own = {_canonical(k): t for k, t in module.state_dict(keep_vars=True).items()}
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own))
+    if missing or extra:
+        what = "; ".join(x for x in (f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "",
+                                     f"unexpected {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}" if extra else "") if x)
+        raise CheckpointError(f"checkpoint {path} does not hold this model's weights ({what}): it was written for "
+                              "another model; use the [model] name/flavor that wrote it")
+    target = {}
+    for canon, (key, node) in saved.items():
+        t = own[canon]
+        if tuple(node["shape"]) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']}{list(node['shape'])} but the model "
+                                  f"has {_dtype_name(t.dtype)}{list(t.shape)}: it was written for another model; use the "
+                                  "[model] name/flavor that wrote it")
+        if t.is_floating_point() != _torch_dtype(node["dtype"]).is_floating_point:
+            raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']} but the model's is "
+                                  f"{_dtype_name(t.dtype)}: it was written for another model")
+        sharding = array_of(t).sharding if isinstance(t, TpuTensor) else None
+        target[key] = jax.ShapeDtypeStruct(tuple(node["shape"]), _jax_dtype(node["dtype"]), sharding=sharding)
+    restored = manager.restore(step, target=target, subtree=("model",))
+    with torch.no_grad():
+        for canon, (key, _) in saved.items():
+            t, r = own[canon], restored[key]
+            if isinstance(t, TpuTensor):
+                a = array_of(r) if isinstance(r, TpuTensor) else jax.numpy.asarray(r)
+                want = array_of(t)
+                if a.dtype != want.dtype:
+                    a = a.astype(want.dtype)
+                if not a.sharding.is_equivalent_to(want.sharding, a.ndim):
+                    a = jax.device_put(a, want.sharding)
+                write(t, a)
+            else:
+                t.copy_(r.to(device=t.device, dtype=t.dtype) if isinstance(r, torch.Tensor)
+                        else torch.from_numpy(np.asarray(r)).to(t.dtype))

@@ -331,6 +331,10 @@ class Trainer:
         # -- checkpoints
         self.checkpointer = None
         ck = cfg.checkpoint
+        for key in ("initial_load_in_hf", "last_save_in_hf"):
+            if getattr(ck, key) and (key == "last_save_in_hf" or ck.initial_load_path):
+                raise ConfigError(f"[checkpoint] {key} = true: Hugging Face safetensors are not supported by "
+                                  "torchtpu-train yet; set it to false (checkpoints are Orbax folders)")
         if ck.enable and not self.dry:
             from .checkpoint import CheckpointManager
 
@@ -396,19 +400,93 @@ class Trainer:
             "step": self.step,
         }
 
+    def _save_state(self, final: bool) -> dict:
+        """What a checkpoint holds: the whole state, or at the last step with
+        checkpoint.last_save_model_only the weights only, in checkpoint.export_dtype."""
+        ck = self.cfg.checkpoint
+        if final and ck.last_save_model_only:
+            from .checkpoint import model_only_state
+
+            import torch
+
+            return model_only_state(self.model, self.step, getattr(torch, ck.export_dtype))
+        return self.state()
+
     def maybe_resume(self) -> bool:
         ck = self.checkpointer
-        if ck is None:
-            return False
         cfg = self.cfg.checkpoint
-        step = None if cfg.load_step == -1 else cfg.load_step
-        if ck.latest_step() is None:
-            if cfg.initial_load_path:
-                raise ConfigError(f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}: loading initial "
-                                  "weights is not supported by torchtpu's trainer yet; leave it out")
+        if ck is None:
+            if cfg.initial_load_path and not self.dry:
+                self._initial_load()
             return False
+        step = None if cfg.load_step == -1 else cfg.load_step
+        from .checkpoint import CheckpointError, is_model_only, load_model_weights
+
+        latest = ck.latest_step()
+        if latest is None:
+            if cfg.initial_load_path:
+                self._initial_load()
+            return False
+        step = latest if step is None else step
+        if is_model_only(ck.manifest(step)):
+            path = ck.step_path(step)
+            if step >= self.cfg.training.steps:
+                # This run already finished: its final save holds the weights only.
+                load_model_weights(ck, step, self.model)
+                self.step = step
+                _log(f"{path} is this run's final (model-only) save: nothing left to train up to training.steps = "
+                     f"{self.cfg.training.steps}; raise it to train on")
+                return True
+            full = [s for s in ck.all_steps() if s < step and not is_model_only(ck.manifest(s))]
+            if cfg.load_step != -1 or not full:
+                raise CheckpointError(
+                    f"checkpoint {path} holds only model weights (a final save with checkpoint.last_save_model_only), "
+                    "so training cannot resume from it: start a new job (another job.dump_folder) with "
+                    f"--checkpoint.initial_load_path {path} to train on from these weights"
+                    + (f", or resume the full checkpoint of step {full[-1]} (--checkpoint.load_step {full[-1]})"
+                       if full else ""))
+            _log(f"{path} holds only model weights (the final save of the previous run); resuming from the newest "
+                 f"full checkpoint, step {full[-1]}")
+            step = full[-1]
+        self._restore_full(ck, step)
+        _log(f"resumed from {ck.step_path(self.step)} (step {self.step})")
+        return True
+
+    def _initial_load(self) -> None:
+        """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state)."""
+        from .checkpoint import CheckpointManager, is_model_only, load_model_weights
+
+        cfg = self.cfg.checkpoint
+        where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
+        path = os.path.abspath(os.path.expanduser(cfg.initial_load_path)).rstrip(os.sep)
+        name = os.path.basename(path)
+        step = int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+        src = CheckpointManager(os.path.dirname(path) if step is not None else path, interval=1, async_mode="sync")
+        try:
+            if step is None:
+                step = src.latest_step()
+                if step is None:
+                    raise ConfigError(f"{where}: no checkpoint (step_N folder) in it; point it at a torchtpu-train "
+                                      "checkpoint folder or one of its step_N folders")
+            tree = src.manifest(step)
+            if cfg.initial_load_model_only:
+                load_model_weights(src, step, self.model)
+                _log(f"initial weights from {src.step_path(step)}")
+            elif is_model_only(tree):
+                raise ConfigError(f"{where}: {src.step_path(step)} holds only model weights; set "
+                                  "checkpoint.initial_load_model_only = true to start from them")
+            else:
+                self._restore_full(src, step)
+                _log(f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} "
+                     f"(step {self.step})")
+        finally:
+            src.close()
+
+    def _restore_full(self, ck, step: int) -> None:
+        """Restore the whole training state of checkpoint `step` of `ck` in place."""
         from .checkpoint import load_model_state, load_optimizer_state
 
+        cfg = self.cfg.checkpoint
         init_optimizer_state(self.optimizer, self.mesh)
         excluded = set(cfg.exclude_from_loading)
         target = self.state()
@@ -421,8 +499,6 @@ class Trainer:
         if "dataloader" not in excluded:
             self.dataloader.load_state_dict(restored["dataloader"])
         self.step = int(restored["step"])
-        _log(f"resumed from {ck.step_path(self.step)} (step {self.step})")
-        return True
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -494,7 +570,7 @@ class Trainer:
                 if self.checkpointer is not None and not cfg.checkpoint.load_only:
                     force = step == total_steps or (step == 1 and cfg.checkpoint.enable_first_step_checkpoint)
                     if self.checkpointer.should_save(step, force):
-                        self.checkpointer.save(step, self.state(), force=force)
+                        self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
         finally:
             profiler.close()
             if gc_was:
