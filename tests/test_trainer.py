@@ -185,6 +185,26 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
         bad.maybe_resume()
 
 
+def test_tensor_parallel_trainer_matches_fsdp(runs, tmp_path):
+    """TP2 x FSDP4 (sequence parallel, loss_parallel: vocabulary-split logits) from run A's initial
+    weights, on the same global batches: the first 3 losses equal run A's (FSDP8)."""
+    from torchtpu.train.trainer import Trainer
+
+    cfg = load_config(small_argv(tmp_path, "--parallelism.tensor_parallel_degree", "2", "--training.steps", "3",
+                                 "--training.local_batch_size", str(2 * LBS)))
+    t = Trainer(cfg)
+    assert t.dims.tp == 2 and t.dims.dp == 4 and t.dims.global_batch_size == runs["cfg"].training.local_batch_size * 8
+    init = runs["init"]
+    with torch.no_grad():
+        for name, p in t.model.named_parameters():
+            p.copy_(init[name.replace("_checkpoint_wrapped_module.", "")])
+    hist = t.train()
+    got = [h["loss"] for h in hist]
+    want = [h["loss"] for h in runs["a"][:3]]
+    print(f"TP2xFSDP4 {got}\nFSDP8     {want}")
+    assert got == pytest.approx(want, rel=1e-4)
+
+
 def test_lr_schedule_reaches_the_compiled_step():
     """The learning rate is a program input: a schedule that drops it to 0 freezes the parameters."""
     from torch.optim.lr_scheduler import LambdaLR

@@ -276,7 +276,7 @@ class Trainer:
         ac_mode, ac_every = _ac_settings(cfg)
         parallelize_llama(
             model, self.mesh,
-            sequence_parallel=dims.tp > 1, loss_parallel=False,
+            sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
             param_dtype=None if mp_param == param_dtype else mp_param,
             reduce_dtype=None if mp_reduce == param_dtype else mp_reduce,
             ac_mode=ac_mode, ac_every=ac_every,
@@ -351,7 +351,10 @@ class Trainer:
         n = len(microbatches)
         total = None
         for inputs, labels in microbatches:
-            loss = cross_entropy_loss(self.model(inputs), labels)
+            # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
+            # loss_parallel): the cross entropy reduces across the tp shards, never gathering them.
+            with self._loss_context():
+                loss = cross_entropy_loss(self.model(inputs), labels)
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
             total = d if total is None else total + d
@@ -359,6 +362,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return (total / n if n > 1 else total), grad_norm
+
+    def _loss_context(self):
+        import contextlib
+
+        if self.dims.tp > 1:
+            from torchtpu.distributed import loss_parallel
+
+            return loss_parallel(self.mesh["tp"])
+        return contextlib.nullcontext()
 
     # -- data ----------------------------------------------------------------------------------
 
