@@ -298,6 +298,7 @@ def main():
     args.max_seq_len = a.seq
     ntok = a.batch * a.seq
     label = {"fsdp": "FSDP", "tp_fsdp": "TP2 x FSDP"}
+    tpu_label = {"fsdp": "FSDP4", "tp_fsdp": "TP2 x FSDP2"}  # 4 chips
     md = [f"Run {datetime.date.today().isoformat()}: `{a.config}`, global batch {a.batch} x seq {a.seq}, "
           f"float32, AdamW + clipping; sequence_parallel=False, loss_parallel=False.", ""]
 
@@ -387,7 +388,7 @@ def main():
             for name, (rep, rl, pc, _) in reps.items():
                 c = rep["collectives"]
                 est = rep["estimated_step_seconds"]
-                line = (f"| {label[kind]}2 {mesh_tpu[kind]} | {name} | {fmt_s(est)} | {fmt_s(rl[0])} "
+                line = (f"| {tpu_label[kind]} {mesh_tpu[kind]} | {name} | {fmt_s(est)} | {fmt_s(rl[0])} "
                         f"({fmt_s(rl[1])} / {fmt_s(rl[2])}) | {rep['flops_per_device']:.4g} | "
                         f"{rep['bytes_accessed_per_device']:.4g} | {rep['hbm_bytes_needed'] / 2**20:.0f} MiB "
                         f"({rep['memory']['argument_bytes'] / 2**20:.0f} / {rep['memory']['temp_bytes'] / 2**20:.0f}) | "
@@ -402,7 +403,7 @@ def main():
                 r = reps[ref]
                 e1, e2 = tt[0]["estimated_step_seconds"], r[0]["estimated_step_seconds"]
                 xs = f"XLA est. {e2 / e1:.2f}x" if e1 and e2 else "XLA est. n/a"
-                s = (f"{label[kind]}2, torchtpu vs {ref} (reference time / torchtpu time): {xs}, "
+                s = (f"{tpu_label[kind]}, torchtpu vs {ref} (reference time / torchtpu time): {xs}, "
                      f"roofline {r[1][0] / tt[1][0]:.2f}x")
                 print(s)
                 notes.append(f"- {s}")
@@ -412,9 +413,9 @@ def main():
         md.append("")
         for kind, name, d in diffs:
             if not d:
-                md.append(f"- {label[kind]}2: none (identical multisets of collectives)")
+                md.append(f"- {tpu_label[kind]}: none (identical multisets of collectives)")
             for (op, shp), n1, n2 in d:
-                md.append(f"- {label[kind]}2: `{op}` `{shp}`: {n1} vs {n2}")
+                md.append(f"- {tpu_label[kind]}: `{op}` `{shp}`: {n1} vs {n2}")
         md.append("")
 
     print("\n---- markdown ----")

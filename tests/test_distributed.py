@@ -288,6 +288,24 @@ def test_llama3_sharded_training_matches_one_device(name):
         assert "all-gather" in hlo  # FSDP gathers parameters before use
 
 
+def test_fsdp_mixed_precision_with_activation_checkpointing_leaves_no_cast_weights():
+    """Recomputation in backward stops early (it raises out of the block's forward): the bf16
+    copies that fully_shard puts in place of the parameters must still be removed, or every
+    layer's cast weights stay alive, and a compiled step holds them as state (seen in a 70B
+    dry run as a full bf16 copy of every weight on every chip)."""
+    from torchtpu.models.llama3 import parallelize_llama
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    model = _llama().to("tpu")
+    parallelize_llama(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="full")
+    inp = distribute_tensor(_batches()[0][:, :-1], mesh, (Shard(0),))
+    model(inp).float().sum().backward()
+    lingering = [f"{type(m).__name__}.{k}" for m in model.modules() for k, v in vars(m).items()
+                 if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and k in m._parameters]
+    assert not lingering, lingering
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 def test_fsdp8_each_device_holds_an_eighth_of_parameters_and_optimizer_state():
     from torchtpu.models.llama3 import parallelize_llama
 

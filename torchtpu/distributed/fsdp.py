@@ -109,7 +109,14 @@ def fully_shard(
     state = FSDPState(mesh, params, mp_policy, reshard_after_forward)
     module.__dict__["_tpu_fsdp"] = state
     module.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
-    module.register_forward_hook(_post_forward(state))
+    # always_call: activation checkpointing's recomputation stops early by raising out of the
+    # module's forward; the cast parameters must not outlive it (they would be kept alive, and
+    # become state of a compiled step: a full bf16 copy of every weight).
+    module.register_forward_hook(_post_forward(state), always_call=True)
+    pin = _pin_linear_outputs(state)
+    for owner in {id(o): o for o, _ in params}.values():
+        if isinstance(owner, nn.Linear):
+            owner.register_forward_hook(pin)
     return module
 
 
@@ -145,9 +152,8 @@ def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor
     return v
 
 
-def _pre_forward(state: FSDPState):
-    mp = state.mp_policy
-
+def _batch_pinner(state: FSDPState):
+    """x -> x with its batch dim (0) constrained to the data-parallel axes, other dims free."""
     axes = tuple(a for d in state.mesh.dims for a in d)
     n = 1
     for a in axes:
@@ -156,14 +162,34 @@ def _pre_forward(state: FSDPState):
     specs: dict[int, str] = {}
 
     def pin_batch(x):
-        # the module's main input keeps its batch dim split over the data-parallel axes, so XLA
-        # does not trade it for a split of the hidden dims (all-to-alls around the module)
         if isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2 and x.shape[0] % n == 0:
             s = specs.get(x.dim())
             if s is None:
                 s = specs[x.dim()] = pl.encode(state.mesh, P(first, *([P.UNCONSTRAINED] * (x.dim() - 1))))
             return torch.ops.torchtpu.shard(x, s, s)
         return x
+
+    return pin_batch
+
+
+def _pin_linear_outputs(state: FSDPState):
+    """Forward hook for the linear layers a fully_shard manages: their outputs stay split over the
+    batch, as FSDP's activations are (each rank computes its own samples with gathered weights).
+    Without it XLA may keep a weight sharded and split the activations on the hidden dim instead,
+    paying all-to-alls and full-batch gathers around the layer."""
+    pin_batch = _batch_pinner(state)
+
+    def hook(module, args, out):
+        return pin_batch(out)
+
+    return hook
+
+
+def _pre_forward(state: FSDPState):
+    mp = state.mp_policy
+    # the module's main input keeps its batch dim split over the data-parallel axes, so XLA
+    # does not trade it for a split of the hidden dims (all-to-alls around the module)
+    pin_batch = _batch_pinner(state)
 
     def hook(module, args, kwargs):
         if args:
