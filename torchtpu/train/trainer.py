@@ -647,17 +647,19 @@ class Trainer:
                 lines.append(f"MFU (XLA est.)        {100 * model_flops / (est * dims.world_size * peak):.1f}%")
         else:
             roof = report.get("roofline_seconds")
-            if roof:
+            bound = report.get("compute_bound_seconds")
+            if roof and bound and roof > bound * 1.0001:
+                # memory-bound by the roofline: a real (if optimistic) time estimate
                 roof *= accum
                 lines.append(f"tokens/s (roofline)   {tokens / roof:,.0f} total, {tokens / roof / dims.world_size:,.0f} per "
-                             "device (XLA gave no time estimate; roofline = max(FLOPs/peak, bytes/HBM bandwidth))")
-                if peak:
-                    lines.append(f"MFU (roofline)        {100 * model_flops / (roof * dims.world_size * peak):.1f}%")
-            bound = report.get("compute_bound_seconds")
+                             "device (XLA gave no time estimate; roofline = bytes accessed / HBM bandwidth)")
             if bound:
+                # Compute-bound: the bound assumes every FLOP at the chip's peak, i.e. 100% utilization,
+                # so it yields no MFU estimate.
                 bound *= accum
                 lines.append(f"tokens/s upper bound  {tokens / bound:,.0f} total, {tokens / bound / dims.world_size:,.0f} "
-                             "per device (compute-bound step; XLA gave no time estimate, so no MFU estimate)")
+                             "per device (every XLA FLOP at the chip's peak; XLA gave no time estimate, so no MFU "
+                             "estimate)")
         print("\n".join(lines), flush=True)
         fits = report["fits"]
         if fits is False:
