@@ -56,6 +56,7 @@ __all__ = [
     "model_only_state",
     "is_model_only",
     "load_model_weights",
+    "split_step_path",
 ]
 
 FORMAT_VERSION = 1
@@ -624,9 +625,16 @@ def model_only_state(module: torch.nn.Module, step: int, dtype: torch.dtype | No
     return {"model": out, "model_only": True, "step": int(step)}
 
 
+def split_step_path(path: str) -> tuple[str, int | None]:
+    """A checkpoint folder, or one of its step_N folders, as (folder, N or None)."""
+    path = os.path.abspath(os.path.expanduser(str(path))).rstrip(os.sep)
+    m = _STEP_DIR.match(os.path.basename(path))
+    return (os.path.dirname(path), int(m.group(1))) if m else (path, None)
+
+
 def is_model_only(tree: dict) -> bool:
     """Whether a manifest tree (CheckpointManager.manifest) is a model-only save."""
-    node = dict(tree.get("dict", [])).get("model_only")
+    node = _children(tree).get("model_only") if "dict" in tree else None
     return bool(node and node.get("value"))
 
 
@@ -636,7 +644,7 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
     floating dtype (an export dtype) are cast to the module's. Nothing else is read."""
     path = manager.step_path(step)
     tree = manager.manifest(step)
-    model = dict(tree.get("dict", [])).get("model")
+    model = _children(tree).get("model") if "dict" in tree else None
     if not model or "dict" not in model:
         raise CheckpointError(f"checkpoint {path} holds no model weights (no 'model' part); it was not written by "
                               "torchtpu-train: point to a torchtpu-train checkpoint")
@@ -645,8 +653,8 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
     missing = sorted(set(own) - set(saved))
     extra = sorted(set(saved) - set(own))
     if missing or extra:
-        what = "; ".join(x for x in (f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else "",
-                                     f"unexpected {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}" if extra else "") if x)
+        few = lambda names: ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")  # noqa: E731
+        what = "; ".join([f"missing {few(missing)}"] * bool(missing) + [f"unexpected {few(extra)}"] * bool(extra))
         raise CheckpointError(f"checkpoint {path} does not hold this model's weights ({what}): it was written for "
                               "another model; use the [model] name/flavor that wrote it")
     target = {}

@@ -331,10 +331,11 @@ class Trainer:
         # -- checkpoints
         self.checkpointer = None
         ck = cfg.checkpoint
-        for key in ("initial_load_in_hf", "last_save_in_hf"):
-            if getattr(ck, key) and (key == "last_save_in_hf" or ck.initial_load_path):
-                raise ConfigError(f"[checkpoint] {key} = true: Hugging Face safetensors are not supported by "
-                                  "torchtpu-train yet; set it to false (checkpoints are Orbax folders)")
+        hf = [k for k, on in (("initial_load_in_hf", ck.initial_load_in_hf and ck.initial_load_path),
+                              ("last_save_in_hf", ck.last_save_in_hf)) if on]
+        if hf:
+            raise ConfigError(f"[checkpoint] {hf[0]} = true: Hugging Face safetensors are not supported by "
+                              "torchtpu-train yet; set it to false (checkpoints are Orbax folders)")
         if ck.enable and not self.dry:
             from .checkpoint import CheckpointManager
 
@@ -431,7 +432,6 @@ class Trainer:
             if cfg.initial_load_path and not self.dry:
                 self._initial_load()
             return False
-        step = None if cfg.load_step == -1 else cfg.load_step
         from .checkpoint import CheckpointError, is_model_only, load_model_weights
 
         latest = ck.latest_step()
@@ -439,7 +439,7 @@ class Trainer:
             if cfg.initial_load_path:
                 self._initial_load()
             return False
-        step = latest if step is None else step
+        step = latest if cfg.load_step == -1 else cfg.load_step
         if is_model_only(ck.manifest(step)):
             path = ck.step_path(step)
             if step >= self.cfg.training.steps:
@@ -466,14 +466,12 @@ class Trainer:
 
     def _initial_load(self) -> None:
         """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state)."""
-        from .checkpoint import CheckpointManager, is_model_only, load_model_weights
+        from .checkpoint import CheckpointManager, is_model_only, load_model_weights, split_step_path
 
         cfg = self.cfg.checkpoint
         where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
-        path = os.path.abspath(os.path.expanduser(cfg.initial_load_path)).rstrip(os.sep)
-        name = os.path.basename(path)
-        step = int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
-        src = CheckpointManager(os.path.dirname(path) if step is not None else path, interval=1, async_mode="sync")
+        folder, step = split_step_path(cfg.initial_load_path)
+        src = CheckpointManager(folder, interval=1, async_mode="sync")
         try:
             if step is None:
                 step = src.latest_step()
