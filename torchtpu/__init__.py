@@ -38,16 +38,23 @@ def cache_stats() -> dict:
 
     hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
     xla_compiles: every XLA compilation in this process, eager or compiled programs;
-    dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched.
+    dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched;
+    compiled_step_*: torchtpu.compile steps traced, and of those, traced again because a guarded
+    value (argument shapes, an optimizer hyperparameter that is not lifted) changed.
     """
     from ._platform import XLA_COMPILES
+    from .backend import compile as _compile
 
-    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot())
+    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(),
+                **_compile.STATS.snapshot())
 
 
 def reset_cache_stats() -> None:
+    from .backend import compile as _compile
+
     _dispatch.STATS.reset()
     _dynamo.STATS.reset()
+    _compile.STATS.reset()
 
 
 def set_debug(enabled: bool = True) -> None:

@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
+import sys
+import warnings
 import weakref
 
 import jax
+import numpy as np
 import torch
+from torch.optim import optimizer as _optim_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import dtypes
 from . import random as tpu_random
 from .dispatch import CONFIG, HOOKS, STATE, _Tracing, array_of, write
 from .tensor import Storage, TpuTensor, new_base
@@ -39,6 +45,55 @@ class CompileStats:
 
     def snapshot(self):
         return {"traces": self.traces, "executions": self.executions}
+
+
+class GlobalCompileStats:
+    """Process-wide counters of compiled steps, reported by `torchtpu.cache_stats()`."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.traces = 0  # steps traced into an XLA program (first traces and re-traces)
+        self.retraces = 0  # of which: a step traced again because a guarded value changed
+
+    def snapshot(self) -> dict:
+        return {"compiled_step_traces": self.traces, "compiled_step_retraces": self.retraces}
+
+
+STATS = GlobalCompileStats()
+
+# Optimizer hyperparameters that LR schedulers change every step: program inputs, never guarded.
+LIFTED_HYPERPARAMETERS = ("lr",)
+
+
+def _log_enabled() -> bool:
+    return bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
+
+
+def _is_host_number(v) -> bool:
+    if type(v) is float or type(v) is int:
+        return True
+    return isinstance(v, torch.Tensor) and not isinstance(v, TpuTensor) and v.numel() == 1
+
+
+def _guard_value(v):
+    """What a param_group entry contributes to a compiled step's cache key."""
+    if isinstance(v, TpuTensor):
+        return "tpu tensor"  # program state: an input, never a constant
+    if isinstance(v, torch.Tensor):
+        return ("cpu tensor", tuple(v.shape), v.tolist())
+    if isinstance(v, (list, tuple)):
+        return tuple(_guard_value(x) for x in v)
+    try:
+        hash(v)
+    except TypeError:
+        return (type(v).__name__, id(v))
+    return v
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.device.type} tensor {tuple(t.shape)} {t.dtype}"
 
 
 class _Recorder:
@@ -76,7 +131,21 @@ class _Capture:
 
 class _Entry:
     __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages",
-                 "state_shardings", "mesh")
+                 "state_shardings", "mesh", "host")
+
+
+class _CallInputs:
+    """What a call reads besides tensors: the lifted optimizer hyperparameters (their values
+    are program inputs), the guarded ones (part of the cache key), the CPU tensors read by tpu
+    ops (program inputs)."""
+
+    __slots__ = ("guard", "slots", "values", "host")
+
+    def __init__(self, guard, slots, values, host):
+        self.guard = guard
+        self.slots = slots  # [(param_group, key, device_index)]
+        self.values = values  # their current values, floats
+        self.host = host  # [cpu tensor]
 
 
 class CompiledFunction:
@@ -86,6 +155,9 @@ class CompiledFunction:
         self.state: list[Storage] | None = None
         self.entries: dict = {}
         self.stats = CompileStats()
+        self.optimizers: list[weakref.ref] = []  # optimizers stepped by the eager warm-up
+        self.host: list[weakref.ref] = []  # CPU tensors read by tpu ops in the eager warm-up
+        self.last_key = None
         functools.update_wrapper(self, fn)
 
     # -- signature of a call: tensor shapes/dtypes + everything else by value
@@ -103,22 +175,72 @@ class CompiledFunction:
                 sig.append(x)
         return tuple(sig)
 
+    # -- what else a call reads: optimizer param_groups and CPU tensors
+    def _call_inputs(self) -> _CallInputs:
+        guard, slots, values = [], [], []
+        for ref in self.optimizers:
+            opt = ref()
+            if opt is None:
+                guard.append(None)
+                continue
+            device_index = _device_index_of(opt)
+            for group in opt.param_groups:
+                g = []
+                for k, v in group.items():
+                    if k == "params":
+                        continue
+                    if k in LIFTED_HYPERPARAMETERS and _is_host_number(v):
+                        slots.append((group, k, device_index))
+                        values.append(float(v))
+                        g.append((k, "lifted"))
+                    else:
+                        g.append((k, _guard_value(v)))
+                guard.append(tuple(g))
+        host = []
+        for ref in self.host:
+            t = ref()
+            if t is None:
+                raise RuntimeError(
+                    "torchtpu.compile: a CPU tensor the step read during its first call no longer exists; "
+                    "make it a long-lived tensor (or move it to tpu and pass it as an argument)"
+                )
+            host.append(t)
+        return _CallInputs(tuple(guard), slots, values, host)
+
     def __call__(self, *args, **kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             return self._warmup(args, kwargs, flat)
-        key = (tree, self._signature(flat))
+        inputs = self._call_inputs()
+        key = (tree, self._signature(flat), inputs.guard)
         entry = self.entries.get(key)
         if entry is None:
-            entry, holder = self._trace(flat, tree)
+            if self.entries:
+                STATS.retraces += 1
+                if _log_enabled():
+                    print(f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
+                          f"{_key_change(self.last_key, key)}", file=sys.stderr)
+            entry, holder = self._trace(flat, tree, inputs)
             self.entries[key] = entry
-            return self._run(entry, flat, first_holder=holder)
-        return self._run(entry, flat)
+            self.last_key = key
+            return self._run(entry, flat, inputs, first_holder=holder)
+        self.last_key = key
+        return self._run(entry, flat, inputs)
 
     # -- 1. eager warm-up
     def _warmup(self, args, kwargs, flat):
         recorder = _Recorder()
         HOOKS.read = recorder
+        host: dict[int, weakref.ref] = {}
+
+        def on_host(t):
+            ref = host.get(id(t))
+            if ref is None or ref() is not t:  # ids of dead temporaries get reused
+                host[id(t)] = weakref.ref(t)
+            return dtypes.torch_to_numpy(t)
+
+        HOOKS.host = on_host
+        optimizers = _OptimizerRecorder()
         # storages created by the call that outlive it (a first .grad) are state too
         prev_create = Storage.on_create
         Storage.on_create = lambda st: recorder(st, None)
@@ -126,29 +248,40 @@ class CompiledFunction:
             out = self.fn(*args, **kwargs)
         finally:
             HOOKS.read = None
+            HOOKS.host = None
             Storage.on_create = prev_create
+            optimizers.close()
         arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
         state = []
         for sid, ref in recorder.seen.items():
             st = ref()
             if st is not None and sid not in arg_ids:
                 state.append(st)
+        self.optimizers = optimizers.refs()
+        state.extend(_move_optimizer_host_state(self.optimizers))
+        self.host = [ref for ref in host.values() if ref() is not None]  # temporaries died
         self.state = state
         return out
 
     # -- 2. trace + compile
-    def _trace(self, flat, tree):
+    def _trace(self, flat, tree, inputs: _CallInputs):
         entry = _Entry()
         entry.state_shardings = [None] * len(self.state)
         entry.mesh = None
         state = [st for st in self.state]
         entry.state = state
+        entry.host = [weakref.ref(t) for t in inputs.host]
         tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, TpuTensor)]
         holder = {}
+        slots = inputs.slots
+        optimizers = [opt for ref in self.optimizers if (opt := ref()) is not None]
 
-        def step(state_arrays, arg_arrays, key_data):
+        def step(state_arrays, arg_arrays, key_data, hyper, host_arrays):
             self.stats.traces += 1
+            STATS.traces += 1
             capture = _Capture(state)
+            host_watch = _HostWatch(inputs.host, host_arrays)
+            restore = _lift_optimizers(optimizers, slots, hyper)
             saved = [(st.array, st.version) for st in state]
             for st, a in zip(state, state_arrays):
                 st.array = a
@@ -167,6 +300,8 @@ class CompiledFunction:
             prev_mt = torch.autograd.is_multithreading_enabled()
             torch._C._set_multithreading_enabled(False)
             HOOKS.read = capture
+            HOOKS.host = host_watch
+            graph_capture = _OptimizerGraphCapture()
             try:
                 with _Tracing():
                     out = self.fn(*targs, **tkwargs)
@@ -185,12 +320,17 @@ class CompiledFunction:
                 alive = [st for st in alive if st is not None and st.array is not None]
             finally:
                 HOOKS.read = None
+                HOOKS.host = None
+                graph_capture.close()
+                for group, k, v in reversed(restore):
+                    group[k] = v
                 torch._C._set_multithreading_enabled(prev_mt)
                 Storage.on_create = prev_create
                 n_random = tpu_random.TRACED.count
                 tpu_random.TRACED = prev_keys
                 for st, (a, v) in zip(state, saved):
                     st.array, st.version = a, v + 2
+            host_watch.check()
             if capture.stray:
                 names = ", ".join(f"{tuple(st.shape)} {st.dtype}" for st in capture.stray[:5])
                 raise RuntimeError(
@@ -208,9 +348,12 @@ class CompiledFunction:
         return entry, holder
 
     # -- 3. execution (the first one also lowers and compiles)
-    def _run(self, entry, flat, first_holder=None):
+    def _run(self, entry, flat, inputs: _CallInputs, first_holder=None):
         state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
+        # current values of the lifted hyperparameters and of the CPU tensors the step reads
+        hyper = np.asarray(inputs.values, np.float32) if inputs.values else None
+        host_arrays = [np.array(dtypes.torch_to_numpy(t)) for t in inputs.host]
         if first_holder is not None:
             # Commit eager-made arrays to their device (or, in a program over a device mesh,
             # replicate them over the mesh): later calls feed the executable's committed
@@ -222,16 +365,21 @@ class CompiledFunction:
             entry.mesh = mesh
         if entry.mesh is not None:
             arg_arrays = [_committed(a, 0, entry.mesh) for a in arg_arrays]
+        if hyper is not None or host_arrays:
+            target = (_replicated(entry.mesh) if entry.mesh is not None
+                      else state_arrays[0].sharding if state_arrays else jax.devices()[0])
+            hyper = jax.device_put(hyper, target) if hyper is not None else None
+            host_arrays = [jax.device_put(a, target) for a in host_arrays]
         gen = tpu_random.generator(0)
         key_data = tpu_random.key_data_for_step(gen)
         if entry.executable is None:
             # Ahead-of-time lower + compile, so the executable's memory and cost analyses
             # are available (CompiledFunction.memory_analysis / cost_analysis / as_text).
-            lowered = entry.jitted.lower(state_arrays, arg_arrays, key_data)
+            lowered = entry.jitted.lower(state_arrays, arg_arrays, key_data, hyper, host_arrays)
             entry.executable = lowered.compile()
             entry.lowered_text = lowered.as_text()
             self.last = entry
-        out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data)
+        out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data, hyper, host_arrays)
         if entry.mesh is not None and CONFIG.sync_dispatch:
             jax.block_until_ready(new_state)
         self.stats.executions += 1
@@ -270,7 +418,8 @@ class CompiledFunction:
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             self._abstract_warmup(args, kwargs, flat)
-        entry, holder = self._trace(flat, tree)
+        inputs = self._call_inputs()
+        entry, holder = self._trace(flat, tree, inputs)
         tensors = [flat[i] for i in entry.arg_storages]
         mesh = _program_mesh([_storage_sharding_hint(st) for st in entry.state] + [_storage_sharding_hint(t._st) for t in tensors])
         state_sds = [_abstract(st, mesh) for st in entry.state]
@@ -279,7 +428,11 @@ class CompiledFunction:
         key_sds = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh) if mesh is not None else None)
         entry.state_shardings = [a.sharding for a in state_sds]
         entry.mesh = mesh
-        lowered = entry.jitted.lower(state_sds, arg_sds, key_sds)
+        replicated = _replicated(mesh) if mesh is not None else None
+        hyper_sds = (jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=replicated)
+                     if inputs.values else None)
+        host_sds = [jax.ShapeDtypeStruct(t.shape, dtypes.torch_to_numpy(t).dtype, sharding=replicated) for t in inputs.host]
+        lowered = entry.jitted.lower(state_sds, arg_sds, key_sds, hyper_sds, host_sds)
         from ..distributed.topology import aot_compile
 
         entry.executable = aot_compile(lowered)
@@ -328,9 +481,12 @@ class CompiledFunction:
             return None
 
         key = tpu_random.key_data_for_step(tpu_random.generator(0))
+        optimizers = _OptimizerRecorder()
         try:
             jax.eval_shape(body, jax.ShapeDtypeStruct(key.shape, key.dtype))
         finally:
+            optimizers.close()
+            self.optimizers = optimizers.refs()
             for st, a, v in before.values():
                 st.array, st.version = a, v
             before.clear()
@@ -363,6 +519,160 @@ class CompiledFunction:
         """The compiled step's HLO: XLA-optimized, or as lowered (StableHLO) before XLA passes."""
         self._compiled()
         return self.last.executable.as_text() if optimized else self.last.lowered_text
+
+
+class _OptimizerRecorder:
+    """Records the optimizers whose step() runs while it is open."""
+
+    def __init__(self):
+        self.seen: dict[int, weakref.ref] = {}
+        self.handle = _optim_hooks.register_optimizer_step_pre_hook(self._on_step)
+
+    def _on_step(self, opt, args, kwargs):
+        self.seen.setdefault(id(opt), weakref.ref(opt))
+
+    def close(self):
+        self.handle.remove()
+
+    def refs(self) -> list[weakref.ref]:
+        return [r for r in self.seen.values() if r() is not None]
+
+
+def _device_index_of(opt) -> int:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(p, TpuTensor):
+                return p._st.device_index
+    return 0
+
+
+def _move_optimizer_host_state(optimizer_refs) -> list[Storage]:
+    """Moves the CPU tensors in the state of optimizers that update tpu parameters (the step
+    counts of non-capturable optimizers) to tpu, so the compiled program reads and advances
+    them instead of freezing the value they had when it was traced. Returns their storages."""
+    moved: list[Storage] = []
+    names = set()
+    for ref in optimizer_refs:
+        opt = ref()
+        for p, st in opt.state.items():
+            if not isinstance(p, TpuTensor):
+                continue
+            for k, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and not isinstance(v, TpuTensor):
+                    st[k] = v.to(p.device)
+                    moved.append(st[k]._st)
+                    names.add(f"{type(opt).__name__} state[{k!r}]")
+    if names:
+        warnings.warn(
+            f"torchtpu.compile: moved {', '.join(sorted(names))} from the CPU to tpu, where the compiled step "
+            "advances it (the optimizer runs its capturable form inside the program). Pass capturable=True "
+            "to the optimizer to keep that state on tpu from the start.",
+            stacklevel=4,
+        )
+    return moved
+
+
+def _lift_optimizers(optimizers, slots, hyper) -> list:
+    """While a step is traced: the lifted hyperparameters become tpu scalars holding the
+    program's input values, and each param group takes PyTorch's graph-capture form
+    (capturable=True, foreach=True), the form whose every number stays a tensor. Returns
+    what to put back afterwards."""
+    restore = []
+    for i, (group, k, device_index) in enumerate(slots):
+        restore.append((group, k, group[k]))
+        group[k] = new_base(hyper[i], device_index, torch.float32)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if group.get("fused") or group.get("differentiable"):
+                continue
+            for k in ("capturable", "foreach"):
+                if k in group and group[k] is not True:
+                    restore.append((group, k, group[k]))
+                    group[k] = True
+    return restore
+
+
+class _OptimizerGraphCapture:
+    """While open, `torch.compiler.is_compiling()` is true inside each optimizer.step(): the
+    flag torch.optim reads to keep step counts and tensor learning rates as tensors instead of
+    reading them to Python numbers (which would freeze them into the program)."""
+
+    def __init__(self):
+        import torch.compiler as tc
+
+        self.tc = tc
+        self.prev = tc._is_compiling_flag
+        self.pre = _optim_hooks.register_optimizer_step_pre_hook(self._enter)
+        self.post = _optim_hooks.register_optimizer_step_post_hook(self._exit)
+
+    def _enter(self, opt, args, kwargs):
+        self.tc._is_compiling_flag = True
+
+    def _exit(self, opt, args, kwargs):
+        self.tc._is_compiling_flag = self.prev
+
+    def close(self):
+        self.pre.remove()
+        self.post.remove()
+        self.tc._is_compiling_flag = self.prev
+
+
+class _HostWatch:
+    """While a step is traced: CPU tensors read by tpu ops. Those the eager warm-up read are
+    program inputs (their values are sent with each call); a long-lived one it did not read, or
+    one the step modifies in place, would be frozen into the program: an error naming it."""
+
+    def __init__(self, host, host_arrays):
+        self.index = {id(t): i for i, t in enumerate(host)}
+        self.host = host
+        self.arrays = host_arrays
+        self.versions = [t._version for t in host]
+        self.unknown: list[weakref.ref] = []
+
+    def __call__(self, t):
+        i = self.index.get(id(t))
+        if i is not None and self.host[i] is t:
+            return self.arrays[i]
+        self.unknown.append(weakref.ref(t))
+        return dtypes.torch_to_numpy(t)
+
+    def check(self):
+        gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
+        frozen = [t for r in self.unknown if (t := r()) is not None]
+        if frozen:
+            raise RuntimeError(
+                "torchtpu.compile: the step read CPU tensors it did not read during its first (eager) call: "
+                f"{', '.join(_describe(t) for t in frozen[:5])}. Their values would be frozen into the program. "
+                "Move them to tpu (and pass them as arguments, or read them in the first call too)."
+            )
+        mutated = [t for t, v in zip(self.host, self.versions) if t._version != v]
+        if mutated:
+            raise RuntimeError(
+                "torchtpu.compile: the step modifies CPU tensors in place: "
+                f"{', '.join(_describe(t) for t in mutated[:5])}. The change would happen once, when the step "
+                "is traced, not on every call. Keep them on tpu."
+            )
+
+
+def _key_change(old, new) -> str:
+    """Names what changed between two cache keys of a compiled step (for the recompile log)."""
+    if old is None:
+        return "new signature"
+    reasons = []
+    if old[0] != new[0]:
+        reasons.append("argument structure changed")
+    if old[1] != new[1]:
+        reasons.append(f"arguments changed: {old[1]} -> {new[1]}")
+    if old[2] != new[2]:
+        for i, (a, b) in enumerate(zip(old[2], new[2])):
+            if a != b and a is not None and b is not None:
+                da, db = dict(a), dict(b)
+                for k in db:
+                    if da.get(k) != db[k]:
+                        reasons.append(f"optimizer param_groups[{i}][{k!r}] changed: {da.get(k)!r} -> {db[k]!r}")
+        if not reasons:
+            reasons.append("optimizer param_groups changed")
+    return "; ".join(reasons) or "unknown"
 
 
 def array_of_storage(st):

@@ -106,6 +106,7 @@ class _Hooks:
     the eager hot path free of them)."""
 
     read = None  # callable(storage, array) -> array, or None
+    host = None  # callable(cpu tensor) -> array: a CPU tensor read by a tpu op, or None
 
 
 HOOKS = _Hooks()
@@ -427,7 +428,7 @@ def _flat_value(a, leaves, dyn):
         if isinstance(a, TpuTensor):
             leaves.append(array_of(a))
             return _T
-        leaves.append(dtypes.torch_to_numpy(a))
+        leaves.append(dtypes.torch_to_numpy(a) if HOOKS.host is None else HOOKS.host(a))
         return _C
     if dyn and t in _DYN:
         leaves.append(_scalar_array(a, t))
