@@ -242,3 +242,20 @@ def test_lr_as_tpu_tensor_still_works():
     assert math.isclose(float(opt.param_groups[0]["lr"].cpu()), copt.param_groups[0]["lr"], rel_tol=1e-6)
     for c, t in zip(cpu.parameters(), model.parameters()):
         assert _rel(t.detach().cpu(), c.detach()) < 1e-5
+
+
+def test_closure_number_change_recompiles_once_visibly(capfd, monkeypatch):
+    monkeypatch.setenv("TORCHTPU_LOG_RECOMPILES", "1")
+    lin = torch.nn.Linear(4, 2).to("tpu")
+    scale = 2.0
+
+    def f(x):
+        return lin(x) * scale
+
+    cf = torchtpu.compile(f)
+    x = torch.ones(3, 4).to("tpu")
+    for value in (2.0, 2.0, 2.0, 3.0, 3.0):
+        scale = value
+        torch.testing.assert_close(cf(x).cpu(), (lin(x) * value).cpu())
+    assert cf.stats.traces == 2
+    assert "'scale' changed: 2.0 -> 3.0" in capfd.readouterr().err

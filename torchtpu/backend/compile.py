@@ -16,6 +16,35 @@ How it works:
 
 Random ops inside the step draw from keys derived from the device generator's state, which is
 an input of the program, and the generator advances after each call as eager mode would.
+
+No frozen values. Every value the step reads that can change between calls is either an input
+of the program or guarded (a change traces the step again, counted in
+`torchtpu.cache_stats()["compiled_step_retraces"]` and printed with its cause under
+`TORCHTPU_LOG_RECOMPILES=1`); what can be neither is an error that names it:
+- Optimizers. The warm-up records every optimizer whose `step()` runs in the function (a global
+  optimizer step pre-hook). On each call their `param_groups` are read:
+  - `lr` (what LR schedulers change, as a Python float assigned between calls) is lifted: its
+    current value is sent with the call as a program input, and while the step is traced the
+    group holds a tpu scalar standing for it. A scheduler stepping every iteration never
+    recompiles. A tpu-tensor `lr` (the trainer's) is program state like any parameter.
+  - every other entry (betas, weight_decay, momentum, eps, flags) is part of the cache key: a
+    change traces once more, visibly.
+  - while traced, each group takes PyTorch's graph-capture form, the one `torch.compile`
+    traces: capturable=True, foreach=True, and `torch.compiler.is_compiling()` true inside
+    `optimizer.step()`. In that form torch.optim keeps step counts and tensor learning rates
+    as tensors instead of reading them into Python numbers. The user's flags are put back
+    afterwards; the math is the same (XLA fuses the whole step either way).
+  - CPU tensors in their state (non-capturable optimizers' `step` counts) are moved to tpu
+    once, after the warm-up, with a warning, and become program state.
+- CPU tensors read by tpu ops (a CPU scalar the user keeps): those the warm-up read are program
+  inputs, their current values sent with each call. A long-lived CPU tensor first read after
+  the warm-up, or one the step modifies in place, is an error naming it.
+- tpu tensors the step reads are its state or arguments; one first read after the warm-up is
+  an error (its value would be frozen).
+- A host `.item()` inside the step is an error (transfer.py).
+- Python numbers (int, float, bool) the function reads from its closure variables or module
+  globals are guarded. Numbers reached deeper (attributes of objects, other functions' globals)
+  are constants of the trace, as under `jax.jit`: pass values that change as tensor arguments.
 """
 from __future__ import annotations
 
@@ -212,7 +241,7 @@ class CompiledFunction:
         if self.state is None:
             return self._warmup(args, kwargs, flat)
         inputs = self._call_inputs()
-        key = (tree, self._signature(flat), inputs.guard)
+        key = (tree, self._signature(flat), inputs.guard, _function_numbers(self.fn))
         entry = self.entries.get(key)
         if entry is None:
             if self.entries:
@@ -654,6 +683,31 @@ class _HostWatch:
             )
 
 
+_NUMBER_TYPES = (int, float, bool)
+
+
+def _function_numbers(fn) -> tuple:
+    """The Python numbers `fn` reads from its closure and its module's globals (guarded)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    out = []
+    if fn.__closure__:
+        for name, cell in zip(code.co_freevars, fn.__closure__):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # not bound yet
+                continue
+            if type(v) in _NUMBER_TYPES:
+                out.append((name, v))
+    g = fn.__globals__
+    for name in code.co_names:
+        v = g.get(name)
+        if type(v) in _NUMBER_TYPES:
+            out.append((name, v))
+    return tuple(out)
+
+
 def _key_change(old, new) -> str:
     """Names what changed between two cache keys of a compiled step (for the recompile log)."""
     if old is None:
@@ -672,6 +726,9 @@ def _key_change(old, new) -> str:
                         reasons.append(f"optimizer param_groups[{i}][{k!r}] changed: {da.get(k)!r} -> {db[k]!r}")
         if not reasons:
             reasons.append("optimizer param_groups changed")
+    if old[3] != new[3]:
+        da = dict(old[3])
+        reasons += [f"{k!r} changed: {da.get(k)!r} -> {v!r}" for k, v in new[3] if da.get(k) != v]
     return "; ".join(reasons) or "unknown"
 
 
