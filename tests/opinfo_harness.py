@@ -145,22 +145,45 @@ def _is_random(op, sample) -> bool:
     return False
 
 
-def _compare(expected, actual, what):
+def _names_cpu(sample) -> bool:
+    """Whether a sample asks for the CPU explicitly (`.to("cpu")`, `device="cpu"`): then a CPU
+    output is what the op owes on any device."""
+    flat, _ = tree_flatten((sample.args, sample.kwargs))
+    return any((isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x.startswith("cpu"))
+               for x in flat)
+
+
+def _output_device(e: torch.Tensor, sample) -> str:
+    """The device a tpu call's output must be on, given CPU's output `e`."""
+    if sample is not None and _names_cpu(sample):
+        return e.device.type
+    return "tpu" if e.device.type == "cpu" else e.device.type
+
+
+def _compare(expected, actual, what, sample=None):
+    """Every output: a tensor where CPU gives a tensor, on the device the op owes (tpu unless the
+    sample names the CPU), with CPU's values; a Python number where CPU gives one; anything
+    else equal."""
     fe, _ = tree_flatten(expected)
     fa, _ = tree_flatten(actual)
     if len(fe) != len(fa):
         raise AssertionError(f"{what}: {len(fa)} outputs, expected {len(fe)}")
-    for e, a in zip(fe, fa):
+    for i, (e, a) in enumerate(zip(fe, fa)):
         if isinstance(e, torch.Tensor):
             if not isinstance(a, torch.Tensor):
-                raise AssertionError(f"{what}: got {type(a)}, expected a tensor")
-            if a.device.type != "tpu" and e.device.type == "cpu" and a.device.type != "cpu":
-                raise AssertionError(f"{what}: output on {a.device}")
+                raise AssertionError(f"{what}: output {i} is {type(a).__name__} {a!r}, CPU gives a tensor")
+            device = _output_device(e, sample)
+            if a.device.type != device:
+                raise AssertionError(f"{what}: output {i} is on {a.device}, expected on {device}")
             a = _to_cpu(a)
             torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True, check_device=False,
                                        check_stride=False, msg=lambda m: f"{what}: {m}")
-        elif isinstance(e, (int, float, bool)) and isinstance(a, (int, float, bool)):
-            torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True)
+        elif isinstance(e, (int, float, bool, complex)):
+            if isinstance(a, torch.Tensor) or not isinstance(a, (int, float, bool, complex)):
+                raise AssertionError(f"{what}: output {i} is {type(a).__name__}, CPU gives {type(e).__name__} {e!r}")
+            torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        elif isinstance(a, torch.Tensor) or a != e:
+            raise AssertionError(f"{what}: output {i} is {a!r}, CPU gives {e!r}")
 
 
 def check_forward(op) -> None:
@@ -183,11 +206,16 @@ def _check_forward_sample(op, k, sample) -> None:
     if op.name in UNINITIALIZED or _is_random(op, sample):
         fe, _ = tree_flatten(expected)
         fa, _ = tree_flatten(actual)
-        for e, a in zip(fe, fa):
+        if len(fe) != len(fa):
+            raise AssertionError(f"sample {k}: {len(fa)} outputs, expected {len(fe)}")
+        for i, (e, a) in enumerate(zip(fe, fa)):
             if isinstance(e, torch.Tensor):
+                assert isinstance(a, torch.Tensor), f"sample {k}: output {i} is {type(a).__name__}, CPU gives a tensor"
                 assert tuple(e.shape) == tuple(a.shape) and e.dtype == a.dtype, f"sample {k}: shape/dtype"
+                device = _output_device(e, sample)
+                assert a.device.type == device, f"sample {k}: output {i} is on {a.device}, expected on {device}"
         return
-    _compare(expected, actual, f"sample {k}")
+    _compare(expected, actual, f"sample {k}", sample)
 
 
 def _sample_error(k, e):

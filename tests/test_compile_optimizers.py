@@ -259,3 +259,34 @@ def test_closure_number_change_recompiles_once_visibly(capfd, monkeypatch):
         torch.testing.assert_close(cf(x).cpu(), (lin(x) * value).cpu())
     assert cf.stats.traces == 2
     assert "'scale' changed: 2.0 -> 3.0" in capfd.readouterr().err
+
+
+def test_optimizer_first_stepped_after_warmup_is_adopted():
+    # gradient accumulation: the optimizer steps every other call, not in the eager warm-up
+    model = _mlp().to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cpu = _mlp()
+    copt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
+    csched = torch.optim.lr_scheduler.LambdaLR(copt, lambda s: 1.0 / (1 + s))
+    update = False
+
+    def accumulate(x, y):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if update:
+            opt.step()
+            opt.zero_grad()
+
+    step = torchtpu.compile(accumulate)
+    for i, (x, y) in enumerate(_batches(12)):
+        update = i % 2 == 1
+        step(x.to("tpu"), y.to("tpu"))
+        torch.nn.functional.mse_loss(cpu(x), y).backward()
+        if update:
+            copt.step()
+            copt.zero_grad()
+            sched.step()
+            csched.step()
+    assert step.stats.traces <= 3  # accumulate-only, and the update (one retry to adopt the optimizer)
+    for c, t in zip(cpu.parameters(), model.parameters()):
+        assert _rel(t.detach().cpu(), c.detach()) < 1e-5

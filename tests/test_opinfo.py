@@ -2,8 +2,10 @@
 
 One test per float32 OpInfo runs every sample (up to TORCHTPU_OPINFO_MAX_SAMPLES, default 12)
 forward, one per autograd OpInfo compares input gradients. OpInfos listed in
-tests/opinfo_known_failures.py are xfail(strict=True), so a fixed op must leave the list.
-The summary tests enforce the bar: >= 95% of OpInfos pass forward, >= 90% backward.
+tests/opinfo_known_failures.py are xfail(strict=True), so a fixed op must leave the list; those
+listed in CRASHES (their failure aborts the process) run in a subprocess, also as strict
+expected failures. The summary tests count the results the OpInfo tests actually had in this
+session and enforce the bar: at least 97.6% of OpInfos pass forward, 97.2% backward.
 
 A sample that raises fails only its own OpInfo; one that hangs is stopped after
 TORCHTPU_OPINFO_TIMEOUT seconds (default 600).
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -19,9 +23,13 @@ import pytest
 from tests import opinfo_harness as harness
 from tests.opinfo_known_failures import BACKWARD, CRASHES, FORWARD
 
-FORWARD_BAR = 0.05   # at most this fraction of OpInfos may fail forward
-BACKWARD_BAR = 0.10  # ... and backward
+FORWARD_BAR = 0.976   # at least this fraction of OpInfos pass forward
+BACKWARD_BAR = 0.972  # ... and backward
 TIMEOUT_S = int(os.environ.get("TORCHTPU_OPINFO_TIMEOUT", "600"))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What each OpInfo test actually did in this session: {direction: {opinfo_id: passed}}.
+RESULTS: dict[str, dict[str, bool]] = {"forward": {}, "backward": {}}
 
 _ALL = harness.float32_opinfos()
 _FORWARD_OPS = _ALL
@@ -33,10 +41,37 @@ def _params(ops, known, direction):
     for o in ops:
         oid = harness.opinfo_id(o)
         marks = [pytest.mark.xfail(strict=True, reason=known[oid])] if oid in known else []
-        if f"{direction}:{oid}" in CRASHES:
-            marks = [pytest.mark.skip(reason=CRASHES[f"{direction}:{oid}"])]
         params.append(pytest.param(o, id=oid, marks=marks))
     return params
+
+
+def _run_recorded(direction, check, op):
+    """Run the check (in a subprocess for an OpInfo listed in CRASHES) and record its result."""
+    oid = harness.opinfo_id(op)
+    crash = CRASHES.get(f"{direction}:{oid}")
+    if crash is not None:
+        RESULTS[direction][oid] = False
+        passed = _passes_in_subprocess(direction, oid)
+        RESULTS[direction][oid] = passed
+        if passed:
+            pytest.fail(f"{direction}:{oid} is listed in CRASHES ({crash}) but now passes: remove it from "
+                        "tests/opinfo_known_failures.py", pytrace=False)
+        pytest.xfail(f"listed in CRASHES: {crash}")
+    RESULTS[direction][oid] = False
+    _run_bounded(check, op)
+    RESULTS[direction][oid] = True
+
+
+def _passes_in_subprocess(direction, oid) -> bool:
+    """The harness on one OpInfo in a child process: a process abort fails only the child."""
+    cmd = [sys.executable, "-m", "tests.opinfo_harness", *(["--backward"] if direction == "backward" else []), oid]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S if TIMEOUT_S > 0 else None)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0 and f"PASS {oid}\n" in proc.stdout
 
 
 class OpInfoTimeout(BaseException):  # not swallowed by the harness's `except Exception`
@@ -62,12 +97,12 @@ def _run_bounded(check, op):
 
 @pytest.mark.parametrize("op", _params(_FORWARD_OPS, FORWARD, "forward"))
 def test_forward(op):
-    _run_bounded(harness.check_forward, op)
+    _run_recorded("forward", harness.check_forward, op)
 
 
 @pytest.mark.parametrize("op", _params(_BACKWARD_OPS, BACKWARD, "backward"))
 def test_backward(op):
-    _run_bounded(harness.check_backward, op)
+    _run_recorded("backward", harness.check_backward, op)
 
 
 def test_known_failures_name_real_opinfos():
@@ -77,17 +112,29 @@ def test_known_failures_name_real_opinfos():
     assert not set(BACKWARD) - bwd_ids, f"unknown backward OpInfos: {sorted(set(BACKWARD) - bwd_ids)}"
     for known in (FORWARD, BACKWARD):
         assert all(isinstance(r, str) and r.strip() for r in known.values()), "every known failure needs a reason"
+    for key, reason in CRASHES.items():
+        direction, _, oid = key.partition(":")
+        assert oid in {"forward": fwd_ids, "backward": bwd_ids}.get(direction, ()), f"unknown CRASHES entry {key}"
+        assert (FORWARD if direction == "forward" else BACKWARD).get(oid) is None, f"{key} is listed twice"
+        assert isinstance(reason, str) and reason.strip(), "every crash needs a reason"
 
 
-@pytest.mark.parametrize("direction,ops,known,bar,minimum", [
-    ("forward", _FORWARD_OPS, FORWARD, FORWARD_BAR, 600),
-    ("backward", _BACKWARD_OPS, BACKWARD, BACKWARD_BAR, 450),
+@pytest.mark.parametrize("direction,ops,bar,minimum", [
+    ("forward", _FORWARD_OPS, FORWARD_BAR, 600),
+    ("backward", _BACKWARD_OPS, BACKWARD_BAR, 450),
 ])
-def test_pass_rate(direction, ops, known, bar, minimum):
+def test_pass_rate(direction, ops, bar, minimum):
+    """The fraction of OpInfos whose test passed in this session (runs after them)."""
     total = len(ops)
     assert total > minimum, f"only {total} {direction} OpInfos found"
-    crashes = [k for k in CRASHES if k.startswith(f"{direction}:")]
-    failing = len(known) + len(crashes)
-    rate = failing / total
-    assert rate <= bar, (
-        f"{failing}/{total} OpInfos ({100 * rate:.1f}%) are known to fail {direction}; the bar is {100 * bar:.0f}%")
+    results = RESULTS[direction]
+    missing = total - len(results)
+    if missing:
+        pytest.skip(f"{missing} of {total} {direction} OpInfo tests did not run in this session "
+                    "(the rate needs the whole file)")
+    passed = sum(results.values())
+    rate = passed / total
+    print(f"{direction}: {passed}/{total} OpInfos pass every sample ({100 * rate:.1f}%)")
+    assert rate >= bar, (
+        f"{passed}/{total} OpInfos ({100 * rate:.1f}%) pass {direction}; the bar is {100 * bar:.1f}%: failing "
+        f"{sorted(k for k, v in results.items() if not v)}")

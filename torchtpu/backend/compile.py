@@ -240,21 +240,32 @@ class CompiledFunction:
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             return self._warmup(args, kwargs, flat)
-        inputs = self._call_inputs()
-        key = (tree, self._signature(flat), inputs.guard, _function_numbers(self.fn))
-        entry = self.entries.get(key)
-        if entry is None:
+        while True:
+            inputs = self._call_inputs()
+            key = (tree, self._signature(flat), inputs.guard, _function_numbers(self.fn))
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.last_key = key
+                return self._run(entry, flat, inputs)
             if self.entries:
                 STATS.retraces += 1
                 if _log_enabled():
                     print(f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
                           f"{_key_change(self.last_key, key)}", file=sys.stderr)
-            entry, holder = self._trace(flat, tree, inputs)
+            try:
+                entry, holder = self._trace(flat, tree, inputs)
+                out = self._run(entry, flat, inputs, first_holder=holder)
+            except _NewOptimizer as e:
+                # An optimizer that did not step in the warm-up (stepped every k calls):
+                # adopt it and trace again, with its hyperparameters lifted and guarded.
+                ref = weakref.ref(e.optimizer)
+                e = None
+                self.optimizers.append(ref)
+                self.state.extend(_move_optimizer_host_state([ref]))
+                continue
             self.entries[key] = entry
             self.last_key = key
-            return self._run(entry, flat, inputs, first_holder=holder)
-        self.last_key = key
-        return self._run(entry, flat, inputs)
+            return out
 
     # -- 1. eager warm-up
     def _warmup(self, args, kwargs, flat):
@@ -330,7 +341,7 @@ class CompiledFunction:
             torch._C._set_multithreading_enabled(False)
             HOOKS.read = capture
             HOOKS.host = host_watch
-            graph_capture = _OptimizerGraphCapture()
+            graph_capture = _OptimizerGraphCapture(optimizers)
             try:
                 with _Tracing():
                     out = self.fn(*targs, **tkwargs)
@@ -621,20 +632,31 @@ def _lift_optimizers(optimizers, slots, hyper) -> list:
     return restore
 
 
+class _NewOptimizer(Exception):
+    """An optimizer the warm-up did not see stepped while a step was traced."""
+
+    def __init__(self, optimizer):
+        super().__init__(type(optimizer).__name__)
+        self.optimizer = optimizer
+
+
 class _OptimizerGraphCapture:
     """While open, `torch.compiler.is_compiling()` is true inside each optimizer.step(): the
     flag torch.optim reads to keep step counts and tensor learning rates as tensors instead of
     reading them to Python numbers (which would freeze them into the program)."""
 
-    def __init__(self):
+    def __init__(self, known):
         import torch.compiler as tc
 
         self.tc = tc
+        self.known = {id(o) for o in known}
         self.prev = tc._is_compiling_flag
         self.pre = _optim_hooks.register_optimizer_step_pre_hook(self._enter)
         self.post = _optim_hooks.register_optimizer_step_post_hook(self._exit)
 
     def _enter(self, opt, args, kwargs):
+        if id(opt) not in self.known:
+            raise _NewOptimizer(opt)  # before it changes anything
         self.tc._is_compiling_flag = True
 
     def _exit(self, opt, args, kwargs):

@@ -22,7 +22,7 @@ import torch
 
 from .. import dtypes
 from ..registry import aten, lower
-from ..tensor import place
+from ..tensor import TpuTensor, place
 
 
 def _dispatch():
@@ -319,3 +319,25 @@ def _make_tri(lower_):
 _LIB = torch.library.Library("aten", "IMPL")
 _LIB.impl("tril_indices", _make_tri(True), "PrivateUse1")
 _LIB.impl("triu_indices", _make_tri(False), "PrivateUse1")
+
+
+# ----------------------------------------------------------------------------- tensor bounds
+
+
+def _bounds_as_numbers(default_op):
+    """linspace/logspace with 0-dim tensor bounds, as ATen defines them: the bounds are read to
+    numbers and the output goes to the `device` argument (the default device when None), not
+    to the bounds' device."""
+
+    def handler(args, kwargs):
+        vals = [np.asarray(_dispatch().array_of(a)).reshape(()).item() if isinstance(a, TpuTensor)
+                else a.item() if isinstance(a, torch.Tensor) else a for a in args]
+        return default_op(*vals, **kwargs)
+
+    return handler
+
+
+for _op in (aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor):
+    _dispatch().custom(_op)(_bounds_as_numbers(aten.linspace.default))
+for _op in (aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor):
+    _dispatch().custom(_op)(_bounds_as_numbers(aten.logspace.default))
