@@ -255,14 +255,11 @@ class CompiledFunction:
             try:
                 entry, holder = self._trace(flat, tree, inputs)
                 out = self._run(entry, flat, inputs, first_holder=holder)
-            except _NewOptimizer as e:
-                # An optimizer that did not step in the warm-up (stepped every k calls):
-                # adopt it and trace again, with its hyperparameters lifted and guarded.
-                ref = weakref.ref(e.optimizer)
-                e = None
-                self.optimizers.append(ref)
-                self.state.extend(_move_optimizer_host_state([ref]))
-                continue
+            except _NewOptimizer:
+                # An optimizer that did not step in the warm-up (one stepped every k calls):
+                # this call runs eagerly, as a second warm-up that creates its state and adds
+                # it to the step's; later calls trace with its hyperparameters lifted and guarded.
+                return self._warmup(args, kwargs, flat)
             self.entries[key] = entry
             self.last_key = key
             return out
@@ -292,14 +289,19 @@ class CompiledFunction:
             Storage.on_create = prev_create
             optimizers.close()
         arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
-        state = []
+        # a second warm-up (an optimizer first stepped later) adds to what the first found
+        state = list(self.state or [])
+        known = {id(st) for st in state}
         for sid, ref in recorder.seen.items():
             st = ref()
-            if st is not None and sid not in arg_ids:
+            if st is not None and sid not in arg_ids and sid not in known:
                 state.append(st)
-        self.optimizers = optimizers.refs()
-        state.extend(_move_optimizer_host_state(self.optimizers))
-        self.host = [ref for ref in host.values() if ref() is not None]  # temporaries died
+        known_opts = {id(r()) for r in self.optimizers}
+        new_opts = [r for r in optimizers.refs() if id(r()) not in known_opts]
+        self.optimizers = self.optimizers + new_opts
+        state.extend(_move_optimizer_host_state(new_opts))
+        known_host = {id(r()) for r in self.host}
+        self.host = self.host + [r for r in host.values() if r() is not None and id(r()) not in known_host]
         self.state = state
         return out
 
