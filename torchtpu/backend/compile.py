@@ -36,6 +36,9 @@ of the program or guarded (a change traces the step again, counted in
     afterwards; the math is the same (XLA fuses the whole step either way).
   - CPU tensors in their state (non-capturable optimizers' `step` counts) are moved to tpu
     once, after the warm-up, with a warning, and become program state.
+  - an optimizer first stepped after the warm-up (gradient accumulation) is caught before its
+    step changes anything: that call runs eagerly, as a second warm-up, and later calls trace
+    with it adopted.
 - CPU tensors read by tpu ops (a CPU scalar the user keeps): those the warm-up read are program
   inputs, their current values sent with each call. A long-lived CPU tensor first read after
   the warm-up, or one the step modifies in place, is an error naming it.
@@ -43,7 +46,11 @@ of the program or guarded (a change traces the step again, counted in
   an error (its value would be frozen).
 - A host `.item()` inside the step is an error (transfer.py).
 - Python numbers (int, float, bool) the function reads from its closure variables or module
-  globals are guarded. Numbers reached deeper (attributes of objects, other functions' globals)
+  globals are guarded.
+Known limit: a program assumes the tensors in each role are the objects it was traced with. A
+`.grad` that is None at the start of one traced path and a tensor at the start of another
+(`zero_grad()` at the end of a step that runs every k calls) breaks that; use
+`zero_grad(set_to_none=False)` there, or zero the gradients at the start of the step. Numbers reached deeper (attributes of objects, other functions' globals)
   are constants of the trace, as under `jax.jit`: pass values that change as tensor arguments.
 """
 from __future__ import annotations
