@@ -84,7 +84,9 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
             f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
             f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
             f"{tokenizer_vocab_size})")
-    args.max_seq_len = cfg.training.seq_len
+    # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
+    # validation sequences too.
+    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
     return args
 
 
@@ -328,6 +330,15 @@ class Trainer:
                 raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
                                   f"{cfg.training.dataset_path!r}: {e}") from None
 
+        # -- held-out evaluation ([validation])
+        self.validator = None
+        if cfg.validation.enable and not self.dry:
+            from .validate import Validator
+
+            self.validator = Validator(cfg, self.model, self.tokenizer, dims, place=self._place,
+                                       loss_context=self._loss_context, process_index=jax.process_index(),
+                                       process_count=jax.process_count())
+
         # -- checkpoints
         self.checkpointer = None
         ck = cfg.checkpoint
@@ -558,6 +569,9 @@ class Trainer:
                 profiler.after(step, loss)
                 if step % cfg.training.gc_freq == 0:
                     gc.collect(1)
+                val = self._maybe_validate(step, loss)
+                if val is not None:
+                    t_last += val["validation/time_s"]  # keep evaluation time out of the step time
                 if logger.should_log(step):
                     loss_v = float(loss.item())  # the one host sync per log interval
                     gn_v = float(grad_norm.item())
@@ -571,10 +585,14 @@ class Trainer:
                         logger.log(step, rec)
                         raise FloatingPointError(f"loss is {loss_v} at step {step}; lower [optimizer] lr or check "
                                                  "the data")
+                    rec.update(val or {})
                     logger.log(step, rec)
                     self.history.append({"step": step, **rec})
                     t_last = time.perf_counter()
                     steps_since = 0
+                elif val is not None:
+                    logger.log(step, val)
+                    self.history.append({"step": step, **val})
                 else:
                     logger.progress(step)
                 if self.checkpointer is not None and not cfg.checkpoint.load_only:
@@ -589,6 +607,17 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         return self.history
+
+    def _maybe_validate(self, step: int, loss) -> dict | None:
+        """[validation]: evaluate on the held-out data at step 1 and every validation.freq steps."""
+        if self.validator is None or not self.validator.should_validate(step):
+            return None
+        import jax
+
+        import torchtpu
+
+        jax.block_until_ready(torchtpu.to_jax(loss))  # the training step's time is not the evaluation's
+        return self.validator.validate()
 
     # -- dry run -------------------------------------------------------------------------------
 
