@@ -8,7 +8,8 @@
 
 Sources
   - dataset="bundled" (dataset_path empty): the corpus shipped in torchtpu/train/assets/corpus.txt,
-    except its last BUNDLED_VALIDATION_DOCS documents, which are held out;
+    except its last BUNDLED_VALIDATION_DOCS documents (and any word-for-word copy of them), which
+    are held out;
   - dataset="bundled_validation": those held-out documents only (the [validation] split of the
     bundled corpus; no training run with dataset="bundled" ever reads them).
   - dataset_path=<file | folder | glob> (any dataset name): local files, by extension:
@@ -113,7 +114,13 @@ def bundled_documents(split: str, path: str = BUNDLED_CORPUS) -> list[str]:
     with open(path, encoding="utf-8") as f:
         docs = [d.strip() for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
     cut = len(docs) - BUNDLED_VALIDATION_DOCS
-    return docs[:cut] if split == "train" else docs[cut:]
+    held = docs[cut:]
+    if split == "validation":
+        return held
+    # The generator repeats some short documents word for word: a copy of a held-out document
+    # elsewhere in the corpus is held out too, so no held-out text is ever trained on.
+    held_texts = set(held)
+    return [d for d in docs[:cut] if d not in held_texts]
 
 
 class _BundledSource(_Source):
