@@ -38,7 +38,7 @@ def argv(dump, *extra):
             "--validation.freq", "4", *extra]
 
 
-def cpu_validation_loss(cfg, model, batches):
+def cpu_validation_loss(cfg, model, batches, dp=8):
     """Plain PyTorch on the CPU: the trainer's current weights, the first `batches` held-out batches."""
     from torchtitan.models.llama3 import Transformer
 
@@ -52,7 +52,7 @@ def cpu_validation_loss(cfg, model, batches):
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and all("freqs_cis" in k for k in missing)
     v = cfg.validation
-    loader = build_dataloader(v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * 8, 0, 1,
+    loader = build_dataloader(v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp, 0, 1,
                               infinite=v.steps != -1)
     losses = []
     with torch.no_grad():
@@ -112,8 +112,8 @@ def test_validation_under_tensor_parallelism_and_fixed_steps(tmp_path):
     assert [h["step"] for h in hist if "validation/loss" in h] == [1]  # torchtitan: step 1, then every freq
     assert t.validator.num_batches == 3
     got = t.validator.validate()
-    assert got["validation/batches"] == 3 and got["validation/tokens"] == 3 * 8 * 32
-    assert got["validation/loss"] == pytest.approx(cpu_validation_loss(cfg, t.model, 3), rel=2e-5)
+    assert t.dims.dp == 4 and got["validation/batches"] == 3 and got["validation/tokens"] == 3 * 4 * 32
+    assert got["validation/loss"] == pytest.approx(cpu_validation_loss(cfg, t.model, 3, dp=4), rel=2e-5)
 
 
 def test_validation_errors_name_the_key(tmp_path):

@@ -26,7 +26,14 @@ import time
 
 from .config import ConfigError
 
-__all__ = ["Validator"]
+__all__ = ["Validator", "build_validator"]
+
+
+def build_validator(cfg, model, tokenizer, dims, place, loss_context, process_index: int = 0, process_count: int = 1):
+    """The job's Validator, or None when [validation] enable is false."""
+    if not cfg.validation.enable:
+        return None
+    return Validator(cfg, model, tokenizer, dims, place, loss_context, process_index, process_count)
 
 
 class Validator:
