@@ -72,7 +72,7 @@ COVERED_BY = {
 
 VALIDATION = ["--validation.enable", "--validation.dataset", "bundled_validation", "--validation.seq_len", "32",
               "--validation.local_batch_size", "1"]
-CHECKPOINTS = ["--checkpoint.enable"]
+CHECKPOINTS = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 SLICES = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.num_slices", "2"]
 
 # key -> (changed value, extra options both configurations get)
