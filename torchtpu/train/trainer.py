@@ -24,8 +24,11 @@ What a run does, in order:
    data-parallel mesh axes.
 6. Metrics (loss, grad_norm, lr, tokens/s per device, TFLOP/s, MFU, step time, memory) go to
    `<dump_folder>/metrics.jsonl`, the console and optionally TensorBoard / W&B, from process 0.
+   With [validation] enable, the held-out loss and perplexity join them at step 1 and every
+   validation.freq steps (a second compiled program, forward only; torchtpu/train/validate.py).
 7. Checkpoints (Orbax): model, optimizer, LR schedule, data position and step, every
-   `interval` steps and at the end; a run resumes from the newest checkpoint automatically.
+   `interval` steps and at the end; a run resumes from the newest checkpoint automatically,
+   ignoring a save that never finished and setting aside (step_N.unreadable) a damaged one.
 8. `--dry-run`: builds the same job without allocating any array, compiles the step ahead of
    time (for the TPU topology when one is named) and reports HBM needed vs available, FLOPs,
    XLA's estimated step time and the implied tokens/s and MFU; exit 0 if it fits, 1 if not.
@@ -170,7 +173,8 @@ def gc_due(cfg: JobConfig, step: int) -> bool:
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
-    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len.
+    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len (or validation.seq_len if
+    validation is on and its sequences are longer).
 
     The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
     be trained on (its ids would index past the embedding table) and is refused."""
