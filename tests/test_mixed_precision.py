@@ -1,5 +1,7 @@
-"""training.mixed_precision_param applies with and without FSDP: the matmuls of the compiled training step
-run in bf16 for a tensor-parallel-only job and for a single-device job (and in fp32 when it is float32).
+"""training.mixed_precision_param applies with and without FSDP: the linear layers' matmuls of the compiled
+training step (forward and backward) run in bf16 for a tensor-parallel-only job and for a single-device job
+(and in fp32 when it is float32). Attention's two matmuls run in f32 either way: torchtpu's SDPA lowering
+computes them in f32, like PyTorch's CPU flash attention.
 
 The evidence is the program itself: the compiled step's StableHLO (CompiledFunction.as_text(optimized=False),
 what torchtpu hands to XLA; XLA's CPU backend later widens bf16 dots it cannot run natively, a TPU does not).
