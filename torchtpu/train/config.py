@@ -315,7 +315,9 @@ class Checkpoint:
                            "the background; async_with_pinned_mem: the same, staging through host memory.",
                            choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = _opt(10, "Keep only the newest k checkpoints; 0 keeps them all.", check=_non_negative)
-    load_step: int = _opt(-1, "Resume from this step's checkpoint; -1 means the newest.",
+    load_step: int = _opt(-1, "Resume from this step's checkpoint (an error listing the steps there are if it "
+                          "does not exist); -1: the newest readable one (a save that never finished is ignored, a "
+                          "damaged checkpoint is renamed step_N.unreadable and the one before it is used).",
                           check=_minus_one_or_non_negative)
     exclude_from_loading: list[str] = _opt([], "Parts of the state not to restore when resuming (they are not read "
                                            "and start fresh): optimizer, lr_scheduler, dataloader.",
@@ -354,13 +356,20 @@ class Comm:
 
 @dataclass
 class Validation:
-    enable: bool = _opt(False, "Evaluate the loss on a held-out dataset during training.")
-    dataset: str = _opt("c4_validation", "Validation dataset name.")
+    enable: bool = _opt(False, "Evaluate the loss and perplexity on held-out data at step 1 and every freq steps, "
+                        "as a compiled forward-only program sharded like training; logged with the training "
+                        "metrics (console, metrics.jsonl, TensorBoard, W&B) as validation/loss and "
+                        "validation/perplexity.")
+    dataset: str = _opt("c4_validation", 'Validation dataset name: "bundled_validation" (the held-out documents '
+                        'of the bundled corpus, which dataset = "bundled" never trains on), "c4_validation", a '
+                        'Hugging Face "org/name", or any name with dataset_path.')
     dataset_path: str | None = _opt(None, "Local folder or file to read the validation dataset from.")
-    local_batch_size: int = _opt(8, "Validation sequences per data-parallel rank.", check=_positive)
+    local_batch_size: int = _opt(8, "Validation sequences per data-parallel rank in each batch.", check=_positive)
     seq_len: int = _opt(2048, "Tokens per validation sequence.", check=_positive)
-    freq: int = _opt(10, "Validate every this many training steps.", check=_positive)
-    steps: int = _opt(-1, "Validation batches per evaluation; -1 reads the whole validation set.",
+    freq: int = _opt(10, "Validate at step 1 and every this many training steps.", check=_positive)
+    steps: int = _opt(-1, "Validation batches per evaluation: -1 reads the whole validation set (with several "
+                      "hosts, as many batches as the host with the fewest has); N reads its first N batches, "
+                      "wrapping around a smaller set. Every evaluation reads the same batches.",
                       check=_minus_one_or_positive)
     dataloader: DataLoader = _section(DataLoader, "Data loading for validation.")
 
