@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -350,3 +351,102 @@ def test_unsupported_leaf_names_key(tmp_path):
     ckpt = CheckpointManager(str(tmp_path / "ckpt"), interval=1)
     with pytest.raises(CheckpointError, match=r"key \['sched'\]\['fn'\]: unsupported type"):
         ckpt.save(1, {"sched": {"fn": lambda s: s}}, force=True)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints of a training run
+
+DEBUG_TOML = os.path.join(ROOT, "train_configs", "debug_model.toml")
+
+
+def _train_argv(dump, steps, *extra):
+    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", "32",
+            "--training.local_batch_size", "1", "--training.steps", str(steps), "--metrics.log_freq", "1",
+            "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.keep_latest_k", "0", "--checkpoint.no-last_save_model_only", *extra]
+
+
+def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
+    """A real training process is killed with SIGKILL while it writes checkpoint step_6: the next run says
+    it ignored that partial save and resumes from step_4. Then a file inside the complete-looking step_6
+    is truncated: resuming names it, sets it aside and falls back to step_4. A load_step that does not
+    exist lists the steps that do."""
+    import signal
+    import time
+
+    from torchtpu.train.config import load_config
+    from torchtpu.train.trainer import Trainer
+
+    dump = tmp_path / "run"
+    folder = dump / "checkpoint"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
+    partial = []
+    for attempt in range(3):  # the save must still be in progress when the signal lands
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            partial = glob.glob(str(folder / "step_6.orbax-checkpoint-tmp*"))
+            if partial:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        out = proc.communicate(timeout=60)[0].decode()
+        if partial and proc.returncode == -signal.SIGKILL and not (folder / "step_6").exists():
+            break
+        assert proc.returncode in (0, -signal.SIGKILL), out[-3000:]
+        import shutil
+
+        shutil.rmtree(dump)
+    else:
+        pytest.skip("the save finished before SIGKILL arrived, three times")
+    assert (folder / "step_4").is_dir() and os.path.isdir(partial[0]), os.listdir(folder)
+
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"ignoring {partial[0]}: an incomplete checkpoint" in p.stdout, p.stdout[-3000:]
+    assert f"resumed from {folder / 'step_4'} (step 4)" in p.stdout, p.stdout[-3000:]
+    steps_run = [json.loads(line)["step"] for line in open(dump / "metrics.jsonl")]
+    assert steps_run[-2:] == [5, 6]  # the resumed run trained steps 5 and 6
+    assert sorted(os.listdir(folder)) == ["step_2", "step_4", "step_6"]  # the partial save is gone
+
+    # a complete-looking checkpoint with a damaged file
+    data = max((f for f in glob.glob(str(folder / "step_6" / "arrays" / "**" / "*"), recursive=True)
+                if os.path.isfile(f)), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    cfg = load_config(_train_argv(dump, 4))
+    t = Trainer(cfg)
+    import contextlib
+    import io
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        assert t.maybe_resume()
+    text = log.getvalue()
+    assert f"checkpoint {folder / 'step_6'} is unreadable" in text, text
+    assert f"set it aside as {folder / 'step_6.unreadable'}; falling back to the previous checkpoint, step 4" in text
+    assert t.step == 4 and f"resumed from {folder / 'step_4'} (step 4)" in text
+    assert sorted(os.listdir(folder)) == ["step_2", "step_4", "step_6.unreadable"]
+    t.checkpointer.close()
+    moments = [st["exp_avg"] for st in t.optimizer.state.values()]
+    assert moments and all(float(m.abs().sum()) > 0 for m in moments)  # restored
+    weights = {k: v.detach().cpu() for k, v in t.model.state_dict().items()}
+    del t
+
+    # checkpoint.exclude_from_loading: those parts are not read; the model and the step are
+    cfg = load_config(_train_argv(dump, 4, "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"))
+    t = Trainer(cfg)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert t.maybe_resume()
+    assert t.step == 4 and t.lr_scheduler.last_epoch == 0
+    moments = [st["exp_avg"] for st in t.optimizer.state.values()]
+    assert moments and all(float(m.abs().sum()) == 0 for m in moments)
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v.detach().cpu(), weights[k]), k
+    t.checkpointer.close()
+    del t
+
+    # a load_step that does not exist
+    cfg = load_config(_train_argv(dump, 4, "--checkpoint.load_step", "5"))
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*available: \[2, 4\]"):
+        Trainer(cfg).maybe_resume()

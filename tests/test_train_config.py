@@ -245,10 +245,10 @@ def test_general_flags_and_value_syntax():
     cfg = C.load_config(["--dry-run", "--topology", "v5p:4x4x4", "--debug", "--debug.seed", "5",
                          "--training.seq-len", "64", "--compile.components", "model",
                          "--lr_scheduler.total_steps", "none", "--parallelism.data_parallel_shard_degree", "-1",
-                         "--training.dataloader.num_workers", "2"])
+                         "--training.gc_freq", "7"])
     assert cfg.tpu.dry_run and cfg.tpu.topology == "v5p:4x4x4" and cfg.debug.verbose
     assert cfg.debug.seed == 5 and cfg.training.seq_len == 64 and cfg.compile.components == ["model"]
-    assert cfg.lr_scheduler.total_steps is None and cfg.training.dataloader.num_workers == 2
+    assert cfg.lr_scheduler.total_steps is None and cfg.training.gc_freq == 7
     assert C.topology_num_devices("v5p:4x4x4") == 64 and C.topology_num_devices("v6e:16x16") == 256
 
 

@@ -67,6 +67,15 @@ class _Checkpointed(torch.nn.Module):
         super().__init__()
         self.module = module
 
+    def __getattr__(self, name):
+        # the wrapped block's own methods and attributes (e.g. torchtitan's init_weights) stay reachable
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
     def forward(self, *args, **kwargs):
         def run(*a):
             if _in_backward():

@@ -16,8 +16,11 @@ On disk one step is `<folder>/step_<N>/` with two Orbax items:
   therefore reported by key before Orbax reads any data.
 
 Writing is atomic (Orbax writes into a temporary directory and renames it when complete), so a
-crash mid-save leaves the previous checkpoints intact; leftover temporary directories are cleaned
-up the next time the folder is opened. Step directories that this module did not write are never
+crash mid-save leaves the previous checkpoints intact; leftover temporary directories are reported
+(`partial_saves`) and cleaned up the next time the folder is opened. A complete-looking checkpoint
+whose files were damaged later fails to restore with a `CheckpointError` naming its path and the
+key; `set_aside(step)` renames it to `step_<N>.unreadable` so that resuming can fall back to the
+next older checkpoint (and the same step can be saved again). Step directories that this module did not write are never
 deleted or overwritten: opening a folder that holds them raises `CheckpointError`.
 
     ckpt = CheckpointManager("runs/ckpt", interval=100, keep_latest_k=3)
@@ -48,6 +51,7 @@ from torchtpu.backend.transfer import from_jax
 
 __all__ = [
     "CheckpointError",
+    "CorruptCheckpointError",
     "CheckpointManager",
     "model_state",
     "load_model_state",
@@ -62,6 +66,9 @@ __all__ = [
 FORMAT_VERSION = 1
 _PREFIX = "step"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Orbax's temporary directory for a save in progress: step_<N>.orbax-checkpoint-tmp-<id>
+_PARTIAL_DIR = re.compile(r"^step_(\d+)\.orbax-checkpoint-tmp")
+_SET_ASIDE = ".unreadable"
 _ARRAYS = "arrays"
 _MANIFEST = "manifest"
 _ASYNC_MODES = {"async": True, "async_with_pinned_mem": True, "sync": False, "disabled": False}
@@ -69,6 +76,15 @@ _ASYNC_MODES = {"async": True, "async_with_pinned_mem": True, "sync": False, "di
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path, key and fix."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files cannot be read back (truncated, damaged, or partly deleted); `.path` is
+    its step folder. Unlike a checkpoint written for another model, an older one may still be good."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -236,8 +252,16 @@ class CheckpointManager:
         self.enable = bool(enable)
         self._mgr = None
         self._pending_step = None
+        # saves that never finished (a process killed mid-save), found before Orbax removes them
+        self.partial_saves: list[str] = self._find_partial_saves()
 
     # -- orbax manager
+
+    def _find_partial_saves(self) -> list[str]:
+        if not os.path.isdir(self.folder):
+            return []
+        return [os.path.join(self.folder, e) for e in sorted(os.listdir(self.folder))
+                if _PARTIAL_DIR.match(e) and os.path.isdir(os.path.join(self.folder, e))]
 
     def _check_folder(self):
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
@@ -294,6 +318,25 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.folder, f"{_PREFIX}_{int(step)}")
+
+    def set_aside(self, step: int) -> str:
+        """Rename the (unreadable) checkpoint `step` to step_<N>.unreadable[-k] so it is no longer
+        a step of this folder: resuming skips it, and step N can be saved again. Nothing is deleted.
+        Returns the new path. In a multi-host job only process 0 renames."""
+        src = self.step_path(step)
+        dst, k = src + _SET_ASIDE, 1
+        while os.path.exists(dst):
+            dst, k = f"{src}{_SET_ASIDE}-{k}", k + 1
+        if self._mgr is not None:
+            self._mgr.close()
+            self._mgr = None
+        if jax.process_index() == 0 and os.path.isdir(src):
+            os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"torchtpu checkpoint set aside {src}")
+        return dst
 
     def should_save(self, step: int, force: bool = False) -> bool:
         return self.enable and (force or (step > 0 and step % self.interval == 0))
@@ -385,7 +428,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001
             raise _corrupt(self.step_path(step), "manifest", e, steps, int(step)) from e
 
-    def restore(self, step: int | None = None, target: Any = None, subtree: tuple = ()) -> Any:
+    def restore(self, step: int | None = None, target: Any = None, subtree: tuple = (), skip: tuple = ()) -> Any:
         """Restore checkpoint `step` (default: the newest) into `target`.
 
         Returns the checkpoint's structure. Where `target` has a tensor at the same key, that
@@ -396,6 +439,8 @@ class CheckpointManager:
 
         subtree: a key path, e.g. ("model",): restore only that part of the checkpoint (`target`
         then describes that part); no other array is read.
+        skip: top-level keys (of the part restored) whose arrays are not read at all; their tensors
+        in `target` stay untouched and they come back as None.
         """
         mgr = self._manager(create=False)
         steps = sorted(mgr.all_steps())
@@ -430,7 +475,8 @@ class CheckpointManager:
         # Build the abstract array tree from the manifest and the target.
         abstract = {}
         placed = {}  # array name -> target tensor (filled in place) or None
-        nodes = list(_array_nodes(tree))
+        skipped = {k for k in skip if isinstance(tree, dict) and "dict" in tree}
+        nodes = [(kp, n) for kp, n in _array_nodes(tree) if not (kp and kp[0] in skipped)]
         for kpath, node in nodes:
             t = target
             for k in kpath:
@@ -440,14 +486,14 @@ class CheckpointManager:
         # Tensors the target has but the checkpoint lacks: the model or optimizer differs.
         saved = {kp for kp, _ in nodes}
         for kpath, t in _tensor_leaves(target):
-            if kpath not in saved:
+            if kpath not in saved and not (kpath and kpath[0] in skipped):
                 raise CheckpointError(
                     f"checkpoint {path} has no key {_keystr(kpath)} that the target needs: the checkpoint was written "
                     "by a different model/optimizer; restore with the matching model config or use a fresh checkpoint folder"
                 )
 
         arrays = {}
-        if abstract and subtree:
+        if abstract and (subtree or skipped):
             # Only this part's arrays: a partial PyTree restore of the arrays item reads just the
             # names given (the manager's standard handler insists on the whole tree).
             try:
@@ -462,6 +508,8 @@ class CheckpointManager:
                 arrays = mgr.restore(step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(abstract)}))[_ARRAYS]
             except Exception as e:  # noqa: BLE001
                 raise _corrupt(path, _guess_key(e, nodes), e, steps, step) from e
+        if skipped:
+            tree = {"dict": [[k, {"value": None} if k in skipped else v] for k, v in tree["dict"]]}
         return _decode(tree, arrays, placed)
 
     @staticmethod
@@ -551,9 +599,9 @@ def _corrupt(path, key, e, steps, step) -> CheckpointError:
     older = [s for s in steps if s < step]
     fix = (f"restore an earlier step (restore(step={older[-1]})) or delete {path}" if older
            else f"delete {path} and start without resuming")
-    return CheckpointError(
-        f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {_first_line(e, 240)})"
-    )
+    return CorruptCheckpointError(
+        f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {_first_line(e, 240)})",
+        path)
 
 
 # ----------------------------------------------------------------------------- module and optimizer helpers

@@ -115,6 +115,21 @@ def _only_one(what: str) -> Check:
     return check
 
 
+def _not_supported(default: Any, why: str) -> Check:
+    """Only the default value is allowed: the key exists for torchtitan configs, the feature does not yet."""
+
+    def check(v):
+        return None if v == default else f"not supported by torchtpu yet ({why}); leave it at {_fmt(default)}"
+
+    return check
+
+
+def _state_parts(v):
+    bad = [c for c in v if c not in ("optimizer", "lr_scheduler", "dataloader")]
+    return None if not bad else (f"cannot exclude {bad[0]!r}; allowed: optimizer, lr_scheduler, dataloader (the "
+                                 "model weights and the step are always restored)")
+
+
 def _selective_ac_option(v):
     if v == "op" or (v.isdigit() and int(v) > 0):
         return None
@@ -167,9 +182,13 @@ class Profiling:
     save_traces_folder: str = _opt("profile_traces", "Sub-folder of dump_folder for profiler traces.")
     profile_freq: int = _opt(10, "Record one trace window every this many steps.", check=_positive)
     profiler_active: int = _opt(1, "Number of steps recorded in each trace window.", check=_positive)
-    profiler_warmup: int = _opt(3, "Steps run, unrecorded, just before each recorded window.",
-                                check=_non_negative)
-    enable_memory_snapshot: bool = _opt(False, "Save device-memory profiles (which buffers hold HBM).")
+    profiler_warmup: int = _opt(3, "Steps traced and discarded just before each recorded window (torchtitan's "
+                                "torch.profiler schedule). Only the default is accepted: jax.profiler cannot "
+                                "discard part of a trace, so a recorded window always starts cold.",
+                                check=_not_supported(3, "jax.profiler cannot trace steps and discard them"))
+    enable_memory_snapshot: bool = _opt(False, "Save a device-memory profile (which buffers hold device memory, "
+                                        "pprof format) every profile_freq steps, as "
+                                        "<save_memory_snapshot_folder>/iteration_<step>/memory.prof.")
     save_memory_snapshot_folder: str = _opt("memory_snapshot", "Sub-folder of dump_folder for memory profiles.")
 
 
@@ -177,10 +196,12 @@ class Profiling:
 class Metrics:
     log_freq: int = _opt(10, "Report loss, tokens/s and MFU every this many steps.", check=_positive)
     enable_tensorboard: bool = _opt(False, "Also write the metrics as TensorBoard events.")
-    disable_color_printing: bool = _opt(False, "Log to the terminal without ANSI colours.")
+    disable_color_printing: bool = _opt(False, "Log to the terminal without ANSI colours (colours are only "
+                                        "ever used when stdout is a terminal).")
     save_tb_folder: str = _opt("tb", "Sub-folder of dump_folder for TensorBoard events.")
-    save_for_all_ranks: bool = _opt(False, "Write TensorBoard/W&B metrics from every host instead of only "
-                                    "the first one.")
+    save_for_all_ranks: bool = _opt(False, "Write metrics from every host (process) instead of only the first: "
+                                    "host r>0 writes metrics_rank_<r>.jsonl and TensorBoard events under "
+                                    "<save_tb_folder>/rank_<r>; the console shows only the first host's.")
     enable_wandb: bool = _opt(False, "Also send the metrics to Weights & Biases.")
 
 
@@ -218,12 +239,16 @@ class LRScheduler:
 
 @dataclass
 class DataLoader:
-    num_workers: int = _opt(0, "Background worker processes that prepare batches (0: load in the "
-                            "training process).", check=_non_negative)
-    persistent_workers: bool = _opt(False, "Keep the workers alive between passes over the data "
-                                    "(needs num_workers > 0).")
-    prefetch_factor: int | None = _opt(None, "Batches each worker prepares ahead (needs num_workers > 0; "
-                                       "unset: the loader's default).", check=_positive)
+    num_workers: int = _opt(0, "Background worker processes that prepare batches. Only 0 (batches are read "
+                            "and tokenized in the training process, while the devices run the previous "
+                            "step) is supported yet.",
+                            check=_not_supported(0, "batches are prepared in the training process"))
+    persistent_workers: bool = _opt(False, "Keep the workers alive between passes over the data (needs "
+                                    "num_workers > 0, so not supported yet).",
+                                    check=_not_supported(False, "there are no data-loading workers"))
+    prefetch_factor: int | None = _opt(None, "Batches each worker prepares ahead (needs num_workers > 0, so not "
+                                       "supported yet).",
+                                       check=_not_supported(None, "there are no data-loading workers"))
 
 
 @dataclass
@@ -290,10 +315,13 @@ class Checkpoint:
                            "the background; async_with_pinned_mem: the same, staging through host memory.",
                            choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = _opt(10, "Keep only the newest k checkpoints; 0 keeps them all.", check=_non_negative)
-    load_step: int = _opt(-1, "Resume from this step's checkpoint; -1 means the newest.",
+    load_step: int = _opt(-1, "Resume from this step's checkpoint (an error listing the steps there are if it "
+                          "does not exist); -1: the newest readable one (a save that never finished is ignored, a "
+                          "damaged checkpoint is renamed step_N.unreadable and the one before it is used).",
                           check=_minus_one_or_non_negative)
-    exclude_from_loading: list[str] = _opt([], "Parts of the state not to restore, e.g. optimizer, "
-                                           "lr_scheduler, dataloader.")
+    exclude_from_loading: list[str] = _opt([], "Parts of the state not to restore when resuming (they are not read "
+                                           "and start fresh): optimizer, lr_scheduler, dataloader.",
+                                           check=_state_parts)
     enable_first_step_checkpoint: bool = _opt(False, "Also save right after step 1, to prove saving works early.")
     load_only: bool = _opt(False, "Load checkpoints but never save any.")
 
@@ -309,9 +337,14 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    enable: bool = _opt(False, "Compile the listed components with torch.compile.")
-    components: list[str] = _opt(["model", "loss"], "What to compile: model, loss.", check=_components)
-    backend: str = _opt("tpu", "torch.compile backend (torchtpu registers \"tpu\").")
+    enable: bool = _opt(False, "Accepted for torchtitan configs; changes nothing. torchtpu-train always compiles "
+                        "the whole training step (model, loss, backward, clipping, optimizer) into one XLA "
+                        "program, and the validation forward into another, whether this is true or false.")
+    components: list[str] = _opt(["model", "loss"], "Accepted for torchtitan configs; changes nothing: the model "
+                                 "and the loss are always compiled, as parts of the one program per step. "
+                                 "Allowed: model, loss.", check=_components)
+    backend: str = _opt("tpu", "The compiler: XLA, through torchtpu (torch.compile's \"tpu\" backend). Other "
+                        "backends (torchtitan's \"inductor\") do not target TPUs.", choices=("tpu",))
 
 
 @dataclass
@@ -323,13 +356,20 @@ class Comm:
 
 @dataclass
 class Validation:
-    enable: bool = _opt(False, "Evaluate the loss on a held-out dataset during training.")
-    dataset: str = _opt("c4_validation", "Validation dataset name.")
+    enable: bool = _opt(False, "Evaluate the loss and perplexity on held-out data at step 1 and every freq steps, "
+                        "as a compiled forward-only program sharded like training; logged with the training "
+                        "metrics (console, metrics.jsonl, TensorBoard, W&B) as validation/loss and "
+                        "validation/perplexity.")
+    dataset: str = _opt("c4_validation", 'Validation dataset name: "bundled_validation" (the held-out documents '
+                        'of the bundled corpus, which dataset = "bundled" never trains on), "c4_validation", a '
+                        'Hugging Face "org/name", or any name with dataset_path.')
     dataset_path: str | None = _opt(None, "Local folder or file to read the validation dataset from.")
-    local_batch_size: int = _opt(8, "Validation sequences per data-parallel rank.", check=_positive)
+    local_batch_size: int = _opt(8, "Validation sequences per data-parallel rank in each batch.", check=_positive)
     seq_len: int = _opt(2048, "Tokens per validation sequence.", check=_positive)
-    freq: int = _opt(10, "Validate every this many training steps.", check=_positive)
-    steps: int = _opt(-1, "Validation batches per evaluation; -1 reads the whole validation set.",
+    freq: int = _opt(10, "Validate at step 1 and every this many training steps.", check=_positive)
+    steps: int = _opt(-1, "Validation batches per evaluation: -1 reads the whole validation set (with several "
+                      "hosts, as many batches as the host with the fewest has); N reads its first N batches, "
+                      "wrapping around a smaller set. Every evaluation reads the same batches.",
                       check=_minus_one_or_positive)
     dataloader: DataLoader = _section(DataLoader, "Data loading for validation.")
 
@@ -337,7 +377,9 @@ class Validation:
 @dataclass
 class Debug:
     seed: int | None = _opt(None, "Base random seed; unset picks a fresh one each run.", check=_non_negative)
-    deterministic: bool = _opt(False, "Prefer deterministic algorithms even when they are slower.")
+    deterministic: bool = _opt(False, "Make runs repeatable: seed 0 when seed is unset (instead of a fresh random "
+                               "seed each run), and PyTorch's deterministic algorithms "
+                               "(torch.use_deterministic_algorithms) for the ops that run on the host.")
     verbose: bool = _opt(False, "Show full tracebacks on errors and debug-level logs (same as --debug).")
 
 

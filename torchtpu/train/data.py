@@ -7,7 +7,11 @@
     loader.load_state_dict(state)          # continue exactly from there
 
 Sources
-  - dataset="bundled" (dataset_path empty): the corpus shipped in torchtpu/train/assets/corpus.txt.
+  - dataset="bundled" (dataset_path empty): the corpus shipped in torchtpu/train/assets/corpus.txt,
+    except its last BUNDLED_VALIDATION_DOCS documents (and any word-for-word copy of them), which
+    are held out;
+  - dataset="bundled_validation": those held-out documents only (the [validation] split of the
+    bundled corpus; no training run with dataset="bundled" ever reads them).
   - dataset_path=<file | folder | glob> (any dataset name): local files, by extension:
       .txt   one document per paragraph; paragraphs are separated by one or more blank lines
              (a file without blank lines is therefore one document)
@@ -61,13 +65,18 @@ JSONL_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 PARQUET_EXTENSIONS = (".parquet",)
 _ALL_EXTENSIONS = TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS
 
+# The bundled corpus's last documents form its held-out (validation) split. A fixed count, so the split
+# is the same in every run and independent of the shuffle seed; corpus.txt itself is unchanged.
+BUNDLED_VALIDATION_DOCS = 100
+BUNDLED_SPLITS = {"bundled": "train", "bundled_validation": "validation"}
+
 _HF_KNOWN = {
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
 }
 _FIX_HINT = (
-    "Use dataset = \"bundled\" for the corpus shipped with torchtpu, set dataset_path to local "
-    ".txt/.jsonl/.parquet files (a file, folder or glob), or name a Hugging Face dataset "
+    "Use dataset = \"bundled\" (validation: \"bundled_validation\") for the corpus shipped with torchtpu, "
+    "set dataset_path to local .txt/.jsonl/.parquet files (a file, folder or glob), or name a Hugging Face dataset "
     "(\"c4\" or \"org/name\") on a machine with network access."
 )
 
@@ -93,20 +102,35 @@ class _Source:
         raise NotImplementedError
 
 
+def bundled_documents(split: str, path: str = BUNDLED_CORPUS) -> list[str]:
+    """The bundled corpus's documents of one split ("train" or "validation"), in file order."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"bundled corpus split {split!r}: allowed: train, validation")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"the bundled corpus {path} is missing from this installation; reinstall torchtpu "
+            f"(or regenerate it: python -m torchtpu.train.assets.make_assets)"
+        )
+    with open(path, encoding="utf-8") as f:
+        docs = [d.strip() for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
+    cut = len(docs) - BUNDLED_VALIDATION_DOCS
+    held = docs[cut:]
+    if split == "validation":
+        return held
+    # The generator repeats some short documents word for word: a copy of a held-out document
+    # elsewhere in the corpus is held out too, so no held-out text is ever trained on.
+    held_texts = set(held)
+    return [d for d in docs[:cut] if d not in held_texts]
+
+
 class _BundledSource(_Source):
-    """The shipped corpus: one unit whose documents are reshuffled every epoch."""
+    """The shipped corpus (one split of it): one unit whose documents are reshuffled every epoch."""
 
     shard_by_unit = False
 
-    def __init__(self, seed: int, path: str = BUNDLED_CORPUS):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"the bundled corpus {path} is missing from this installation; reinstall torchtpu "
-                f"(or regenerate it: python -m torchtpu.train.assets.make_assets)"
-            )
-        self.name = "bundled"
-        with open(path, encoding="utf-8") as f:
-            self._docs = [d.strip() for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
+    def __init__(self, seed: int, path: str = BUNDLED_CORPUS, split: str = "train"):
+        self.name = "bundled" if split == "train" else f"bundled_{split}"
+        self._docs = bundled_documents(split, path)
         self.seed = seed
         self._order_epoch = None
         self._order = None
@@ -295,6 +319,8 @@ def _make_source(dataset: str, dataset_path: str | None, seed: int, dp_rank: int
         return _FilesSource(dataset_path, seed, dp_rank, dp_world_size, split)
     if name in ("", "bundled"):
         return _BundledSource(seed)
+    if name in BUNDLED_SPLITS:
+        return _BundledSource(seed, split=BUNDLED_SPLITS[name])
     if name == "c4_test":
         raise ValueError(
             "dataset \"c4_test\" is a sample that lives in torchtitan's source repository, not in the "

@@ -244,12 +244,17 @@ def _wandb_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+_COLORS = {"step": "\033[33m", "loss": "\033[32m", "validation": "\033[35m", "reset": "\033[39m"}
+
+
 class MetricsLogger:
     """Writes each logged step to <dump_folder>/metrics.jsonl, one console line, and optionally
-    TensorBoard (<dump_folder>/tb) and Weights & Biases (run files under <dump_folder>/wandb;
+    TensorBoard (<dump_folder>/<tb_folder>) and Weights & Biases (run files under <dump_folder>/wandb;
     offline when WANDB_API_KEY is unset or the W&B server is unreachable). Only the main process
-    writes anything; on other processes every method is a no-op. With `total_steps` and a terminal
-    on stdout, a progress bar with ETA sits under the lines."""
+    writes anything; on other processes every method is a no-op, unless `rank` is given (metrics
+    from every host): then host `rank` > 0 writes metrics_rank_<rank>.jsonl and <tb_folder>/rank_<rank>
+    (rank 0 writes <tb_folder>/rank_0) and prints nothing. With `total_steps` and a terminal on
+    stdout, a progress bar with ETA sits under the lines. `color`: ANSI colours on the console."""
 
     def __init__(
         self,
@@ -262,13 +267,20 @@ class MetricsLogger:
         config_dict: dict | None = None,
         is_main_process: bool = True,
         total_steps: int | None = None,
+        tb_folder: str = "tb",
+        color: bool = False,
+        rank: int | None = None,
     ):
         self.dump_folder = os.path.abspath(dump_folder)
+        self.run_name = run_name
         self.log_freq = max(1, int(log_freq))
         self.total_steps = total_steps
-        self.enabled = bool(is_main_process)
-        self.jsonl_path = os.path.join(self.dump_folder, "metrics.jsonl")
-        self.tb_dir = os.path.join(self.dump_folder, "tb")
+        self.enabled = bool(is_main_process) or rank is not None
+        self.console = bool(is_main_process)
+        self.color = bool(color)
+        suffix = f"_rank_{rank}" if rank else ""
+        self.jsonl_path = os.path.join(self.dump_folder, f"metrics{suffix}.jsonl")
+        self.tb_dir = os.path.join(self.dump_folder, tb_folder, *([f"rank_{rank}"] if rank is not None else []))
         self.wandb_mode = None
         self._file = self._tb = self._wandb = self._bar = None
         if not self.enabled:
@@ -281,7 +293,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=self.tb_dir)
         if enable_wandb:
             self._start_wandb(wandb_project, run_name, config_dict)
-        if total_steps and sys.stdout.isatty():
+        if total_steps and self.console and sys.stdout.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
@@ -324,6 +336,11 @@ class MetricsLogger:
             if key not in used and key != "step" and value is not None:
                 value = _plain(value)
                 parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        if self.color:
+            c = _COLORS
+            parts = [c["step"] + p + c["reset"] if p.startswith("step ")
+                     else c["loss"] + p + c["reset"] if p.startswith("loss ")
+                     else c["validation"] + p + c["reset"] if p.startswith("validation/") else p for p in parts]
         return " | ".join(parts)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -339,7 +356,7 @@ class MetricsLogger:
             self._bar.write(line)
             self._bar.n = min(int(step), self._bar.total)
             self._bar.refresh()
-        else:
+        elif self.console:
             print(line, flush=True)
         numeric = {k: v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
@@ -374,3 +391,15 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def build_metrics_logger(cfg, process_index: int, total_steps: int, stdout_is_terminal: bool | None = None):
+    """The MetricsLogger a torchtpu-train job configured by `cfg` ([metrics], [job]) uses on host
+    `process_index`."""
+    m = cfg.metrics
+    tty = sys.stdout.isatty() if stdout_is_terminal is None else stdout_is_terminal
+    return MetricsLogger(
+        cfg.job.dump_folder, m.log_freq, m.enable_tensorboard, m.enable_wandb, run_name=cfg.job.description,
+        config_dict=cfg.to_dict(), is_main_process=process_index == 0, total_steps=total_steps,
+        tb_folder=m.save_tb_folder, color=tty and not m.disable_color_printing,
+        rank=process_index if m.save_for_all_ranks else None)

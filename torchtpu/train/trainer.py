@@ -24,8 +24,11 @@ What a run does, in order:
    data-parallel mesh axes.
 6. Metrics (loss, grad_norm, lr, tokens/s per device, TFLOP/s, MFU, step time, memory) go to
    `<dump_folder>/metrics.jsonl`, the console and optionally TensorBoard / W&B, from process 0.
+   With [validation] enable, the held-out loss and perplexity join them at step 1 and every
+   validation.freq steps (a second compiled program, forward only; torchtpu/train/validate.py).
 7. Checkpoints (Orbax): model, optimizer, LR schedule, data position and step, every
-   `interval` steps and at the end; a run resumes from the newest checkpoint automatically.
+   `interval` steps and at the end; a run resumes from the newest checkpoint automatically,
+   ignoring a save that never finished and setting aside (step_N.unreadable) a damaged one.
 8. `--dry-run`: builds the same job without allocating any array, compiles the step ahead of
    time (for the TPU topology when one is named) and reports HBM needed vs available, FLOPs,
    XLA's estimated step time and the implied tokens/s and MFU; exit 0 if it fits, 1 if not.
@@ -62,8 +65,116 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def resolve_seed(cfg: JobConfig) -> int | None:
+    """The run's base seed: [debug] seed; when unset, 0 with debug.deterministic, else None (a fresh one)."""
+    if cfg.debug.seed is not None:
+        return cfg.debug.seed
+    return 0 if cfg.debug.deterministic else None
+
+
+def job_devices(cfg: JobConfig) -> list:
+    """The devices the job runs on: the attached ones, or with [tpu] topology and a dry run the
+    compile-only devices of that TPU slice (training on a named slice needs its chips)."""
+    import jax
+
+    if not cfg.tpu.topology:
+        return jax.devices()
+    if cfg.tpu.dry_run:
+        from torchtpu.distributed.topology import topology_devices
+
+        return topology_devices(cfg.tpu.topology)
+    local = jax.devices()
+    if local[0].platform != "tpu":
+        raise ConfigError(
+            f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
+            f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
+            "here, or leave topology empty to train on the attached devices")
+    return local
+
+
+def build_meta_model(cfg: JobConfig, model_args):
+    """torchtitan's Transformer on the meta device, its parameters in training.dtype."""
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    param_dtype = _torch_dtype(cfg.training.dtype)
+    if param_dtype != torch.float32:
+        # parameters only: the RoPE table (freqs_cis) stays complex64
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    mod._parameters[name] = torch.nn.Parameter(p.to(param_dtype), requires_grad=p.requires_grad)
+    return model
+
+
+def mixed_precision_dtypes(cfg: JobConfig):
+    """(param_dtype, reduce_dtype) for parallelize_llama: training.mixed_precision_param/_reduce, or None
+    where they equal the parameters' own dtype (training.dtype), i.e. where there is nothing to cast."""
+    own = _torch_dtype(cfg.training.dtype)
+    param, reduce = (_torch_dtype(cfg.training.mixed_precision_param),
+                     _torch_dtype(cfg.training.mixed_precision_reduce))
+    return (None if param == own else param), (None if reduce == own else reduce)
+
+
+def build_schedule(optimizer, cfg: JobConfig):
+    """The LambdaLR of [lr_scheduler] over lr_scheduler.total_steps (unset: training.steps)."""
+    from .lr import build_lr_scheduler
+
+    ls = cfg.lr_scheduler
+    return build_lr_scheduler(optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
+                              ls.total_steps or cfg.training.steps)
+
+
+def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, process_index: int, process_count: int):
+    """This host's loader of training micro-batches ([training] dataset, dataset_path, seq_len, batch)."""
+    from .data import build_dataloader
+
+    micro = dims.local_batch_size * dims.dp  # sequences per micro-batch, all hosts
+    if micro % process_count:
+        raise ConfigError(
+            f"[training] local_batch_size = {dims.local_batch_size}: the micro-batch of "
+            f"{dims.local_batch_size} x {dims.dp} data-parallel ranks = {micro} sequences cannot be split "
+            f"evenly over {process_count} hosts")
+    try:
+        return build_dataloader(
+            cfg.training.dataset, cfg.training.dataset_path, tokenizer, cfg.training.seq_len,
+            micro // process_count, dp_rank=process_index, dp_world_size=process_count,
+            seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
+                          f"{cfg.training.dataset_path!r}: {e}") from None
+
+
+def build_checkpointer(cfg: JobConfig):
+    """The run's CheckpointManager ([checkpoint] enable, folder, interval, keep_latest_k, async_mode), or None."""
+    ck = cfg.checkpoint
+    if not ck.enable:
+        return None
+    from .checkpoint import CheckpointManager
+
+    return CheckpointManager(os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
+                             keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode)
+
+
+def save_due(cfg: JobConfig, checkpointer, step: int) -> tuple[bool, bool]:
+    """(save a checkpoint after `step`?, forced?): every interval steps, the last step, and step 1 with
+    enable_first_step_checkpoint; never with load_only or without a checkpointer."""
+    if checkpointer is None or cfg.checkpoint.load_only:
+        return False, False
+    force = step == cfg.training.steps or (step == 1 and cfg.checkpoint.enable_first_step_checkpoint)
+    return checkpointer.should_save(step, force), force
+
+
+def gc_due(cfg: JobConfig, step: int) -> bool:
+    """Python's garbage collector is off during training and runs every training.gc_freq steps."""
+    return step % cfg.training.gc_freq == 0
+
+
 def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
-    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len.
+    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len (or validation.seq_len if
+    validation is on and its sequences are longer).
 
     The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
     be trained on (its ids would index past the embedding table) and is refused."""
@@ -84,7 +195,9 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
             f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
             f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
             f"{tokenizer_vocab_size})")
-    args.max_seq_len = cfg.training.seq_len
+    # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
+    # validation sequences too.
+    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
     return args
 
 
@@ -215,21 +328,7 @@ class Trainer:
         self.step = 0
 
         # -- devices, mesh
-        if cfg.tpu.topology:
-            if not self.dry:
-                local = jax.devices()
-                if local[0].platform != "tpu":
-                    raise ConfigError(
-                        f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
-                        f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
-                        "here, or leave topology empty to train on the attached devices")
-                self.devices = local
-            else:
-                from torchtpu.distributed.topology import topology_devices
-
-                self.devices = topology_devices(cfg.tpu.topology)
-        else:
-            self.devices = jax.devices()
+        self.devices = job_devices(cfg)
         self.dims: ParallelDims = validate(cfg, len(self.devices))
         dims = self.dims
         kwargs = {}
@@ -248,37 +347,27 @@ class Trainer:
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
 
         # -- seed
-        seed = cfg.debug.seed
+        seed = resolve_seed(cfg)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
             _log(f"seed {seed} (set [debug] seed to repeat this run)")
+        if cfg.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
         self.seed = seed
         torch.manual_seed(seed)
         torch.tpu.manual_seed_all(seed)
 
         # -- model on meta, parallelized, materialized sharded, initialised in place
-        from torchtitan.models.llama3 import Transformer
-
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
-        param_dtype = _torch_dtype(cfg.training.dtype)
-        if param_dtype != torch.float32:
-            # parameters only: the RoPE table (freqs_cis) stays complex64
-            for mod in model.modules():
-                for name, p in list(mod._parameters.items()):
-                    if p is not None and p.is_floating_point():
-                        mod._parameters[name] = torch.nn.Parameter(p.to(param_dtype), requires_grad=p.requires_grad)
+        model = build_meta_model(cfg, self.model_args)
         from .metrics import model_flops_per_token
 
         self.num_params, self.flops_per_token = model_flops_per_token(model, self.model_args, cfg.training.seq_len)
-        mp_param = _torch_dtype(cfg.training.mixed_precision_param)
-        mp_reduce = _torch_dtype(cfg.training.mixed_precision_reduce)
+        mp_param, mp_reduce = mixed_precision_dtypes(cfg)
         ac_mode, ac_every = _ac_settings(cfg)
         parallelize_llama(
             model, self.mesh,
             sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
-            param_dtype=None if mp_param == param_dtype else mp_param,
-            reduce_dtype=None if mp_reduce == param_dtype else mp_reduce,
+            param_dtype=mp_param, reduce_dtype=mp_reduce,
             ac_mode=ac_mode, ac_every=ac_every,
         )
         materialize(model)
@@ -289,17 +378,11 @@ class Trainer:
         self.model.train()
 
         # -- optimizer, schedule
-        from .lr import build_lr_scheduler
-
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
         # to write it (the compiled program is the same: the rate is an input either way).
         self.optimizer = build_optimizer(list(model.parameters()), cfg, self.mesh, lazy=self.dry)
-        ls = cfg.lr_scheduler
-        self.schedule_steps = ls.total_steps or cfg.training.steps
-        self.lr_scheduler = None
-        if not self.dry:
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type,
-                                                   ls.min_lr_factor, self.schedule_steps)
+        self.schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
+        self.lr_scheduler = None if self.dry else build_schedule(self.optimizer, cfg)
 
         # -- the step
         import torchtpu as _tt
@@ -309,24 +392,18 @@ class Trainer:
         # -- data
         self.dataloader = None
         if not self.dry:
-            from .data import build_dataloader
+            self.dataloader = build_train_dataloader(cfg, self.tokenizer, dims, jax.process_index(),
+                                                     jax.process_count())
+            self.host_batch = self.dataloader.local_batch_size
 
-            nproc = jax.process_count()
-            micro = dims.local_batch_size * dims.dp  # sequences per micro-batch, all hosts
-            if micro % nproc:
-                raise ConfigError(
-                    f"[training] local_batch_size = {dims.local_batch_size}: the micro-batch of "
-                    f"{dims.local_batch_size} x {dims.dp} data-parallel ranks = {micro} sequences cannot be split "
-                    f"evenly over {nproc} hosts")
-            self.host_batch = micro // nproc
-            try:
-                self.dataloader = build_dataloader(
-                    cfg.training.dataset, cfg.training.dataset_path, self.tokenizer, cfg.training.seq_len,
-                    self.host_batch, dp_rank=jax.process_index(), dp_world_size=nproc,
-                    seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
-            except (FileNotFoundError, ValueError) as e:
-                raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
-                                  f"{cfg.training.dataset_path!r}: {e}") from None
+        # -- held-out evaluation ([validation])
+        self.validator = None
+        if not self.dry:
+            from .validate import build_validator
+
+            self.validator = build_validator(cfg, self.model, self.tokenizer, dims, place=self._place,
+                                             loss_context=self._loss_context, process_index=jax.process_index(),
+                                             process_count=jax.process_count())
 
         # -- checkpoints
         self.checkpointer = None
@@ -336,12 +413,8 @@ class Trainer:
         if hf:
             raise ConfigError(f"[checkpoint] {hf[0]} = true: Hugging Face safetensors are not supported by "
                               "torchtpu-train yet; set it to false (checkpoints are Orbax folders)")
-        if ck.enable and not self.dry:
-            from .checkpoint import CheckpointManager
-
-            self.checkpointer = CheckpointManager(
-                os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
-                keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode)
+        if not self.dry:
+            self.checkpointer = build_checkpointer(cfg)
 
     # -- the compiled step -------------------------------------------------------------------
 
@@ -432,14 +505,33 @@ class Trainer:
             if cfg.initial_load_path and not self.dry:
                 self._initial_load()
             return False
+        from .checkpoint import CorruptCheckpointError, split_step_path
+
+        for partial in ck.partial_saves:
+            _log(f"ignoring {partial}: an incomplete checkpoint (its save never finished, e.g. the job was killed "
+                 "mid-save); it is removed")
+        latest = ck.latest_step()
+        while latest is not None:
+            try:
+                return self._resume_at(ck, latest if cfg.load_step == -1 else cfg.load_step)
+            except CorruptCheckpointError as e:
+                if cfg.load_step != -1:
+                    raise  # the step the user asked for, not some other one
+                moved = ck.set_aside(split_step_path(e.path)[1])
+                latest = ck.latest_step()
+                _log(f"{e} -- set it aside as {moved}; "
+                     + (f"falling back to the previous checkpoint, step {latest}" if latest is not None
+                        else "no older checkpoint: starting this run from the beginning"))
+        if cfg.initial_load_path:
+            self._initial_load()
+        return False
+
+    def _resume_at(self, ck, step: int) -> bool:
+        """Resume from checkpoint `step` of this run's folder (or, when it holds only the final model
+        weights, from the newest full checkpoint before it)."""
         from .checkpoint import CheckpointError, is_model_only, load_model_weights
 
-        latest = ck.latest_step()
-        if latest is None:
-            if cfg.initial_load_path:
-                self._initial_load()
-            return False
-        step = latest if cfg.load_step == -1 else cfg.load_step
+        cfg = self.cfg.checkpoint
         if is_model_only(ck.manifest(step)):
             path = ck.step_path(step)
             if step >= self.cfg.training.steps:
@@ -500,7 +592,9 @@ class Trainer:
         init_optimizer_state(self.optimizer, self.mesh)
         excluded = set(cfg.exclude_from_loading)
         target = self.state()
-        restored = ck.restore(step, target=target)
+        # excluded parts are not read at all (restoring fills tensors in place, so reading them and
+        # then not loading them would still overwrite the optimizer state)
+        restored = ck.restore(step, target=target, skip=tuple(excluded))
         load_model_state(self.model, restored["model"])
         if "optimizer" not in excluded:
             load_optimizer_state(self.optimizer, restored["optimizer"])
@@ -520,17 +614,13 @@ class Trainer:
     def train(self) -> list[dict]:
         import jax
 
-        from .metrics import MetricsLogger, peak_flops
+        from .metrics import build_metrics_logger, peak_flops
 
         cfg = self.cfg
         dims = self.dims
         self.maybe_resume()
         total_steps = cfg.training.steps
-        is_main = jax.process_index() == 0
-        logger = MetricsLogger(
-            cfg.job.dump_folder, cfg.metrics.log_freq, cfg.metrics.enable_tensorboard, cfg.metrics.enable_wandb,
-            run_name=cfg.job.description, config_dict=cfg.to_dict(),
-            is_main_process=is_main, total_steps=total_steps)
+        logger = build_metrics_logger(cfg, jax.process_index(), total_steps)
         peak, peak_src = peak_flops(self.devices[0].device_kind)
         tokens_per_step = dims.tokens_per_step
         world = dims.world_size
@@ -556,8 +646,11 @@ class Trainer:
                 self.step = step
                 steps_since += 1
                 profiler.after(step, loss)
-                if step % cfg.training.gc_freq == 0:
+                if gc_due(cfg, step):
                     gc.collect(1)
+                val = self._maybe_validate(step, loss)
+                if val is not None:
+                    t_last += val["validation/time_s"]  # keep evaluation time out of the step time
                 if logger.should_log(step):
                     loss_v = float(loss.item())  # the one host sync per log interval
                     gn_v = float(grad_norm.item())
@@ -571,16 +664,19 @@ class Trainer:
                         logger.log(step, rec)
                         raise FloatingPointError(f"loss is {loss_v} at step {step}; lower [optimizer] lr or check "
                                                  "the data")
+                    rec.update(val or {})
                     logger.log(step, rec)
                     self.history.append({"step": step, **rec})
                     t_last = time.perf_counter()
                     steps_since = 0
+                elif val is not None:
+                    logger.log(step, val)
+                    self.history.append({"step": step, **val})
                 else:
                     logger.progress(step)
-                if self.checkpointer is not None and not cfg.checkpoint.load_only:
-                    force = step == total_steps or (step == 1 and cfg.checkpoint.enable_first_step_checkpoint)
-                    if self.checkpointer.should_save(step, force):
-                        self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
+                due, force = save_due(cfg, self.checkpointer, step)
+                if due:
+                    self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
         finally:
             profiler.close()
             if gc_was:
@@ -589,6 +685,17 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         return self.history
+
+    def _maybe_validate(self, step: int, loss) -> dict | None:
+        """[validation]: evaluate on the held-out data at step 1 and every validation.freq steps."""
+        if self.validator is None or not self.validator.should_validate(step):
+            return None
+        import jax
+
+        import torchtpu
+
+        jax.block_until_ready(torchtpu.to_jax(loss))  # the training step's time is not the evaluation's
+        return self.validator.validate()
 
     # -- dry run -------------------------------------------------------------------------------
 
@@ -695,6 +802,8 @@ class _Profiler:
         self.freq = p.profile_freq
         self.active = min(p.profiler_active, p.profile_freq)
         self.folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
+        self.memory = p.enable_memory_snapshot
+        self.memory_folder = os.path.join(cfg.job.dump_folder, p.save_memory_snapshot_folder)
         self.on = False
 
     def before(self, step: int) -> None:
@@ -710,6 +819,16 @@ class _Profiler:
             self.on = True
 
     def after(self, step: int, out) -> None:
+        if self.memory and step % self.freq == 0:
+            import jax
+
+            import torchtpu
+
+            jax.block_until_ready(torchtpu.to_jax(out))
+            folder = os.path.join(self.memory_folder, f"iteration_{step}")
+            os.makedirs(folder, exist_ok=True)
+            jax.profiler.save_device_memory_profile(os.path.join(folder, "memory.prof"))
+            _log(f"device memory profile of step {step} in {folder}/memory.prof")
         if self.on and step % self.freq == 0:
             import jax
 
@@ -728,14 +847,22 @@ class _Profiler:
             self.on = False
 
 
+def save_resolved_config(cfg: JobConfig) -> str | None:
+    """job.save_config_file: write the resolved configuration into dump_folder; returns its path."""
+    if not cfg.job.save_config_file:
+        return None
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(cfg.to_toml())
+    return path
+
+
 def main(cfg: JobConfig) -> int:
     """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
 
     Configuration problems raise ConfigError (the CLI prints one line and exits 2)."""
-    if cfg.job.save_config_file:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        with open(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file), "w", encoding="utf-8") as f:
-            f.write(cfg.to_toml())
+    save_resolved_config(cfg)
     trainer = Trainer(cfg)
     if trainer.dry:
         return trainer.dry_run()

@@ -11,7 +11,12 @@ same PyTorch parallel styles, so the model shards on a TPU mesh the way it does 
   the sequence before attention/feed-forward and reduce-scatter after them;
 - FSDP over the data-parallel axes ("dp_shard", with "dp_replicate" for HSDP) per transformer
   block and for the rest of the model, with mixed precision;
-- activation checkpointing of blocks (none, full, or every n-th block).
+- activation checkpointing of blocks (none, full, or every n-th block);
+- mixed precision without FSDP (one device, pure data parallelism, tensor parallelism only): the
+  same parameter cast FSDP's MixedPrecisionPolicy applies, per block and for the rest of the model,
+  so a job computes in the same precision whatever its layout. torchtitan uses torch.autocast
+  there (and no mixed precision at all for TP without FSDP); autocast has no kernels for the tpu
+  device, and a layout-independent cast keeps sharded runs numerically equal to unsharded ones.
 """
 from __future__ import annotations
 
@@ -108,7 +113,45 @@ def parallelize_llama(
                 # again when the backward recomputes the block
                 fully_shard(getattr(layer, "module", layer), mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            return model
+    if param_dtype is not None:
+        apply_param_cast(model, param_dtype)
     return model
+
+
+def apply_param_cast(model: torch.nn.Module, param_dtype: torch.dtype) -> torch.nn.Module:
+    """Mixed precision for a model that fully_shard does not manage: while a block (and, for the
+    embedding, final norm and output projection, the whole model) runs forward, its floating
+    parameters read as copies cast to `param_dtype`; their gradients flow back through the cast
+    into the parameters' own dtype (the master copy). The cast copies live only during the
+    forward of their module, and are made again when activation checkpointing recomputes it."""
+    blocks = [getattr(layer, "module", layer) for layer in model.layers.values()]
+    inner = {id(p) for b in blocks for p in b.parameters()}
+    for block in blocks:
+        _cast_while_running(block, param_dtype, skip=set())
+    _cast_while_running(model, param_dtype, skip=inner)
+    return model
+
+
+def _cast_while_running(module: torch.nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
+    owned = [(owner, name) for owner in module.modules() for name, p in owner._parameters.items()
+             if p is not None and id(p) not in skip and p.is_floating_point() and p.dtype != dtype]
+
+    def pre(mod, args):
+        for owner, name in owned:
+            # an instance attribute shadows the registered parameter for the module's own code
+            owner.__dict__[name] = owner._parameters[name].to(dtype)
+
+    def post(mod, args, out):
+        for owner, name in owned:
+            owner.__dict__.pop(name, None)
+        return out
+
+    if owned:
+        module.register_forward_pre_hook(pre)
+        # always_call: activation checkpointing's recomputation may stop early by raising; the cast
+        # copies must not outlive it
+        module.register_forward_hook(post, always_call=True)
 
 
 def batch_placements(mesh: DeviceMesh):
