@@ -224,17 +224,19 @@ def _per_shard(fn, split: _Split | None, in_ndims, out_ndims):
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def _bias_of(mask, shape):
-    """An additive f32 bias of `shape` (B, H, L, S) from a boolean or float attention mask, and
-    which rows (B, H, L) keep at least one key (PyTorch gives fully masked rows a zero output)."""
+def _bias_of(mask, shape, scale):
+    """The kernels' additive bias of `shape` (B, H, L, S) from a boolean or float attention
+    mask, and which entries are kept (PyTorch gives a row with no key a zero output).
+
+    The kernels add the bias to q.k before multiplying by the scale, so the bias is divided by
+    it here; masked entries become a finite large negative number (exp gives 0), because -inf
+    would make the kernels' running maximum -inf and exp(-inf - -inf) NaN."""
+    floor = jnp.float32(MASK_VALUE / max(1.0, scale))
     if mask.dtype == jnp.bool_:
         keep = jnp.broadcast_to(mask, shape)
-        bias = jnp.where(keep, jnp.float32(0), jnp.float32(MASK_VALUE))
-    else:
-        bias = jnp.broadcast_to(mask.astype(jnp.float32), shape)
-        keep = bias > -jnp.inf
-        bias = jnp.maximum(bias, jnp.float32(MASK_VALUE))
-    return bias, keep
+        return jnp.where(keep, jnp.float32(0), floor), keep
+    bias = jnp.broadcast_to(mask.astype(jnp.float32), shape)
+    return jnp.maximum(bias / jnp.float32(scale), floor), bias > -jnp.inf
 
 
 def _rows_alive(keep, causal):
@@ -262,7 +264,7 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
     bs = _block_sizes(L, S)
     bias = alive = None
     if mask is not None:
-        bias, keep = _bias_of(mask, (B, H, L, S))
+        bias, keep = _bias_of(mask, (B, H, L, S), scale)
         alive = _rows_alive(keep, causal)
     split = _split_for(B, H)
     b_loc, h_loc = _local(B, H, split)
@@ -298,7 +300,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     g = grad_out.astype(q.dtype)
     bias = None
     if mask is not None:
-        bias, _ = _bias_of(mask, (B, H, L, S))
+        bias, _ = _bias_of(mask, (B, H, L, S), scale)
     # rows with no key (lse -inf) have a zero output that does not depend on q, k, v: their
     # incoming gradient is dropped and their statistics made finite, so they add nothing
     alive = jnp.isfinite(lse)
