@@ -7,8 +7,6 @@ reach XLA's cost analysis.
 """
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -196,8 +194,11 @@ def _llama_step_for(mesh, seq=256):
     return torchtpu.compile(step).compile_for(inp, lab)
 
 
+_KERNEL = 'custom_call_target="tpu_custom_call"'
+
+
 def _kernel_calls(hlo: str) -> dict:
-    calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    calls = [line for line in hlo.splitlines() if _KERNEL in line]
     dkv = sum("flash_mha_bwd_dkv" in line for line in calls)
     dq = sum("flash_mha_bwd_dq" in line for line in calls)
     return {"forward": len(calls) - dkv - dq, "backward_dkv": dkv, "backward_dq": dq}
@@ -214,8 +215,9 @@ def test_tpu_step_contains_kernels_and_cpu_step_does_not():
     hlo = _llama_step_for(mesh).as_text()
     assert _kernel_calls(hlo) == {"forward": 2, "backward_dkv": 2, "backward_dq": 2}
     # per shard: batch 4 / dp_shard 2, heads 4 / tp 2
-    assert re.search(r"\(bf16\[2,2,256,128\][^)]*\) custom-call\([^)]*\), custom_call_target=\"tpu_custom_call\"", hlo)
+    results = [line.split(" custom-call(")[0] for line in hlo.splitlines() if _KERNEL in line]
+    assert all("bf16[2,2,256,128]" in r for r in results), results
 
     cpu_mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"), devices=jax.devices("cpu")[:4])
     cpu_hlo = _llama_step_for(cpu_mesh).as_text()
-    assert "tpu_custom_call" not in cpu_hlo and "pallas" not in cpu_hlo.lower()
+    assert "tpu_custom_call" not in cpu_hlo and "flash_mha_bwd" not in cpu_hlo
