@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 
 import jax
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as _fa
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["unsupported_reason", "attention_forward", "attention_backward", "kernel_costs", "program_mesh",
+__all__ = ["enabled", "unsupported_reason", "attention_forward", "attention_backward", "kernel_costs", "program_mesh",
            "interpret_kernels", "interpreting", "MASK_VALUE"]
 
 MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
@@ -52,8 +53,16 @@ _MODEL_AXIS = "tp"  # the tensor-parallel mesh axis splits heads; every other ax
 # ----------------------------------------------------------------------------- when it applies
 
 
+def enabled() -> bool:
+    """TORCHTPU_PALLAS_ATTENTION=0 keeps the blocked JAX attention on TPU too (to compare, or to
+    step around a kernel problem); read when a program is traced."""
+    return os.environ.get("TORCHTPU_PALLAS_ATTENTION", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def unsupported_reason(q_shape, k_shape, v_shape, dtype) -> str | None:
     """Why the kernel cannot run attention of these (B, H, L, D) shapes, or None if it can."""
+    if not enabled():
+        return "TORCHTPU_PALLAS_ATTENTION=0"
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return "inputs are not 4-D (batch, heads, seq, head_dim)"
     if jnp.dtype(dtype) not in _DTYPES:
