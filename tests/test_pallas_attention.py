@@ -250,3 +250,26 @@ def test_tpu_step_contains_kernels_and_cpu_step_does_not():
     cpu_mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"), devices=jax.devices("cpu")[:4])
     cpu_hlo = _llama_step_for(cpu_mesh).as_text()
     assert "tpu_custom_call" not in cpu_hlo and "flash_mha_bwd" not in cpu_hlo
+
+
+def test_kernels_split_by_the_mesh_of_their_inputs():
+    """Outside torchtpu.compile (a plain jit over mesh-sharded arrays, as eager ops and
+    torch.compile run), the mesh recorded in the inputs' types splits the kernels: a Mosaic
+    kernel cannot be partitioned by XLA, so without it this would not compile."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from torchtpu.distributed import topology as topo
+
+    mesh = jax.sharding.Mesh(np.array(_topology_devices()).reshape(2, 2), ("dp_shard", "tp"))
+    x = jax.ShapeDtypeStruct((4, 4, 256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp_shard", "tp")))
+
+    def step(q, k, v, g):
+        out, lse = attention_tpu.attention_forward(q, k, v, causal=True, scale=0.1)
+        return attention_tpu.attention_backward(g, q, k, v, out, lse, causal=True, scale=0.1)
+
+    hlo = topo.aot_compile(jax.jit(step).lower(x, x, x, x)).as_text()
+    assert _kernel_calls(hlo) == {"forward": 1, "backward_dkv": 1, "backward_dq": 1}
+    results = [line.split(" custom-call(")[0] for line in hlo.splitlines() if _KERNEL in line]
+    assert all("bf16[2,2,256,128]" in r for r in results), results
+    assert "all-gather" not in hlo

@@ -29,7 +29,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import random as tpu_random
 from .dispatch import CONFIG, HOOKS, STATE, _Tracing, array_of, write
-from .ops.attention_tpu import program_mesh
 from .tensor import Storage, TpuTensor, new_base
 
 
@@ -169,8 +168,7 @@ class CompiledFunction:
             torch._C._set_multithreading_enabled(False)
             HOOKS.read = capture
             try:
-                # ops that run per shard (Pallas attention) split over the program's mesh
-                with _Tracing(), program_mesh(entry.mesh):
+                with _Tracing():
                     out = self.fn(*targs, **tkwargs)
                 out_flat, out_tree = tree_flatten(out)
                 out_arrays = []

@@ -24,8 +24,11 @@ Sharding: a Pallas kernel is a custom call that XLA's partitioner cannot split, 
 program over a device mesh the kernel runs per shard under `jax.shard_map`: batch over the
 mesh's data-parallel axes, heads over "tp" (the layout FSDP and tensor parallelism give
 attention's inputs). Attention is independent per (batch, head), so any such split gives the
-same values; a layout that differs from XLA's only costs a reshard. The mesh comes from
-`program_mesh`, which torchtpu.compile sets while it traces a step.
+same values; a layout that differs from XLA's only costs a reshard. The mesh is the one JAX
+records in the inputs' types inside a jit over mesh-sharded arrays (torchtpu.compile, eager
+ops, torch.compile alike). A multi-device program whose attention inputs carry no mesh cannot
+run the kernel: JAX then raises "Mosaic kernels cannot be automatically partitioned"; run it
+with TORCHTPU_PALLAS_ATTENTION=0.
 """
 from __future__ import annotations
 
@@ -33,14 +36,13 @@ import contextlib
 import dataclasses
 import math
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as _fa
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["enabled", "unsupported_reason", "attention_forward", "attention_backward", "kernel_costs", "program_mesh",
+__all__ = ["enabled", "unsupported_reason", "attention_forward", "attention_backward", "kernel_costs",
            "interpret_kernels", "interpreting", "MASK_VALUE"]
 
 MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
@@ -158,9 +160,6 @@ def _bind_pallas(fn, args, costs, interpret):
 
 # ----------------------------------------------------------------------------- interpret mode
 
-_INTERPRET = threading.local()
-
-
 @contextlib.contextmanager
 def interpret_kernels():
     """Within this block, nn.py's attention runs the Pallas kernels in interpret mode on any
@@ -182,21 +181,7 @@ def interpreting() -> bool:
     return bool(jax_config.pallas_tpu_interpret_mode_context_manager.value)
 
 
-# ----------------------------------------------------------------------------- the program's mesh
-
-_MESH = threading.local()
-
-
-@contextlib.contextmanager
-def program_mesh(mesh):
-    """The device mesh of the program being traced (None: one device), for the per-shard
-    kernel calls."""
-    prev = getattr(_MESH, "mesh", None)
-    _MESH.mesh = mesh
-    try:
-        yield
-    finally:
-        _MESH.mesh = prev
+# ----------------------------------------------------------------------------- per-shard calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +194,18 @@ class _Split:
         return P(self.batch, self.heads, *([None] * (ndim - 2)))
 
 
-def _split_for(batch: int, heads: int) -> _Split | None:
-    mesh = getattr(_MESH, "mesh", None)
+def _mesh_of(*arrays):
+    """The mesh a program lays these arrays out on: inside a jit over mesh-sharded inputs JAX
+    records it (abstract) in the types of the inputs and of everything computed from them."""
+    for a in arrays:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return mesh
+    return None
+
+
+def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
+    mesh = _mesh_of(*arrays)
     if mesh is None or mesh.size == 1:
         return None
     sizes = dict(mesh.shape)
@@ -275,7 +270,7 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
     if mask is not None:
         bias, keep = _bias_of(mask, (B, H, L, S), scale)
         alive = _rows_alive(keep, causal)
-    split = _split_for(B, H)
+    split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
     costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
                          with_bias=bias is not None)
@@ -316,7 +311,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     g = jnp.where(alive[..., None], g, jnp.zeros((), g.dtype))
     m = jnp.where(alive, lse, 0.0).astype(jnp.float32)
     di = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-    split = _split_for(B, H)
+    split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
     costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
                          with_bias=bias is not None)
