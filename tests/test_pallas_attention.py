@@ -175,11 +175,13 @@ def _topology_devices(name="v5p:2x2x1"):
     return topo.topology_devices(name)
 
 
-def test_declared_costs_reach_xla_cost_analysis():
-    """Forward and both backward kernels are counted by XLA's TPU cost analysis."""
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
+def test_declared_costs_reach_xla_cost_analysis(topology):
+    """Forward and both backward kernels compile for v5p and v6e chips and are counted by XLA's
+    TPU cost analysis."""
     from torchtpu.distributed import topology as topo
 
-    dev = _topology_devices()[0]
+    dev = _topology_devices(topology)[0]
     b, h, L, d = 2, 4, 1024, 128
     sds = jax.ShapeDtypeStruct((b, h, L, d), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
 
