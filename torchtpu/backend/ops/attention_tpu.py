@@ -11,6 +11,11 @@ one traced program still compiles for CPU or GPU with the blocked pure-JAX atten
   (as m = lse, l = 1, which makes their exp(s - m) / l the softmax itself), so nothing of the
   forward is recomputed beyond the scores the kernels recompute block by block.
 
+The kernels are the module's private functions (`_flash_attention_impl`,
+`_flash_attention_bwd_dkv`, `_flash_attention_bwd_dq`) of the pinned jax 0.10.2: the public
+`flash_attention` hides the residuals the separate PyTorch backward needs. A jax upgrade must
+re-run tests/test_pallas_attention.py.
+
 Each kernel carries the cost it declares to XLA (`kernel_costs`): the FLOPs of the score and
 output matmuls over the blocks it actually visits (a causal kernel skips the blocks above the
 diagonal), its exponentials and the bytes it reads and writes. The library's backward kernels
