@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from ..registry import aten, lower
+from . import attention_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
 
@@ -710,11 +711,60 @@ def _fused_backward(grad_out, query, key, value, mask, is_causal, scale):
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
+# On TPU the fused attention runs JAX's Pallas flash-attention kernels (attention_tpu.py);
+# the blocked path above stays for every other platform and for what the kernels do not take
+# (attention_tpu.unsupported_reason: sequence lengths off multiples of 128, other head dims
+# or dtypes). `jax.lax.platform_dependent` makes the choice when the program is lowered, for
+# the platform it is compiled for (TPU topology devices included), so tracing needs no device.
+
+
+def _as_4d(x):
+    return x if x is None or x.ndim == 4 else x[None]
+
+
+def _pallas_forward(query, key, value, mask, is_causal, scale):
+    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
+    sc = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
+    out, lse = attention_tpu.attention_forward(q, k, v, mask, causal=bool(is_causal), scale=float(sc))
+    if query.ndim == 3:
+        out, lse = out[0], lse[0]
+    return out.astype(query.dtype), lse
+
+
+def _pallas_backward(grad_out, query, key, value, out, logsumexp, mask, is_causal, scale):
+    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
+    sc = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
+    lse = logsumexp.reshape(q.shape[:-1])
+    dq, dk, dv = attention_tpu.attention_backward(_as_4d(grad_out), q, k, v, _as_4d(out), lse, mask,
+                                                  causal=bool(is_causal), scale=float(sc))
+    if query.ndim == 3:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return dq, dk, dv
+
+
+def _on_platform(blocked, pallas, arrays, mask, is_causal, scale, shapes_of=(0, 1, 2)):
+    """`pallas` on TPU (or anywhere inside attention_tpu.interpret_kernels()), else `blocked`."""
+    q, k, v = (arrays[i] for i in shapes_of)
+    shapes = [x.shape if x.ndim == 4 else (1,) + x.shape for x in (q, k, v)]
+    if attention_tpu.unsupported_reason(*shapes, q.dtype) is not None:
+        return blocked(*arrays, mask, is_causal, scale)
+    if attention_tpu.interpreting():
+        return pallas(*arrays, mask, is_causal, scale)
+    operands = arrays + ((mask,) if mask is not None else ())
+
+    def branch(fn):
+        def run(*ops):
+            return fn(*ops[:len(arrays)], ops[len(arrays)] if mask is not None else None, is_causal, scale)
+        return run
+
+    return lax.platform_dependent(*operands, tpu=branch(pallas), default=branch(blocked))
+
+
 @lower(aten._scaled_dot_product_fused_attention_overrideable.default)
 def _sdpa_overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                        *, scale=None):
     _no_dropout("_scaled_dot_product_fused_attention_overrideable", dropout_p)
-    out, lse = _fused_forward(query, key, value, attn_bias, is_causal, scale)
+    out, lse = _on_platform(_fused_forward, _pallas_forward, (query, key, value), attn_bias, is_causal, scale)
     if lse.ndim == 2:  # 3-D (H, L, E) inputs: PyTorch's meta gives (1, H, L)
         lse = lse[None]
     zero = jnp.zeros((), jnp.int64)
@@ -725,7 +775,11 @@ def _sdpa_overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_caus
 @lower(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
 def _sdpa_overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                                 cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-    dq, dk, dv = _fused_backward(grad_out, query, key, value, attn_bias, is_causal, scale)
+    def blocked(grad_out, query, key, value, out, logsumexp, mask, is_causal, scale):
+        return _fused_backward(grad_out, query, key, value, mask, is_causal, scale)
+
+    dq, dk, dv = _on_platform(blocked, _pallas_backward, (grad_out, query, key, value, out, logsumexp), attn_bias,
+                              is_causal, scale, shapes_of=(1, 2, 3))
     return dq, dk, dv, None
 
 

@@ -1,0 +1,364 @@
+"""Attention on TPU through JAX's Pallas flash-attention kernels (pure JAX functions).
+
+`F.scaled_dot_product_attention` on tpu lowers to the fused attention in nn.py. When the
+program is compiled for TPU, nn.py routes it here (through `jax.lax.platform_dependent`, so
+one traced program still compiles for CPU or GPU with the blocked pure-JAX attention):
+
+- forward: `jax.experimental.pallas.ops.tpu.flash_attention`'s forward kernel, which also
+  gives the softmax statistics; the log-sum-exp goes back to PyTorch's autograd as the fused
+  op's `logsumexp` output;
+- backward: the library's two backward kernels (dK/dV and dQ), fed that log-sum-exp
+  (as m = lse, l = 1, which makes their exp(s - m) / l the softmax itself), so nothing of the
+  forward is recomputed beyond the scores the kernels recompute block by block.
+
+The kernels are the module's private functions (`_flash_attention_impl`,
+`_flash_attention_bwd_dkv`, `_flash_attention_bwd_dq`) of the pinned jax 0.10.2: the public
+`flash_attention` hides the residuals the separate PyTorch backward needs. A jax upgrade must
+re-run tests/test_pallas_attention.py.
+
+Each kernel carries the cost it declares to XLA (`kernel_costs`): the FLOPs of the score and
+output matmuls over the blocks it actually visits (a causal kernel skips the blocks above the
+diagonal), its exponentials and the bytes it reads and writes. The library's backward kernels
+declare none, so their cost is attached here; XLA's cost analysis then counts all three.
+
+Where the kernel cannot apply (see `unsupported_reason`), nn.py keeps the blocked path:
+sequence lengths that are not multiples of 128, head dims of other sizes, dtypes other than
+float32/bfloat16, different q/k and v head dims, and dropout.
+
+Sharding: a Pallas kernel is a custom call that XLA's partitioner cannot split, so inside a
+program over a device mesh the kernel runs per shard under `jax.shard_map`: batch over the
+mesh's data-parallel axes, heads over "tp" (the layout FSDP and tensor parallelism give
+attention's inputs). Attention is independent per (batch, head), so any such split gives the
+same values; a layout that differs from XLA's only costs a reshard. The mesh is the one JAX
+records in the inputs' types inside a jit over mesh-sharded arrays (torchtpu.compile, eager
+ops, torch.compile alike). A multi-device program whose attention inputs carry no mesh cannot
+run the kernel: JAX then raises "Mosaic kernels cannot be automatically partitioned"; run it
+with TORCHTPU_PALLAS_ATTENTION=0.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import flash_attention as _fa
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["enabled", "unsupported_reason", "attention_forward", "attention_backward", "kernel_costs",
+           "interpret_kernels", "interpreting", "MASK_VALUE"]
+
+MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
+_LANES = 128  # Mosaic tiles: sequence blocks are multiples of 128
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_MODEL_AXIS = "tp"  # the tensor-parallel mesh axis splits heads; every other axis the batch
+
+
+# ----------------------------------------------------------------------------- when it applies
+
+
+def enabled() -> bool:
+    """TORCHTPU_PALLAS_ATTENTION=0 keeps the blocked JAX attention on TPU too (to compare, or to
+    step around a kernel problem); read when a program is traced."""
+    return os.environ.get("TORCHTPU_PALLAS_ATTENTION", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def unsupported_reason(q_shape, k_shape, v_shape, dtype) -> str | None:
+    """Why the kernel cannot run attention of these (B, H, L, D) shapes, or None if it can."""
+    if not enabled():
+        return "TORCHTPU_PALLAS_ATTENTION=0"
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        return "inputs are not 4-D (batch, heads, seq, head_dim)"
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (the kernel takes float32 or bfloat16)"
+    (b, h, L, d), (bk, hk, S, dk), (bv, hv, Sv, dv) = q_shape, k_shape, v_shape
+    if not (b == bk == bv and hk == hv and S == Sv and d == dk == dv):
+        return f"q {q_shape}, k {k_shape}, v {v_shape} differ in batch, kv heads, kv length or head dim"
+    if hk == 0 or h % hk:
+        return f"{h} query heads are not a multiple of {hk} key/value heads"
+    if L % _LANES or S % _LANES or L == 0 or S == 0:
+        return f"sequence lengths {L}, {S} are not multiples of {_LANES}"
+    if d not in _HEAD_DIMS:
+        return f"head dim {d} (the kernel is used for {_HEAD_DIMS})"
+    return None
+
+
+def _block(n: int) -> int:
+    for b in (512, 256):
+        if n % b == 0:
+            return b
+    return _LANES
+
+
+def _block_sizes(L: int, S: int) -> _fa.BlockSizes:
+    bq, bk = _block(L), _block(S)
+    return _fa.BlockSizes(block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
+                          block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
+                          block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq)
+
+
+# ----------------------------------------------------------------------------- declared costs
+
+
+def _visited_fraction(L: int, S: int, bq: int, bk: int, causal: bool) -> float:
+    """Share of (query block, key block) pairs a kernel computes (all, or those on or below
+    the diagonal when causal, as the library's kernels decide)."""
+    if not causal:
+        return 1.0
+    nq, nk = L // bq, S // bk
+    run = sum(1 for i in range(nq) for j in range(nk) if (i + 1) * bq - 1 > j * bk)
+    return run / (nq * nk)
+
+
+def kernel_costs(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, causal: bool,
+                 itemsize: int = 2, with_bias: bool = False) -> dict:
+    """The costs the three kernels declare to XLA for attention of these sizes (per program
+    that runs them: pass per-shard sizes for a sharded program), as
+    {"forward"|"backward_dkv"|"backward_dq": pallas CostEstimate}.
+
+    FLOPs are 2*M*N*K per matmul over the visited blocks: forward s = qk^T and o = pv (2);
+    dK/dV kernel s, dv += p^T do, dp = do v^T, dk += ds^T q (4); dQ kernel s, dp, dq += ds k (3).
+    Transcendentals are the exp of each visited score (once per kernel). Bytes are each
+    kernel's inputs and outputs, once."""
+    from jax.experimental import pallas as pl
+
+    bs = _block_sizes(q_len, kv_len)
+    frac = _visited_fraction(q_len, kv_len, bs.block_q, bs.block_k_major, causal)
+    pairs = batch * heads * q_len * kv_len * frac
+    mm = 2.0 * pairs * head_dim  # one (L, S, D) matmul
+    qkv = batch * heads * head_dim * itemsize
+    q_bytes, kv_bytes = qkv * q_len, qkv * kv_len
+    stats = batch * heads * q_len * _LANES * 4  # the kernels' lane-broadcast l, m, di rows
+    bias = batch * heads * q_len * kv_len * 4 if with_bias else 0
+
+    def est(flops, trans, nbytes):
+        return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))
+
+    return {
+        "forward": est(2 * mm, pairs, 2 * q_bytes + 2 * kv_bytes + 2 * stats + bias),
+        "backward_dkv": est(4 * mm, pairs, 2 * q_bytes + 4 * kv_bytes + 3 * stats + bias),
+        "backward_dq": est(3 * mm, pairs, 3 * q_bytes + 2 * kv_bytes + 3 * stats + bias + (bias if with_bias else 0)),
+    }
+
+
+def _bind_pallas(fn, args, costs, interpret):
+    """Run `fn(*args)` with its pallas_calls given `costs` (in call order) and, when
+    interpreting, run as plain JAX (Pallas interpret mode) instead of Mosaic."""
+    closed = jax.make_jaxpr(fn)(*args)
+    costs = list(costs)
+    eqns = []
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            params = dict(eqn.params)
+            if costs:
+                params["cost_estimate"] = costs.pop(0)
+            if interpret:
+                params["interpret"] = True
+            eqn = eqn.replace(params=params)
+        eqns.append(eqn)
+    jaxpr = closed.jaxpr.replace(eqns=eqns)
+    return jax.core.eval_jaxpr(jaxpr, closed.consts, *jax.tree.leaves(args))
+
+
+# ----------------------------------------------------------------------------- interpret mode
+
+@contextlib.contextmanager
+def interpret_kernels():
+    """Within this block, nn.py's attention runs the Pallas kernels in interpret mode on any
+    platform (numerics tests on CPU). The setting is part of JAX's jit cache key, so cached
+    per-op executables are not reused across it."""
+    from jax._src import config as jax_config
+
+    state = jax_config.pallas_tpu_interpret_mode_context_manager
+    prev = state.swap_local(True)
+    try:
+        yield
+    finally:
+        state.set_local(prev)
+
+
+def interpreting() -> bool:
+    from jax._src import config as jax_config
+
+    return bool(jax_config.pallas_tpu_interpret_mode_context_manager.value)
+
+
+# ----------------------------------------------------------------------------- per-shard calls
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    mesh: object
+    batch: object  # PartitionSpec entry for the batch dim
+    heads: object  # ... and for the heads dim
+
+    def spec(self, ndim):
+        return P(self.batch, self.heads, *([None] * (ndim - 2)))
+
+
+def _mesh_of(*arrays):
+    """The mesh a program lays these arrays out on: inside a jit over mesh-sharded inputs JAX
+    records it (abstract) in the types of the inputs and of everything computed from them."""
+    for a in arrays:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return mesh
+    return None
+
+
+def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
+    mesh = _mesh_of(*arrays)
+    if mesh is None or mesh.size == 1:
+        return None
+    sizes = dict(mesh.shape)
+    head_axis = _MODEL_AXIS if sizes.get(_MODEL_AXIS, 1) > 1 and heads % sizes[_MODEL_AXIS] == 0 else None
+    batch_axes = tuple(a for a in mesh.axis_names if a != _MODEL_AXIS and sizes[a] > 1)
+    if batch_axes and batch % math.prod(sizes[a] for a in batch_axes):
+        batch_axes = ()  # an odd batch stays whole on each device (correct, only slower)
+    if not batch_axes and head_axis is None:
+        return _Split(mesh, None, None)
+    return _Split(mesh, batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None), head_axis)
+
+
+def _per_shard(fn, split: _Split | None, in_ndims, out_ndims):
+    if split is None:
+        return fn
+    return jax.shard_map(fn, mesh=split.mesh, in_specs=tuple(split.spec(n) for n in in_ndims),
+                         out_specs=tuple(split.spec(n) for n in out_ndims), check_vma=False)
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def _bias_of(mask, shape, scale):
+    """The kernels' additive bias of `shape` (B, H, L, S) from a boolean or float attention
+    mask, and which entries are kept (PyTorch gives a row with no key a zero output).
+
+    The kernels add the bias to q.k before multiplying by the scale, so the bias is divided by
+    it here; masked entries become a finite large negative number (exp gives 0), because -inf
+    would make the kernels' running maximum -inf and exp(-inf - -inf) NaN."""
+    floor = jnp.float32(MASK_VALUE / max(1.0, scale))
+    if mask.dtype == jnp.bool_:
+        keep = jnp.broadcast_to(mask, shape)
+        return jnp.where(keep, jnp.float32(0), floor), keep
+    bias = jnp.broadcast_to(mask.astype(jnp.float32), shape)
+    return jnp.maximum(bias / jnp.float32(scale), floor), bias > -jnp.inf
+
+
+def _rows_alive(keep, causal):
+    if causal:
+        L, S = keep.shape[-2:]
+        keep = keep & jnp.tril(jnp.ones((L, S), jnp.bool_))
+    return jnp.any(keep, axis=-1)
+
+
+def _repeat_heads(k, v, heads):
+    rep = heads // k.shape[1]
+    if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
+        k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    return k, v, rep
+
+
+def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
+    """Attention of q (B, H, L, D) over k, v (B, Hkv, S, D) with Pallas kernels: (out, lse),
+    lse (B, H, L) float32 (-inf for rows with no key). `mask`: boolean (True = attend) or
+    additive float, broadcastable to (B, H, L, S)."""
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    interpret = interpreting()
+    k, v, _ = _repeat_heads(k, v, H)
+    bs = _block_sizes(L, S)
+    bias = alive = None
+    if mask is not None:
+        bias, keep = _bias_of(mask, (B, H, L, S), scale)
+        alive = _rows_alive(keep, causal)
+    split = _split_for(B, H, q, k, v)
+    b_loc, h_loc = _local(B, H, split)
+    costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
+                         with_bias=bias is not None)
+
+    def kernel(q, k, v, *rest):
+        bias = rest[0] if rest else None
+
+        def impl(q, k, v, bias):
+            return _fa._flash_attention_impl(q, k, v, bias, None, True, causal, scale, bs.block_b, bs.block_q,
+                                             bs.block_k_major, bs.block_k, False)
+
+        with jax.enable_x64(False):  # Mosaic index maps are 32-bit
+            o, l, m = _bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
+        return o, m + jnp.log(l)
+
+    operands = (q, k, v) + ((bias,) if bias is not None else ())
+    out, lse = _per_shard(kernel, split, [4] * len(operands), [4, 3])(*operands)
+    if alive is not None:
+        out = jnp.where(alive[..., None], out, jnp.zeros((), out.dtype))
+        lse = jnp.where(alive, lse, -jnp.inf)
+    return out, lse
+
+
+def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of `attention_forward`, from its output and log-sum-exp."""
+    B, H, L, _ = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
+    interpret = interpreting()
+    k_full, v_full, rep = _repeat_heads(k, v, H)
+    bs = _block_sizes(L, S)
+    g = grad_out.astype(q.dtype)
+    bias = None
+    if mask is not None:
+        bias, _ = _bias_of(mask, (B, H, L, S), scale)
+    # rows with no key (lse -inf) have a zero output that does not depend on q, k, v: their
+    # incoming gradient is dropped and their statistics made finite, so they add nothing
+    alive = jnp.isfinite(lse)
+    g = jnp.where(alive[..., None], g, jnp.zeros((), g.dtype))
+    m = jnp.where(alive, lse, 0.0).astype(jnp.float32)
+    di = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+    split = _split_for(B, H, q, k, v)
+    b_loc, h_loc = _local(B, H, split)
+    costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
+                         with_bias=bias is not None)
+
+    def kernels(q, k, v, g, m, di, *rest):
+        bias = rest[0] if rest else None
+        ones = jnp.ones_like(m)
+
+        def dkv(q, k, v, bias, m, g, di):
+            return _fa._flash_attention_bwd_dkv(
+                q, k, v, bias, None, ones, m, g, di, block_q_major=bs.block_q_major_dkv, block_q=bs.block_q_dkv,
+                block_k_major=bs.block_k_major_dkv, block_k=bs.block_k_dkv, sm_scale=scale, causal=causal,
+                mask_value=MASK_VALUE)
+
+        def dq(q, k, v, bias, m, g, di):
+            return _fa._flash_attention_bwd_dq(
+                q, k, v, bias, None, ones, m, g, di, block_q_major=bs.block_q_dq, block_k_major=bs.block_k_major_dq,
+                block_k=bs.block_k_dq, sm_scale=scale, causal=causal, mask_value=MASK_VALUE, debug=False)[0]
+
+        with jax.enable_x64(False):
+            args = (q, k, v, bias, m, g, di)
+            dk, dv = _bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
+            (dq_,) = _bind_pallas(lambda *a: (dq(*a),), args, [costs["backward_dq"]], interpret)
+        return dq_, dk, dv
+
+    operands = (q, k_full, v_full, g, m, di) + ((bias,) if bias is not None else ())
+    ndims = [4, 4, 4, 4, 3, 3] + ([4] if bias is not None else [])
+    dq, dk, dv = _per_shard(kernels, split, ndims, [4, 4, 4])(*operands)
+    if rep > 1:  # fold the repeated heads' gradients back onto their kv head
+        dk = dk.reshape(B, Hkv, rep, S, -1).sum(2)
+        dv = dv.reshape(B, Hkv, rep, S, -1).sum(2)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _local(batch, heads, split):
+    if split is None:
+        return batch, heads
+    sizes = dict(split.mesh.shape)
+
+    def n(entry):
+        if entry is None:
+            return 1
+        return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+    return batch // n(split.batch), heads // n(split.heads)
