@@ -209,3 +209,6 @@ def register() -> None:
     # torch.tensor(data, device="tpu") and x[[1, 2]] copy with the Python key excluded
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
     register._lib = lib  # keep the registrations alive
+    from . import module_moves
+
+    module_moves.install()

@@ -396,6 +396,30 @@ class _RegisterOnImport:
         return spec
 
 
+# ----------------------------------------------------------------------------- tensor literals under fake tensors
+
+
+def _literals_made_on_cpu(mode) -> bool:
+    # FakeTensorMode's answer to "would making a real tensor initialise a device?". With the
+    # answer yes, `torch.tensor(data, device=d)` traced under fake tensors builds its data on
+    # the CPU, lifts that, and moves it with a traced `_to_copy` (what PyTorch does for CUDA
+    # code traced on a machine without a GPU). With the answer no (PyTorch's default when a
+    # PrivateUse1 device is available), the literal is made as a *real* tpu tensor below the
+    # Python key, and FakeTensorMode, which sees an unknown tensor subclass, hands it back
+    # untraced: a real tpu tensor then meets fake ones (the KV cache's `torch.tensor([])` in
+    # transformers). Literals on the CPU are right for every device: tracing never needs the
+    # device's own copy of a constant.
+    return True
+
+
+def _install_fake_literal_rule() -> None:
+    from torch._subclasses import fake_tensor
+
+    fake_tensor.FakeTensorMode.avoid_device_init = property(_literals_made_on_cpu)
+
+
+_install_fake_literal_rule()
+
 if "torch._dynamo" in sys.modules:
     register()
 else:

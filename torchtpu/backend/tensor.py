@@ -102,6 +102,21 @@ class TpuTensor(torch.Tensor):
 
         return tensor_repr(self)
 
+    # `param.data = new` replaces a tensor's contents while keeping the object (its identity,
+    # autograd hooks and grad). PyTorch's setter copies the TensorImpl's fields (sizes, dtype);
+    # the values of a tpu tensor live on the Python object, so they follow here.
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        _TENSOR_DATA.__set__(self, new)  # raises for a tensor of another device
+        self._st = new._st
+        self._vw = new._vw
+        self._vc = None
+        self._vv = -1
+
     def tolist(self):
         return self.cpu().tolist()
 
@@ -124,6 +139,7 @@ def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuT
     return r
 
 
+_TENSOR_DATA = torch._C.TensorBase.data
 _JAX_TO_TORCH = dtypes.JAX_TO_TORCH
 _NO_KWARGS: dict = {}
 _dispatch = None  # bound by dispatch.py (import cycle)
