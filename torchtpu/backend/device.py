@@ -65,7 +65,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     i = _check_index(_index(device))
-    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i)
+    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i, strides=tuple(stride))
 
 
 def _copy_from(self, dst, non_blocking=False):

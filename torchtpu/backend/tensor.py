@@ -49,7 +49,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "__weakref__")
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "__weakref__")
     on_create = None  # observer used while torchtpu.compile traces a step
 
     def __init__(self, array, shape, dtype, device_index):
@@ -59,6 +59,10 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.dist = None  # (DeviceMesh, placements) given by torchtpu.distributed
+        # How PyTorch would lay the base out in memory when its strides are not row-major
+        # (torch.empty_strided, a strided tensor moved with .to("tpu")): see memory_order.
+        # `array` always holds the logical values; only as_strided reads memory positions.
+        self.order = None
         if Storage.on_create is not None:
             Storage.on_create(self)
 
@@ -158,7 +162,33 @@ def place(x, device_index: int):
 
 def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:
     shape = tuple(shape)
-    return TpuTensor(Storage(None, shape, dtype, device_index), (), shape, dtype, strides=strides)
+    st = Storage(None, shape, dtype, device_index)
+    if strides is not None:
+        strides = tuple(strides)
+        st.order = memory_order(shape, strides)
+    return TpuTensor(st, (), shape, dtype, strides=strides)
+
+
+def memory_order(shape, strides):
+    """None for row-major strides; for other dense strides, the permutation of the dims from
+    the slowest to the fastest in memory (`array.transpose(order).reshape(-1)` is the memory
+    PyTorch would have); NOT_DENSE when the strides leave gaps or overlap."""
+    shape, strides = tuple(shape), tuple(strides)
+    if len(strides) != len(shape):
+        raise RuntimeError(f"empty_strided: {len(shape)} sizes {list(shape)} but {len(strides)} strides {list(strides)}")
+    if 0 in shape or strides == contiguous_strides(shape):
+        return None
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(dims):
+        if strides[d] != expected:
+            return NOT_DENSE
+        expected *= shape[d]
+    order = tuple(dims) + tuple(d for d in range(len(shape)) if shape[d] == 1)
+    return None if order == tuple(range(len(shape))) else order
+
+
+NOT_DENSE = "not dense"
 
 
 def numel(shape) -> int:
