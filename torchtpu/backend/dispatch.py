@@ -31,7 +31,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from .registry import LOWERINGS, Lowering
-from .tensor import NOT_DENSE, Storage, TpuTensor, contiguous_strides, new_base, place, torch_device
+from .tensor import NOT_DENSE, Storage, TpuTensor, contiguous_strides, new_base, place, storage_order, torch_device
 
 aten = torch.ops.aten
 
@@ -981,7 +981,7 @@ def _view(plan: OpPlan, func, args, kwargs):
         ]
     s, stride, off, d = meta
     step = (func, statics, None)
-    if st.order is not None and func in _STORAGE_RELATIVE:
+    if func in _STORAGE_RELATIVE and storage_order(st) is not None:
         if st.order is NOT_DENSE:
             raise NotImplementedError(
                 f"torchtpu: as_strided on a tensor made with strides {tuple(base.stride())} that leave gaps or "

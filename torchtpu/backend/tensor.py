@@ -59,10 +59,11 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.dist = None  # (DeviceMesh, placements) given by torchtpu.distributed
-        # How PyTorch would lay the base out in memory when its strides are not row-major
-        # (torch.empty_strided, a strided tensor moved with .to("tpu")): see memory_order.
-        # `array` always holds the logical values; only as_strided reads memory positions.
-        self.order = None
+        # `order` (set only when the base's strides are not row-major, so that the hot path
+        # of every op pays nothing for it; read it with storage_order): how PyTorch would lay
+        # the base out in memory (torch.empty_strided, a strided tensor moved with
+        # .to("tpu")), see memory_order. `array` always holds the logical values; only
+        # as_strided reads memory positions.
         if Storage.on_create is not None:
             Storage.on_create(self)
 
@@ -189,6 +190,10 @@ def memory_order(shape, strides):
 
 
 NOT_DENSE = "not dense"
+
+
+def storage_order(st: Storage):
+    return getattr(st, "order", None)
 
 
 def numel(shape) -> int:
