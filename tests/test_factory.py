@@ -144,3 +144,45 @@ def test_factory_on_second_device():
     check(t, torch.arange(5))
     e = torch.eye(2, device="tpu:1")
     assert e.device == torch.device("tpu", 1)
+
+
+@pytest.mark.parametrize("size,stride", [
+    ((2, 3), (1, 2)),          # column-major
+    ((2, 3, 4), (12, 1, 3)),   # a permuted layout
+    ((4, 1, 3), (1, 1, 4)),    # a size-1 dim
+    ((2, 3), (4, 1)),          # row gaps (padding)
+    ((2, 3), (0, 1)),          # broadcast (stride 0)
+    ((0, 3), (1, 1)),          # empty
+    ((3,), (2,)),
+])
+def test_empty_strided_reports_its_strides(size, stride):
+    t = torch.empty_strided(size, stride, device=D)
+    ref = torch.empty_strided(size, stride)
+    assert t.device.type == "tpu"
+    assert t.shape == ref.shape and t.stride() == ref.stride() == stride
+    assert t.is_contiguous() == ref.is_contiguous()
+    assert t.is_contiguous(memory_format=torch.channels_last) == ref.is_contiguous(memory_format=torch.channels_last) \
+        if t.dim() == 4 else True
+
+
+def test_empty_strided_then_written_reads_like_cpu():
+    src = torch.arange(24.0).reshape(2, 3, 4)
+    for stride in ((12, 1, 3), (1, 2, 6), (12, 4, 1)):
+        t = torch.empty_strided((2, 3, 4), stride, device=D).copy_(src)
+        ref = torch.empty_strided((2, 3, 4), stride).copy_(src)
+        assert t.stride() == ref.stride()
+        torch.testing.assert_close(t.cpu(), ref)
+        torch.testing.assert_close((t * 2 + 1).cpu(), ref * 2 + 1)
+        # as_strided addresses memory: it must read the positions CPU's layout has there
+        torch.testing.assert_close(t.as_strided((3, 2), (1, 5), 2).cpu(), ref.as_strided((3, 2), (1, 5), 2))
+        t.as_strided((4,), (3,), 1).fill_(-1.0)
+        ref.as_strided((4,), (3,), 1).fill_(-1.0)
+        torch.testing.assert_close(t.cpu(), ref)
+
+
+def test_empty_like_and_to_keep_a_dense_layout():
+    x = torch.randn(3, 4).t()  # strides (1, 4)
+    t = x.to(D)
+    assert t.stride() == x.stride() and not t.is_contiguous()
+    torch.testing.assert_close(t.cpu(), x)
+    assert t.contiguous().is_contiguous() and t.contiguous().stride() == x.contiguous().stride()

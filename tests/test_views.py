@@ -84,3 +84,18 @@ def test_out_variant_resizes_like_cpu():
     torch.add(torch.ones(2, 3).to("tpu"), 2, out=out_t)
     assert out_t.shape == (2, 3)
     torch.testing.assert_close(out_t.cpu(), out_c)
+
+
+def test_metadata_matches_cpu_on_a_strided_base():
+    # a base whose layout is not row-major (from .to() of a transposed tensor): view chains
+    # report CPU's strides and read CPU's values, including as_strided over memory
+    x = torch.randn(5, 6).t()
+    t = x.to("tpu")
+    assert t.stride() == x.stride()
+    for fn in (lambda a: a.t(), lambda a: a[1:, ::2], lambda a: a.select(1, 2), lambda a: a.unsqueeze(0),
+               lambda a: a.as_strided((2, 3), (1, 6), 2), lambda a: a.diagonal(), lambda a: a[2:].t()[1],
+               lambda a: a.transpose(0, 1).reshape(30)):
+        c, d = fn(x), fn(t)
+        assert c.shape == d.shape and c.stride() == d.stride() and c.storage_offset() == d.storage_offset()
+        assert c.is_contiguous() == d.is_contiguous()
+        torch.testing.assert_close(d.cpu(), c)

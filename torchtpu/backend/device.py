@@ -65,7 +65,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     i = _check_index(_index(device))
-    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i)
+    return new_empty(tuple(size), dtype or torch.get_default_dtype(), i, strides=tuple(stride))
 
 
 def _copy_from(self, dst, non_blocking=False):
@@ -209,3 +209,6 @@ def register() -> None:
     # torch.tensor(data, device="tpu") and x[[1, 2]] copy with the Python key excluded
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
     register._lib = lib  # keep the registrations alive
+    from . import module_moves
+
+    module_moves.install()

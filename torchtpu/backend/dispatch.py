@@ -31,7 +31,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from .registry import LOWERINGS, Lowering
-from .tensor import Storage, TpuTensor, contiguous_strides, new_base, place, torch_device
+from .tensor import NOT_DENSE, Storage, TpuTensor, contiguous_strides, new_base, place, storage_order, torch_device
 
 aten = torch.ops.aten
 
@@ -190,7 +190,7 @@ def _keep_dist_layout(st, new):
 
 
 def _apply_step(step, a):
-    func, statics, index = step
+    func, statics, index = step[0], step[1], step[2]
     out = LOWERINGS[func].fn(a, *statics)
     return out if index is None else out[index]
 
@@ -198,8 +198,12 @@ def _apply_step(step, a):
 def _chain_fn(chain, base):
     a = base
     for step in chain:
-        # as_strided addresses the storage itself, whatever views came before it
-        a = _apply_step(step, base if step[0] in _STORAGE_RELATIVE else a)
+        # as_strided addresses the storage itself, whatever views came before it; a 4th
+        # entry puts a base with non-row-major strides in memory order first
+        if step[0] in _STORAGE_RELATIVE:
+            a = _apply_step(step, base if len(step) == 3 else jnp.transpose(base, step[3]))
+        else:
+            a = _apply_step(step, a)
     return a
 
 
@@ -900,6 +904,7 @@ def resize_tensor(t: TpuTensor, shape):
     st = t._st
     st.shape = tuple(shape)
     st.array = None
+    st.order = None
     st.version += 1
 
 
@@ -976,7 +981,14 @@ def _view(plan: OpPlan, func, args, kwargs):
             for i, (s, stride, off, d) in enumerate(meta)
         ]
     s, stride, off, d = meta
-    return TpuTensor(st, base._vw + ((func, statics, None),), s, d, strides=stride, offset=off)
+    step = (func, statics, None)
+    if func in _STORAGE_RELATIVE and storage_order(st) is not None:
+        if st.order is NOT_DENSE:
+            raise NotImplementedError(
+                f"torchtpu: as_strided on a tensor made with strides {tuple(base.stride())} that leave gaps or "
+                "overlap; make it with contiguous strides (torch.empty) or call .contiguous() first")
+        step = step + (st.order,)
+    return TpuTensor(st, base._vw + (step,), s, d, strides=stride, offset=off)
 
 
 def _meta_storage_numel(t) -> int:

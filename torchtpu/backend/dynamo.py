@@ -60,7 +60,7 @@ import torch
 
 from . import random as tpu_random
 from .dispatch import _Tracing, array_of
-from .tensor import TpuTensor, new_base
+from .tensor import NOT_DENSE, TpuTensor, memory_order, new_base
 
 # ----------------------------------------------------------------------------- counters
 
@@ -194,7 +194,7 @@ class _CompiledGraph:
         tpu_random.TRACED = keys = tpu_random.TracedKeys(key_data)
         try:
             with _Tracing(), torch.no_grad():
-                outs = self.gm(*args)
+                outs = _LayoutInterpreter(self.gm).run(*args)
         finally:
             tpu_random.TRACED = prev_keys
         if not isinstance(outs, (list, tuple)):
@@ -250,6 +250,35 @@ class _CompiledGraph:
         return outs
 
 
+class _LayoutInterpreter(torch.fx.Interpreter):
+    """Runs an ATen graph on traced tpu tensors, giving each fresh result the strides the
+    graph was traced with (`node.meta["val"]`, from PyTorch's meta functions).
+
+    Our lowerings return row-major results, while PyTorch's pointwise ops keep their inputs'
+    layout and some kernels promise their own (attention outputs in the query's layout). A
+    later `view` in the graph was checked against the traced strides and fails (or means
+    something else) on others. Only the wrapper's strides change: arrays hold logical values."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        val = n.meta.get("val")
+        if type(out) is TpuTensor and isinstance(val, torch.Tensor):
+            return _with_strides(out, val)
+        return out
+
+
+def _with_strides(t, val):
+    strides = val.stride()
+    if t._vw or strides == t.stride() or val.storage_offset() or tuple(val.shape) != tuple(t.shape):
+        return t
+    order = memory_order(tuple(t.shape), strides)
+    if order is NOT_DENSE:
+        return t
+    if order is not None:
+        t._st.order = order
+    return TpuTensor(t._st, (), tuple(t.shape), t.dtype, strides=tuple(strides))
+
+
 def _strided(array, device_index, dtype, strides):
     """A tpu tensor over `array` whose strides are `strides`: graphs are traced against the
     strides PyTorch's meta functions give (a transposed view, an attention output in its
@@ -257,6 +286,9 @@ def _strided(array, device_index, dtype, strides):
     whatever the strides say."""
     t = new_base(array, device_index, dtype)
     if tuple(strides) != t.stride():
+        order = memory_order(tuple(array.shape), tuple(strides))
+        if order is not None and order is not NOT_DENSE:
+            t._st.order = order
         t = TpuTensor(t._st, (), tuple(array.shape), dtype, strides=tuple(strides))
     return t
 
@@ -395,6 +427,30 @@ class _RegisterOnImport:
         loader.exec_module = exec_then_register
         return spec
 
+
+# ----------------------------------------------------------------------------- tensor literals under fake tensors
+
+
+def _literals_made_on_cpu(mode) -> bool:
+    # FakeTensorMode's answer to "would making a real tensor initialise a device?". With the
+    # answer yes, `torch.tensor(data, device=d)` traced under fake tensors builds its data on
+    # the CPU, lifts that, and moves it with a traced `_to_copy` (what PyTorch does for CUDA
+    # code traced on a machine without a GPU). With the answer no (PyTorch's default when a
+    # PrivateUse1 device is available), the literal is made as a *real* tpu tensor below the
+    # Python key, and FakeTensorMode, which sees an unknown tensor subclass, hands it back
+    # untraced: a real tpu tensor then meets fake ones (the KV cache's `torch.tensor([])` in
+    # transformers). Literals on the CPU are right for every device: tracing never needs the
+    # device's own copy of a constant.
+    return True
+
+
+def _install_fake_literal_rule() -> None:
+    from torch._subclasses import fake_tensor
+
+    fake_tensor.FakeTensorMode.avoid_device_init = property(_literals_made_on_cpu)
+
+
+_install_fake_literal_rule()
 
 if "torch._dynamo" in sys.modules:
     register()

@@ -49,7 +49,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "__weakref__")
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "__weakref__")
     on_create = None  # observer used while torchtpu.compile traces a step
 
     def __init__(self, array, shape, dtype, device_index):
@@ -59,6 +59,11 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.dist = None  # (DeviceMesh, placements) given by torchtpu.distributed
+        # `order` (set only when the base's strides are not row-major, so that the hot path
+        # of every op pays nothing for it; read it with storage_order): how PyTorch would lay
+        # the base out in memory (torch.empty_strided, a strided tensor moved with
+        # .to("tpu")), see memory_order. `array` always holds the logical values; only
+        # as_strided reads memory positions.
         if Storage.on_create is not None:
             Storage.on_create(self)
 
@@ -102,6 +107,21 @@ class TpuTensor(torch.Tensor):
 
         return tensor_repr(self)
 
+    # `param.data = new` replaces a tensor's contents while keeping the object (its identity,
+    # autograd hooks and grad). PyTorch's setter copies the TensorImpl's fields (sizes, dtype);
+    # the values of a tpu tensor live on the Python object, so they follow here.
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        _TENSOR_DATA.__set__(self, new)  # raises for a tensor of another device
+        self._st = new._st
+        self._vw = new._vw
+        self._vc = None
+        self._vv = -1
+
     def tolist(self):
         return self.cpu().tolist()
 
@@ -124,6 +144,7 @@ def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuT
     return r
 
 
+_TENSOR_DATA = torch._C.TensorBase.data
 _JAX_TO_TORCH = dtypes.JAX_TO_TORCH
 _NO_KWARGS: dict = {}
 _dispatch = None  # bound by dispatch.py (import cycle)
@@ -142,7 +163,37 @@ def place(x, device_index: int):
 
 def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:
     shape = tuple(shape)
-    return TpuTensor(Storage(None, shape, dtype, device_index), (), shape, dtype, strides=strides)
+    st = Storage(None, shape, dtype, device_index)
+    if strides is not None:
+        strides = tuple(strides)
+        st.order = memory_order(shape, strides)
+    return TpuTensor(st, (), shape, dtype, strides=strides)
+
+
+def memory_order(shape, strides):
+    """None for row-major strides; for other dense strides, the permutation of the dims from
+    the slowest to the fastest in memory (`array.transpose(order).reshape(-1)` is the memory
+    PyTorch would have); NOT_DENSE when the strides leave gaps or overlap."""
+    shape, strides = tuple(shape), tuple(strides)
+    if len(strides) != len(shape):
+        raise RuntimeError(f"empty_strided: {len(shape)} sizes {list(shape)} but {len(strides)} strides {list(strides)}")
+    if 0 in shape or strides == contiguous_strides(shape):
+        return None
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])
+    expected = 1
+    for d in reversed(dims):
+        if strides[d] != expected:
+            return NOT_DENSE
+        expected *= shape[d]
+    order = tuple(dims) + tuple(d for d in range(len(shape)) if shape[d] == 1)
+    return None if order == tuple(range(len(shape))) else order
+
+
+NOT_DENSE = "not dense"
+
+
+def storage_order(st: Storage):
+    return getattr(st, "order", None)
 
 
 def numel(shape) -> int:
