@@ -302,4 +302,4 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
               f"peak resident growth during the load {r['peak_delta'] / 2**20:.0f} MiB "
               f"({r['peak_delta'] / total:.2f} x the model)")
         assert r["local_bytes"] < 0.3 * total
-        assert r["peak_delta"] < 0.5 * total, (r, total)
+        assert r["peak_delta"] < 1.5 * r["local_bytes"], (r, total)  # its share plus transients, far from the model

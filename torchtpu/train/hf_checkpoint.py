@@ -97,8 +97,12 @@ class HFFolder:
         sl = self._open(self.files[name]).get_slice(name)
         return sl[index] if index else sl[:]
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close the files: safetensors maps them, and the pages a read touched stay resident (and
+        count against this process) until the mapping goes."""
         self._handles.clear()
+
+    close = release
 
 
 def _bounds(index: tuple, shape: tuple) -> list[tuple[int, int]]:
@@ -197,6 +201,7 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
 
             out[tt] = jax.make_array_from_callback(shape, sharding, piece)
             done.clear()
+            hf.release()  # one tensor's pages mapped at a time
         return out
     finally:
         hf.close()
