@@ -34,13 +34,9 @@ SPECS = {".".join(path): spec for path, spec in C._walk()}
 
 # MERGE(i10 launcher): [comm] init_timeout_seconds / train_timeout_seconds are implemented by the launcher
 # helper (i10), who also refuses the other [comm] keys. Move them to PROBED/REFUSED when merging.
-# MERGE(i11a HF): the Hugging Face keys are refused by the trainer in this branch (ConfigError at start-up);
-# helper i11a implements them.
 OWNED_ELSEWHERE = {
     "comm.init_timeout_seconds": "MERGE(i10 launcher)",
     "comm.train_timeout_seconds": "MERGE(i10 launcher)",
-    "checkpoint.initial_load_in_hf": "MERGE(i11a HF)",
-    "checkpoint.last_save_in_hf": "MERGE(i11a HF)",
 }
 
 NO_EFFECT_BY_DESIGN = {"compile.enable", "compile.components"}
@@ -68,6 +64,8 @@ COVERED_BY = {
     "checkpoint.export_dtype": "tests/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
     "checkpoint.load_step": "tests/test_train_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
     "checkpoint.exclude_from_loading": "tests/test_train_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
+    "checkpoint.initial_load_in_hf": "tests/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss",
+    "checkpoint.last_save_in_hf": "tests/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match",
 }
 
 VALIDATION = ["--validation.enable", "--validation.dataset", "bundled_validation", "--validation.seq_len", "32",
@@ -314,18 +312,3 @@ def test_keys_without_effect_say_so_in_help():
         assert "changes nothing" in SPECS[key].help, key
         assert SPECS[key].help.split(";")[0] in " ".join(help_text.split()), key
     assert "always compiles the whole training step" in " ".join(help_text.split())
-
-
-def test_hf_keys_are_refused_until_implemented(tmp_path):
-    """MERGE(i11a HF): in this branch the trainer refuses them at start-up (i11a's branch implements them)."""
-    from torchtpu.distributed import mesh
-    from torchtpu.train.trainer import Trainer
-
-    before = mesh._CURRENT
-    cfg = C.load_config(["--job.dump_folder", str(tmp_path), "--training.dataset", "bundled", "--training.seq_len",
-                         "32", "--training.local_batch_size", "1", "--checkpoint.last_save_in_hf"])
-    try:
-        with pytest.raises(C.ConfigError, match=r"\[checkpoint\] last_save_in_hf = true: .*not supported"):
-            Trainer(cfg)
-    finally:
-        mesh._CURRENT = before

@@ -61,6 +61,7 @@ __all__ = [
     "is_model_only",
     "load_model_weights",
     "split_step_path",
+    "canonical_name",
 ]
 
 FORMAT_VERSION = 1
@@ -658,6 +659,11 @@ _WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 def _canonical(name: str) -> str:
     return name.replace(_WRAPPER_PREFIX, "")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter/buffer name without activation-checkpoint wrapper prefixes (the model's own name)."""
+    return _canonical(name)
 
 
 def model_only_state(module: torch.nn.Module, step: int, dtype: torch.dtype | None = None) -> dict:

@@ -303,11 +303,13 @@ class Checkpoint:
                                          "checkpoints of its own.")
     initial_load_model_only: bool = _opt(True, "Load only the model weights from initial_load_path; false "
                                          "also restores optimizer, scheduler and step.")
-    initial_load_in_hf: bool = _opt(False, "initial_load_path holds Hugging Face safetensors rather than a "
-                                    "torchtpu checkpoint (needs initial_load_model_only).")
+    initial_load_in_hf: bool = _opt(False, "initial_load_path is a Hugging Face model folder (config.json + "
+                                    "safetensors) rather than a torchtpu checkpoint (needs "
+                                    "initial_load_model_only).")
     last_save_model_only: bool = _opt(True, "At the end of training save only the model weights; false saves "
                                       "the full resumable state.")
-    last_save_in_hf: bool = _opt(False, "Write the final save as Hugging Face safetensors (needs "
+    last_save_in_hf: bool = _opt(False, "Also write the final weights as a Hugging Face folder, "
+                                 "<folder>/hf_step_N (config.json + safetensors in export_dtype; needs "
                                  "last_save_model_only).")
     export_dtype: str = _opt("float32", "Dtype of the weights in the final model-only save.",
                              choices=("float16", "bfloat16", "float32"))
@@ -979,6 +981,10 @@ def _check_relations(cfg: JobConfig) -> None:
     if ck.last_save_in_hf and not ck.last_save_model_only:
         raise ConfigError(f"{_describe(cfg, ('checkpoint',), ['last_save_in_hf', 'last_save_model_only'])}: "
                           "Hugging Face safetensors hold only the model; set last_save_model_only = true")
+    if ck.last_save_in_hf and (not ck.enable or ck.load_only):
+        raise ConfigError(f"{_describe(cfg, ('checkpoint',), ['last_save_in_hf', 'enable', 'load_only'])}: "
+                          "the Hugging Face folder is written with the final checkpoint; set enable = true and "
+                          "load_only = false")
     for section in (("training", "dataloader"), ("validation", "dataloader")):
         dl = _get(cfg, section)
         if dl.num_workers == 0:

@@ -408,11 +408,6 @@ class Trainer:
         # -- checkpoints
         self.checkpointer = None
         ck = cfg.checkpoint
-        hf = [k for k, on in (("initial_load_in_hf", ck.initial_load_in_hf and ck.initial_load_path),
-                              ("last_save_in_hf", ck.last_save_in_hf)) if on]
-        if hf:
-            raise ConfigError(f"[checkpoint] {hf[0]} = true: Hugging Face safetensors are not supported by "
-                              "torchtpu-train yet; set it to false (checkpoints are Orbax folders)")
         if not self.dry:
             self.checkpointer = build_checkpointer(cfg)
 
@@ -498,6 +493,19 @@ class Trainer:
             return model_only_state(self.model, self.step, getattr(torch, ck.export_dtype))
         return self.state()
 
+    def _save_hf(self, step: int) -> None:
+        """checkpoint.last_save_in_hf: the final weights also as a Hugging Face folder
+        (<checkpoint folder>/hf_step_N, in checkpoint.export_dtype)."""
+        import torch
+
+        from .hf_checkpoint import save_model_as_hf
+
+        ck = self.cfg.checkpoint
+        folder = os.path.join(self.cfg.job.dump_folder, ck.folder, f"hf_step_{step}")
+        save_model_as_hf(folder, self.model, self.model_args, getattr(torch, ck.export_dtype),
+                         config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id})
+        _log(f"final weights as a Hugging Face folder: {folder}")
+
     def maybe_resume(self) -> bool:
         ck = self.checkpointer
         cfg = self.cfg.checkpoint
@@ -562,6 +570,15 @@ class Trainer:
 
         cfg = self.cfg.checkpoint
         where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
+        if cfg.initial_load_in_hf:
+            from .hf_checkpoint import HFCheckpointError, load_hf_into_model
+
+            try:
+                load_hf_into_model(cfg.initial_load_path, self.model, self.model_args)
+            except HFCheckpointError as e:
+                raise ConfigError(f"{where} (initial_load_in_hf): {e}") from None
+            _log(f"initial weights from the Hugging Face folder {cfg.initial_load_path}")
+            return
         folder, step = split_step_path(cfg.initial_load_path)
         src = CheckpointManager(folder, interval=1, async_mode="sync")
         try:
@@ -677,6 +694,9 @@ class Trainer:
                 due, force = save_due(cfg, self.checkpointer, step)
                 if due:
                     self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
+                if (step == total_steps and self.checkpointer is not None and not cfg.checkpoint.load_only
+                        and cfg.checkpoint.last_save_in_hf):
+                    self._save_hf(step)
         finally:
             profiler.close()
             if gc_was:

@@ -1,0 +1,259 @@
+"""`torchtpu-convert`: Llama 3 weights between torchtpu, Hugging Face, torchtitan DCP and torch.save.
+
+    torchtpu-convert SRC DST --to hf       --flavor 8B [--dtype bfloat16]
+    torchtpu-convert SRC DST --to torchtpu --flavor 8B [--step 0]
+    torchtpu-convert SRC DST --to dcp      --flavor 8B
+    torchtpu-convert SRC DST --to torch    --flavor 8B
+    python -m torchtpu.convert ...         (the same)
+
+SRC's format is recognised from what it holds (--from names it explicitly):
+
+* torchtpu: a torchtpu-train checkpoint folder (its newest step, or --step) or one step_N folder,
+  full or model-only; only the model weights are read;
+* hf: a Hugging Face folder (config.json + model.safetensors or an index and its shards);
+* dcp: a torch.distributed.checkpoint folder (.metadata), as torchtitan writes: model keys at the
+  top level (or under "model."); optimizer and other state are skipped;
+* torch: a file written by torch.save holding a state dict (or {"model": state dict}).
+
+Inside, every format is torchtitan's Llama 3 state dict; Hugging Face names and the q/k RoPE
+permutation come from torchtitan's state-dict adapter. Sources are read one tensor at a time
+(safetensors slices, DCP per-key loads, torch.load with mmap, Orbax partial restores). A Hugging
+Face output is written tensor by tensor in files of at most --max-shard-size; DCP, torch.save and
+torchtpu outputs are written from one in-memory copy. Runs on the CPU; no TPU is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+__all__ = ["main", "open_source", "write_output", "FORMATS"]
+
+FORMATS = ("torchtpu", "hf", "dcp", "torch")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NOT_MODEL = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+class ConvertError(ValueError):
+    """Bad input to the converter; the message names it and the fix."""
+
+
+def detect_format(path: str) -> str:
+    from torchtpu.train.hf_checkpoint import is_hf_folder
+
+    if os.path.isfile(path):
+        return "torch"
+    if not os.path.isdir(path):
+        raise ConvertError(f"{path} does not exist")
+    if is_hf_folder(path):
+        return "hf"
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return "dcp"
+    if os.path.isdir(os.path.join(path, "manifest")) or any(
+            e.startswith("step_") and os.path.isdir(os.path.join(path, e, "manifest")) for e in os.listdir(path)):
+        return "torchtpu"
+    raise ConvertError(f"{path}: not a torchtpu checkpoint, Hugging Face folder, DCP folder or torch.save file; "
+                       "name its format with --from")
+
+
+# ----------------------------------------------------------------------------------- sources
+# A source: .entries -> [(torchtitan name, shape)] in the model's order; .get(name) -> full CPU tensor.
+
+
+class _HFSource:
+    def __init__(self, path, model_args):
+        from torchtpu.models.llama3.hf import HFNames
+        from torchtpu.train.hf_checkpoint import HFFolder
+
+        self.hf = HFFolder(path)
+        self.names = HFNames(model_args)
+        self.hf_of = {}
+        for hf_name in self.hf.names():
+            tt = self.names.from_hf(hf_name)
+            if tt is not None:
+                self.hf_of[tt] = hf_name
+        self.entries = [(tt, self.hf.info(h)[0]) for tt, h in self.hf_of.items()]
+
+    def get(self, name):
+        hf_name = self.hf_of[name]
+        _, value = self.names.tensor_from_hf(hf_name, self.hf.read(hf_name))
+        self.hf.release()
+        return value
+
+
+class _DCPSource:
+    def __init__(self, path):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        meta = FileSystemReader(path).read_metadata().state_dict_metadata
+        self.key_of, self.meta = {}, {}
+        for key, m in meta.items():
+            if not isinstance(m, TensorStorageMetadata) or key.split(".", 1)[0] in _NOT_MODEL:
+                continue
+            name = key.removeprefix("model.")
+            self.key_of[name] = key
+            self.meta[name] = m
+        self.entries = [(n, tuple(m.size)) for n, m in self.meta.items()]
+
+    def get(self, name):
+        import torch.distributed.checkpoint as dcp
+
+        m = self.meta[name]
+        sd = {self.key_of[name]: torch.empty(tuple(m.size), dtype=m.properties.dtype)}
+        dcp.load(sd, checkpoint_id=self.path)  # only this key is read
+        return sd[self.key_of[name]]
+
+
+class _TorchSource:
+    def __init__(self, path):
+        from torchtpu.train.checkpoint import canonical_name
+
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped, not read
+        if isinstance(sd, dict) and isinstance(sd.get("model"), dict):
+            sd = sd["model"]
+        if not isinstance(sd, dict):
+            raise ConvertError(f"{path} holds a {type(sd).__name__}, not a state dict")
+        self.sd = {canonical_name(k).removeprefix("module."): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        self.entries = [(k, tuple(v.shape)) for k, v in self.sd.items()]
+
+    def get(self, name):
+        return self.sd[name]
+
+
+class _TorchtpuSource:
+    def __init__(self, path, step):
+        from torchtpu.train.checkpoint import CheckpointManager, canonical_name, split_step_path
+
+        folder, in_path = split_step_path(path)
+        self.ck = CheckpointManager(folder, interval=1, async_mode="sync")
+        self.step = step if step is not None else in_path if in_path is not None else self.ck.latest_step()
+        if self.step is None:
+            raise ConvertError(f"{path}: no checkpoint (step_N folder) in it")
+        tree = self.ck.manifest(self.step)  # {"dict": [[key, node], ...]} (torchtpu.train.checkpoint's format)
+        model = dict(tree["dict"]).get("model") if "dict" in tree else None
+        if not model or "dict" not in model:
+            raise ConvertError(f"{self.ck.step_path(self.step)} holds no model weights")
+        self.key_of = {canonical_name(k): k for k, node in model["dict"] if "array" in node}
+        shapes = {canonical_name(k): tuple(node["shape"]) for k, node in model["dict"] if "array" in node}
+        self.entries = [(n, shapes[n]) for n in self.key_of]
+
+    def get(self, name):
+        t = self.ck.restore(self.step, subtree=("model", self.key_of[name]))  # reads this array only
+        return t.detach().cpu() if isinstance(t, torch.Tensor) else torch.from_numpy(__import__("numpy").asarray(t))
+
+
+def open_source(path: str, fmt: str | None, model_args, step: int | None = None):
+    fmt = fmt or detect_format(path)
+    if fmt == "hf":
+        return _HFSource(path, model_args)
+    if fmt == "dcp":
+        return _DCPSource(path)
+    if fmt == "torch":
+        return _TorchSource(path)
+    return _TorchtpuSource(path, step)
+
+
+# ----------------------------------------------------------------------------------- outputs
+
+
+def _check_names(src, model_args):
+    """Every source tensor must be one of the model's, with the model's shape."""
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Transformer(model_args).state_dict().items()}
+    have = dict(src.entries)
+    for k, shape in want.items():
+        if k in have and have[k] != shape:
+            raise ConvertError(f"the source's {k} is {list(have[k])} but the flavor's is {list(shape)}; pass the "
+                               "--flavor it was trained with")
+    missing = [k for k in want if k not in have]
+    extra = [k for k in have if k not in want]
+    if missing or extra:
+        raise ConvertError(f"the source does not hold this flavor's weights (missing {missing[:3]}, unexpected "
+                           f"{extra[:3]}); pass the --flavor it was trained with")
+    return list(want)  # the model's own order
+
+
+def write_output(src, dst: str, fmt: str, model_args, dtype: torch.dtype, step: int = 0,
+                 max_shard_bytes: int | None = None) -> str:
+    order = _check_names(src, model_args)
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    if fmt == "hf":
+        from torchtpu.train.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, save_hf
+
+        shapes = dict(src.entries)
+        return save_hf(dst, [(n, shapes[n]) for n in order], src.get, model_args, dtype,
+                       max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    state = {n: cast(src.get(n)).contiguous() for n in order}
+    if fmt == "torch":
+        torch.save(state, dst)
+    elif fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        # No process group: this process is the one writer. thread_count=2 picks DCP's plain CPU
+        # loader: its single-thread path asks the registered accelerator module (torch.tpu once
+        # torchtpu is imported) for CUDA-style streams, which the tpu device does not have.
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(dst, thread_count=2))
+    else:
+        import jax
+
+        from torchtpu.backend import dtypes
+        from torchtpu.train.checkpoint import CheckpointManager
+
+        dev = jax.local_devices()[0]
+        arrays = {}
+        for n in list(state):
+            arrays[n] = jax.device_put(dtypes.torch_to_numpy(state.pop(n)), dev)
+        ck = CheckpointManager(dst, interval=1, keep_latest_k=0, async_mode="sync")
+        try:
+            ck.save(step, {"model": arrays, "model_only": True, "step": int(step)}, force=True)
+        finally:
+            ck.close()
+        dst = ck.step_path(step)
+    return dst
+
+
+def _model_args(flavor: str):
+    from torchtitan.models.llama3 import llama3_args
+
+    if flavor not in llama3_args:
+        known = ", ".join(k for k in llama3_args if "_" not in k)
+        raise ConvertError(f"--flavor {flavor!r} is not a torchtitan llama3 flavor; allowed: {known}")
+    return dataclasses.replace(llama3_args[flavor])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="torchtpu-convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("src", help="checkpoint to read (format recognised, or --from)")
+    p.add_argument("dst", help="where to write (a folder, or a file for --to torch)")
+    p.add_argument("--to", required=True, choices=FORMATS, help="output format")
+    p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: recognised)")
+    p.add_argument("--flavor", required=True, help="torchtitan llama3 flavor of the weights (debugmodel, 8B, 70B, 405B)")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the floating weights written")
+    p.add_argument("--step", type=int, default=None,
+                   help="torchtpu input: the step to read (default: newest); torchtpu output: the step_N to write (default 0)")
+    p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
+                   help="Hugging Face output: largest safetensors file (default 5 GiB)")
+    a = p.parse_args(argv)
+    try:
+        args = _model_args(a.flavor)
+        src = open_source(a.src, a.src_format, args, a.step if (a.src_format or detect_format(a.src)) == "torchtpu" else None)
+        out = write_output(src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size)
+    except (ConvertError, ValueError, KeyError) as e:
+        print(f"torchtpu-convert: {e}", file=sys.stderr)
+        return 2
+    print(f"torchtpu-convert: wrote {a.to} {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Sample from a checkpoint: `python -m torchtpu.generate`.
+
+    python -m torchtpu.generate --config train_configs/debug_model.toml \\
+        --checkpoint outputs/debug_model/checkpoint [--prompt "Once upon a time"] \\
+        [--max-new-tokens 32] [--temperature 0.8] [--top-k 50] [--seed 0] [--job.xxx overrides]
+
+The model, tokenizer and mesh are the job's ([model], [parallelism] of the config; any trainer
+option may follow as an override). --checkpoint is a torchtpu-train checkpoint folder (its newest
+step), one step_N folder (full or model-only), or a Hugging Face model folder. The prompt is run
+through the model once (prefill), then one token at a time against a KV cache
+(torchtpu.models.llama3.decode); both are `torchtpu.compile` programs, and the decode step is one
+program reused for every token (the position is a tensor input). --temperature 0 is greedy.
+It prints the prompt, then the continuation (up to the tokenizer's end-of-text token).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "generate", "load_for_generation"]
+
+
+def load_for_generation(cfg, checkpoint: str, total_len: int):
+    """(model, mesh, tokenizer): the job's model laid out on the job's mesh, weights from `checkpoint`."""
+    import jax
+    import torch
+
+    import torchtpu  # noqa: F401
+    from torchtpu.distributed import init_device_mesh, materialize
+    from torchtpu.models.llama3.parallelize import parallelize_llama
+    from torchtpu.train.config import ConfigError, validate
+    from torchtpu.train.tokenizer import build_tokenizer
+    from torchtpu.train.trainer import MESH_AXES, build_model_args
+
+    dims = validate(cfg, len(jax.devices()))
+    mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES)
+    tok = build_tokenizer(cfg.model.hf_assets_path or None)
+    args = build_model_args(cfg, tok.vocab_size)
+    args.max_seq_len = max(args.max_seq_len, total_len)  # the RoPE table must reach every position
+    from torchtitan.models.llama3 import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    dtype = getattr(torch, cfg.training.dtype)
+    if dtype != torch.float32:
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    mod._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+    # No sequence parallelism (a decode step has one position) and whole logits (no loss).
+    parallelize_llama(model, mesh, sequence_parallel=False, loss_parallel=False)
+    materialize(model)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("tpu"))  # the RoPE table; weights are overwritten
+    model.eval()
+
+    from torchtpu.train.hf_checkpoint import HFCheckpointError, is_hf_folder, load_hf_into_model
+
+    try:
+        if is_hf_folder(checkpoint):
+            load_hf_into_model(checkpoint, model, args)
+        else:
+            from torchtpu.train.checkpoint import CheckpointManager, load_model_weights, split_step_path
+
+            folder, step = split_step_path(checkpoint)
+            ck = CheckpointManager(folder, interval=1, async_mode="sync")
+            try:
+                step = ck.latest_step() if step is None else step
+                if step is None:
+                    raise ConfigError(f"--checkpoint {checkpoint!r}: no checkpoint (step_N folder) in it; point it at "
+                                      "a torchtpu-train checkpoint folder, a step_N folder or a Hugging Face folder")
+                load_model_weights(ck, step, model)
+            finally:
+                ck.close()
+    except HFCheckpointError as e:
+        raise ConfigError(f"--checkpoint {checkpoint!r}: {e}") from None
+    return model, mesh, tok
+
+
+def generate(model, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0) -> list[int]:
+    """The `max_new_tokens` token ids that follow `prompt_ids` (batch of one)."""
+    import torch
+
+    import torchtpu
+    from torchtpu.distributed import Replicate, distribute_tensor
+    from torchtpu.models.llama3.decode import KVCache, forward_cached
+
+    def place(t):
+        return distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)
+
+    total = len(prompt_ids) + max_new_tokens
+    cache = KVCache.empty(model, 1, total, place)
+
+    def pick(logits):
+        if temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        logits = logits.float() / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits)
+        u = torch.rand_like(logits).clamp(1e-10, 1.0)
+        return (logits - torch.log(-torch.log(u))).argmax(-1, keepdim=True)
+
+    @torch.no_grad()
+    def prefill(tokens, start):
+        return pick(forward_cached(model, tokens, start, cache)), start + tokens.shape[1]
+
+    @torch.no_grad()
+    def step(token, start):
+        return pick(forward_cached(model, token, start, cache)), start + 1
+
+    # donate=False: with donated buffers the decode program failed on XLA's CPU client ("buffer
+    # previously donated in the same call", two state inputs sharing one buffer) and crashed when
+    # the cache was made on device; until that is found, each step writes a new cache buffer.
+    prefill_fn, step_fn = torchtpu.compile(prefill, donate=False), torchtpu.compile(step, donate=False)
+    token, pos = prefill_fn(place(torch.tensor([prompt_ids], dtype=torch.int64)), place(torch.tensor(0)))
+    out = [token]
+    for _ in range(max_new_tokens - 1):
+        token, pos = step_fn(token, pos)
+        out.append(token)
+    return [int(x) for x in torch.cat([t.cpu() for t in out], dim=1)[0]]  # one read at the end
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torchtpu.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the job's TOML config (model, tokenizer, parallelism)")
+    p.add_argument("--checkpoint", required=True, help="torchtpu-train checkpoint (folder or step_N) or Hugging Face folder")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    a, overrides = p.parse_known_args(argv)
+    from torchtpu.train.config import ConfigError, load_config
+
+    try:
+        if a.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens {a.max_new_tokens}: must be at least 1")
+        if a.temperature < 0:
+            raise ConfigError(f"--temperature {a.temperature}: must be >= 0 (0 = greedy)")
+        if a.top_k < 0:
+            raise ConfigError(f"--top-k {a.top_k}: must be >= 0 (0 = no limit)")
+        cfg = load_config(["--config", a.config, *overrides])
+        import torch
+
+        import torchtpu  # noqa: F401
+
+        torch.manual_seed(a.seed)
+        torch.tpu.manual_seed_all(a.seed)
+        from torchtpu.train.tokenizer import build_tokenizer
+
+        tok = build_tokenizer(cfg.model.hf_assets_path or None)
+        ids = tok.encode(a.prompt, bos=True, eos=False)
+        model, mesh, tok = load_for_generation(cfg, a.checkpoint, len(ids) + a.max_new_tokens)
+    except ConfigError as e:
+        print(f"torchtpu.generate: {e}", file=sys.stderr)
+        return 2
+    new = generate(model, mesh, ids, a.max_new_tokens, a.temperature, a.top_k)
+    if tok.eos_id in new:
+        new = new[:new.index(tok.eos_id)]
+    print(a.prompt + tok.decode(new), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
