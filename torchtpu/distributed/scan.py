@@ -279,18 +279,42 @@ def _wrap(a, device_index, dtype, requires_grad=False):
     return t
 
 
+# How the loop body gets block i's parameters:
+# "stack" (default, the tested path): the arrays are stacked along a new leading dim and the loop
+#   slices them (a copy of every block's weights while the step runs);
+# "select": the per-block arrays are loop invariants and a switch on i picks block i's, so the
+#   program holds no second copy of the weights (one block's worth per iteration).
+#   bench/scan_layers.py compares the two.
+PARAMS_BY = "stack"
+
+
+def _layer_params(per_block, index):
+    """Block `index`'s parameter arrays, picked from per-block arrays inside the loop."""
+    if len(per_block) == 1:
+        return list(per_block[0])
+    branches = [lambda ps=ps: tuple(ps) for ps in per_block]
+    return list(jax.lax.switch(index, branches))
+
+
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, job: _Job, h, *params):
         k = len(job.slots)
         dev = job.device_index
-        stacked = [jnp.stack([array_of(params[i * k + j]) for i in range(job.n)]) for j in range(k)]
+        per_block = [[array_of(params[i * k + j]) for j in range(k)] for i in range(job.n)]
+        if PARAMS_BY == "stack":
+            weights = [jnp.stack([per_block[i][j] for i in range(job.n)]) for j in range(k)]
+        else:
+            weights = per_block
         extra = job.extra_arrays()
         h_dtype = h.dtype
 
+        def params_at(index, xs_weights):
+            return list(xs_weights) if PARAMS_BY == "stack" else _layer_params(weights, index)
+
         def body(carry, xs):
-            index, layer_params = xs
-            param_ts = [_wrap(a, dev, dt) for a, dt in zip(layer_params, job.param_dtypes)]
+            index, xs_weights = xs
+            param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
             with torch.no_grad():
                 out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
@@ -299,9 +323,11 @@ class _ScanFunction(torch.autograd.Function):
             # the block's input is the only activation kept for the backward (full recomputation)
             return array_of(out), carry
 
-        out, inputs = jax.lax.scan(body, array_of(h), (jnp.arange(job.n, dtype=jnp.int32), stacked))
+        indices = jnp.arange(job.n, dtype=jnp.int32)
+        xs_weights = weights if PARAMS_BY == "stack" else []
+        out, inputs = jax.lax.scan(body, array_of(h), (indices, xs_weights))
         ctx.job = job
-        ctx.saved = (stacked, inputs, extra)
+        ctx.saved = (weights, params_at, inputs, extra)
         ctx.h_dtype = h_dtype
         return _wrap(out, dev, h_dtype)
 
@@ -309,14 +335,15 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, g):
         job = ctx.job
         job.run.check_complete()
-        stacked, inputs, extra = ctx.saved
+        weights, params_at, inputs, extra = ctx.saved
         dev = job.device_index
         h_dtype = ctx.h_dtype
         k = len(job.slots)
         g_arr = array_of(g) if g is not None else jnp.zeros(inputs.shape[1:], inputs.dtype)
 
         def body(g_carry, xs):
-            index, h_in, layer_params = xs
+            index, h_in, xs_weights = xs
+            layer_params = params_at(index, xs_weights)
             h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
             param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
             with torch.enable_grad():
@@ -326,7 +353,9 @@ class _ScanFunction(torch.autograd.Function):
             g_params = [array_of(gp) if gp is not None else jnp.zeros_like(a) for gp, a in zip(grads[1:], layer_params)]
             return g_h, g_params
 
-        g_h, g_stacked = jax.lax.scan(body, g_arr, (jnp.arange(job.n, dtype=jnp.int32), inputs, stacked), reverse=True)
+        indices = jnp.arange(job.n, dtype=jnp.int32)
+        xs_weights = weights if PARAMS_BY == "stack" else []
+        g_h, g_stacked = jax.lax.scan(body, g_arr, (indices, inputs, xs_weights), reverse=True)
         ctx.saved = None
         grads = [None] * (job.n * k)
         for j in range(k):
