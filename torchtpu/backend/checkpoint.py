@@ -86,6 +86,16 @@ class _Checkpointed(torch.nn.Module):
         self._register_state_dict_hook(_strip_wrapper)
         self._register_load_state_dict_pre_hook(_add_wrapper)
 
+    def __getattr__(self, name):
+        # the wrapped block's own methods and attributes (torchtitan's init_weights) stay reachable
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
     def forward(self, *args, **kwargs):
         def run(*a):
             if _in_backward():
