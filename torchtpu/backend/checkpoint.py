@@ -60,21 +60,41 @@ def _barrier_tensors(args):
     return tuple(args)
 
 
+def _strip_wrapper(module, state_dict, prefix, local_metadata):
+    # state_dict() names stay the wrapped module's own (checkpoints do not depend on whether
+    # activation checkpointing, or the layer scan that replaces it, was on); order is kept
+    inner = prefix + "module."
+    items = [(prefix + k[len(inner):] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
+    state_dict.clear()
+    state_dict.update(items)
+    return state_dict
+
+
+def _add_wrapper(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    inner = prefix + "module."
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+
 class _Checkpointed(torch.nn.Module):
-    """Wraps a module so its activations are recomputed in backward."""
+    """Wraps a module so its activations are recomputed in backward. Its state_dict() has the
+    wrapped module's names (no wrapper prefix)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
+        self._register_state_dict_hook(_strip_wrapper)
+        self._register_load_state_dict_pre_hook(_add_wrapper)
 
     def __getattr__(self, name):
-        # the wrapped block's own methods and attributes (e.g. torchtitan's init_weights) stay reachable
+        # the wrapped block's own methods and attributes (torchtitan's init_weights) stay reachable
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
                 raise
-            return getattr(self.module, name)
+            return getattr(inner, name)
 
     def forward(self, *args, **kwargs):
         def run(*a):

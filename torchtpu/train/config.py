@@ -396,6 +396,9 @@ class Tpu:
                           'e.g. "--xla_force_host_platform_device_count=8" for 8 CPU devices.')
     libtpu_init_args: str = _opt("", "Extra libtpu flags (appended to $LIBTPU_INIT_ARGS; flags already in the "
                                  "environment win).")
+    scan_layers: bool = _opt(True, "Compile the model's identical transformer blocks once and run them under "
+                             "jax.lax.scan (compile time independent of depth). Applies with [activation_checkpoint] "
+                             'mode = "full" (the scan recomputes each block in backward); false: blocks unrolled.')
 
 
 @dataclass

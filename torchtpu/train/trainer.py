@@ -369,6 +369,8 @@ class Trainer:
             sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
             param_dtype=mp_param, reduce_dtype=mp_reduce,
             ac_mode=ac_mode, ac_every=ac_every,
+            # the layer scan recomputes every block, so it stands in for full checkpointing only
+            scan_layers=cfg.tpu.scan_layers and ac_mode == "full",
         )
         materialize(model)
         if not self.dry:
@@ -756,16 +758,27 @@ class Trainer:
         if accum > 1:
             print(f"(program compiled for 1 of {accum} micro-batches; FLOPs and times below are per micro-batch "
                   "program, the tokens/s and MFU lines scale them to the whole step)", flush=True)
+        from torchtpu.distributed.scan import is_scanned
+
+        scanned = is_scanned(self.model.layers)
         print(format_report(report), flush=True)
-        est = report["estimated_step_seconds"]
+        if scanned:
+            print(f"(layers scanned: XLA's cost analysis counts the loop body once, not {len(self.model.layers)} times, "
+                  "so its FLOPs and time figures above undercount the blocks; no time or MFU estimate is derived "
+                  "from them. [tpu] scan_layers = false gives the unrolled program's figures)", flush=True)
+        est = None if scanned else report["estimated_step_seconds"]
         if est:
             est *= accum
         peak = report["peak_bf16_flops_per_device"]
         tokens = dims.tokens_per_step
         model_flops = self.flops_per_token * tokens
-        lines = [f"compile time          {t_compile:.1f} s",
+        layers = (f"scanned ({len(self.model.layers)} blocks compiled once, each recomputed in backward)"
+                  if scanned else "unrolled")
+        lines = [f"compile time          {t_compile:.1f} s (layers {layers})",
                  f"model FLOPs / step    {model_flops:.4g} ({self.flops_per_token:.4g} per token x {tokens} tokens)"]
-        if est:
+        if scanned:
+            pass
+        elif est:
             lines.append(f"tokens/s (XLA est.)   {tokens / est:,.0f} total, {tokens / est / dims.world_size:,.0f} "
                          "per device")
             if peak:

@@ -17,6 +17,9 @@ same PyTorch parallel styles, so the model shards on a TPU mesh the way it does 
   so a job computes in the same precision whatever its layout. torchtitan uses torch.autocast
   there (and no mixed precision at all for TP without FSDP); autocast has no kernels for the tpu
   device, and a layout-independent cast keeps sharded runs numerically equal to unsharded ones.
+- optionally the layer scan (`scan_layers`): the identical blocks compile once and run under
+  `jax.lax.scan`, each recomputed in backward (so it takes the place of full activation
+  checkpointing), with every block keeping its own parameters and layouts.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from ...distributed import (
     parallelize_module,
 )
 from ...distributed.mesh import DeviceMesh
+from ...distributed.scan import scan_layers as scan_blocks
 
 
 def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = True):
@@ -77,11 +81,19 @@ def parallelize_llama(
     reduce_dtype: torch.dtype | None = None,
     ac_mode: str = "none",
     ac_every: int = 1,
+    scan_layers: bool = False,
 ) -> torch.nn.Module:
     """Shard `model` (a torchtitan llama3 Transformer, on meta, CPU or tpu) over `mesh`.
 
     `mesh` is the job's root mesh with any of the dims "dp_replicate", "dp_shard", "tp"
-    (size-1 dims may be left out)."""
+    (size-1 dims may be left out).
+
+    `scan_layers=True` runs the blocks under one layer scan in compiled programs; the scan
+    recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
+    does) and applies no other checkpoint wrapper."""
+    if scan_layers and ac_mode != "full":
+        raise ValueError(f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
+                         f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or scan_layers=False")
     names = mesh.mesh_dim_names
     unknown = [n for n in names if n not in ("dp_replicate", "dp_shard", "tp")]
     if unknown:
@@ -98,9 +110,10 @@ def parallelize_llama(
         parallelize_module(model, tp, top)
         for layer in model.layers.values():
             parallelize_module(layer, tp, block)
-    if ac_mode != "none":
+    if ac_mode != "none" and not scan_layers:
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
     dp = [n for n in ("dp_replicate", "dp_shard") if _has(mesh, n)]
+    fsdp_applied = False
     if dp:
         dp_mesh = mesh[tuple(dp)] if len(dp) == 2 or dp == ["dp_shard"] else None
         if dp == ["dp_replicate"]:
@@ -113,9 +126,12 @@ def parallelize_llama(
                 # again when the backward recomputes the block
                 fully_shard(getattr(layer, "module", layer), mesh=dp_mesh, mp_policy=mp)
             fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-            return model
-    if param_dtype is not None:
+            fsdp_applied = True
+    if param_dtype is not None and not fsdp_applied:
         apply_param_cast(model, param_dtype)
+    if scan_layers:
+        # last: the scan checks that the blocks' layouts and hooks are identical
+        scan_blocks(model.layers)
     return model
 
 

@@ -1,0 +1,224 @@
+"""The layer scan (torchtpu.distributed.scan): identical blocks traced once and run under
+jax.lax.scan inside a compiled step, invisible to the user.
+
+- Sharded Llama 3 training with the scan matches the unsharded, unscanned run (the oracle of
+  tests/test_distributed.py) at the same tolerance.
+- The compiled program holds one copy of the block: a while loop, and as many dot ops for 2
+  layers as for 4.
+- state_dict() names, shapes and values are the same with the scan on and off; a trainer
+  checkpoint saved with the scan resumes without it.
+- Loops the scan cannot stand for raise errors instead of computing something else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torchtpu  # noqa: F401
+from torchtpu.distributed import init_device_mesh
+from torchtpu.distributed.scan import ScanError, is_scanned, scan_layers
+
+from .test_distributed import CONFIGS, _batches, _llama, _reference_losses, _train
+
+
+@pytest.fixture(autouse=True)
+def _keep_current_mesh():
+    from torchtpu.distributed import mesh
+
+    before = mesh._CURRENT
+    yield
+    mesh._CURRENT = before
+
+
+def _sharded_llama(name, scan, steps=None, mp=False):
+    from torchtpu.models.llama3 import parallelize_llama
+
+    shape, names, sp = CONFIGS[name]
+    mesh = init_device_mesh("tpu", shape, mesh_dim_names=names)
+    model = _llama().to("tpu")
+    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else {}
+    parallelize_llama(model, mesh, sequence_parallel=sp, loss_parallel="tp" in names, ac_mode="full",
+                      scan_layers=scan, **kw)
+    assert is_scanned(model.layers) == scan
+    batches = _batches() if steps is None else _batches()[:steps]
+    losses, cstep, opt = _train(model, batches, mesh)
+    return model, losses, cstep
+
+
+@pytest.mark.parametrize("name", ["fsdp8", "tp2_fsdp4"])
+def test_scanned_sharded_llama_matches_one_device(name):
+    model, losses, cstep = _sharded_llama(name, scan=True)
+    np.testing.assert_allclose(losses, _reference_losses(), rtol=1e-5)
+    hlo = cstep.as_text()
+    assert re.search(r"\bwhile\b", hlo)
+    if "tp" in name:
+        assert re.search(r"all-reduce|reduce-scatter", hlo)
+    assert "all-gather" in hlo
+
+
+def _dots_of_step(n_layers):
+    """The compiled train step of a debugmodel Llama with n_layers blocks, scanned, on one device."""
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    from torchtpu.models.llama3 import parallelize_llama
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(llama3_args["debugmodel"], n_layers=n_layers)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    model = model.to("tpu")
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    parallelize_llama(model, mesh, ac_mode="full", scan_layers=True)
+    _, cstep, _ = _train(model, _batches()[:2], mesh)
+    hlo = cstep.as_text()
+    return len(re.findall(r"\bdot\(", hlo)), len(re.findall(r"\bwhile\(", hlo))
+
+
+def test_scanned_program_holds_one_block():
+    dots2, whiles2 = _dots_of_step(2)
+    dots4, whiles4 = _dots_of_step(4)
+    print(f"dot ops: 2 layers {dots2}, 4 layers {dots4}; while loops {whiles2}, {whiles4}")
+    assert whiles2 >= 2 and whiles4 == whiles2  # forward and backward loops
+    assert dots4 == dots2
+
+
+def test_state_dict_same_with_scan_on_and_off():
+    steps, lr = 3, 8e-4
+    off, losses_off, _ = _sharded_llama("fsdp8", scan=False, steps=steps)
+    on, losses_on, _ = _sharded_llama("fsdp8", scan=True, steps=steps)
+    np.testing.assert_allclose(losses_on, losses_off, rtol=1e-5)
+    sd_off, sd_on = off.state_dict(), on.state_dict()
+    assert list(sd_on) == list(sd_off)
+    assert "layers.0.attention.wq.weight" in sd_on
+    for k in sd_off:
+        a, b = sd_off[k].cpu(), sd_on[k].cpu()
+        assert a.shape == b.shape and a.dtype == b.dtype, k
+        d = (b - a).abs()
+        # Same values up to float rounding in another program order: AdamW moves a weight by
+        # about lr per step at most, so a rounding-level gradient difference can move a few
+        # near-zero-gradient weights by up to that; on average the values agree to 1e-6.
+        assert d.max().item() <= 2 * lr * steps and d.mean().item() <= 1e-6, (k, d.max().item(), d.mean().item())
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
+    """The trainer with full recomputation and the layer scan (its default) against the plain
+    PyTorch loop of tests/test_trainer.py; its checkpoint then resumes with the scan off."""
+    from torchtpu.train.config import load_config
+    from torchtpu.train.trainer import Trainer
+
+    from .test_trainer import cpu_state, reference_losses, small_argv
+
+    argv = small_argv(tmp_path, "--activation_checkpoint.mode", "full", "--training.steps", "4",
+                      "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    cfg = load_config(argv)
+    assert cfg.tpu.scan_layers
+    a = Trainer(cfg)
+    assert is_scanned(a.model.layers)
+    init = cpu_state(a.model)
+    hist_a = a.train()
+    del a
+    ref = reference_losses(cfg, init, 4)
+    got = [h["loss"] for h in hist_a]
+    rel = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
+    print(f"trainer (scanned) {got}\nCPU               {ref}\nmax relative difference {rel:.2e}")
+    assert rel <= 1e-4
+
+    b = Trainer(load_config(argv + ["--checkpoint.load_step", "2", "--tpu.scan_layers", "false"]))
+    assert not is_scanned(b.model.layers)
+    hist_b = b.train()
+    assert [h["step"] for h in hist_b] == [3, 4]
+    for h in hist_b:
+        assert h["loss"] == pytest.approx(hist_a[h["step"] - 1]["loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- what the scan refuses
+
+
+class _Block(nn.Module):
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.a = nn.Linear(d, h)
+        self.b = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, n=3, between=False, stop=None):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block() for _ in range(n)])
+        self.between = between
+        self.stop = stop
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.stop is not None and i == self.stop:
+                break
+            x = layer(x)
+            if self.between:
+                x = x * 2
+        return x.sum()
+
+
+def _compiled_grads(model, x):
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    f = torchtpu.compile(step)
+    f(x)
+    return f(x)
+
+
+def test_scanned_module_list_matches_cpu_gradients():
+    torch.manual_seed(0)
+    ref = _Stack(4)
+    x = torch.randn(5, 8)
+    loss = ref(x)
+    loss.backward()
+    model = _Stack(4).to("tpu")
+    model.load_state_dict(ref.state_dict())
+    scan_layers(model.layers)
+    got_loss, grads = _compiled_grads(model, x.to("tpu"))
+    torch.testing.assert_close(got_loss.cpu(), loss.detach(), rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["between", "stop"])
+def test_loops_the_scan_cannot_stand_for_raise(kind):
+    model = _Stack(3, between=kind == "between", stop=2 if kind == "stop" else None).to("tpu")
+    scan_layers(model.layers)
+    with pytest.raises(ScanError, match="scan_layers = false"):
+        _compiled_grads(model, torch.randn(5, 8).to("tpu"))
+
+
+def test_only_identical_blocks_scan():
+    layers = nn.ModuleList([_Block(), _Block(h=32)])
+    with pytest.raises(ValueError, match="block 1 differs from block 0"):
+        scan_layers(layers)
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        scan_layers(nn.ModuleList([_Block()]))
+    with pytest.raises(TypeError, match="ModuleDict or nn.ModuleList"):
+        scan_layers(nn.Sequential(_Block(), _Block()))
+
+
+def test_scan_needs_full_recomputation():
+    from torchtpu.models.llama3 import parallelize_llama
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    with pytest.raises(ValueError, match="ac_mode='full'"):
+        parallelize_llama(_llama().to("tpu"), mesh, ac_mode="none", scan_layers=True)

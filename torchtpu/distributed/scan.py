@@ -1,0 +1,371 @@
+"""Layer scan: a stack of identical blocks compiled once and run under `jax.lax.scan`.
+
+    scan_layers(model.layers)   # an nn.ModuleDict / nn.ModuleList of identical blocks
+
+After this, inside a `torchtpu.compile`d step a loop such as torchtitan's
+
+    for layer in self.layers.values():
+        h = layer(h, freqs_cis, attention_masks=..., positions=...)
+
+traces ONE block and runs it `len(layers)` times in an XLA while loop, so the program (and its
+compile time) no longer grows with depth. Eager calls (the compiled step's warm-up, inference,
+`init_weights`) still go block by block, exactly as before.
+
+What stays as it was:
+- Parameters. Every block keeps its own Parameters, so `state_dict()` names, shapes and values,
+  checkpoints, optimizer state and each parameter's FSDP/TP layout are untouched. The program
+  stacks the blocks' parameters along a new leading dim (unsharded) and feeds the stack to the
+  loop; that stack is a copy of the block weights for the duration of forward and backward
+  (its cost shows in the step's memory analysis).
+- Module hooks. The loop body runs the first block's own forward, with its hooks (FSDP's
+  casts and sharding constraints, TP's activation layouts), on the i-th slice of each stacked
+  parameter. The blocks must therefore be identical: same class and structure, same
+  parameter names, shapes, dtypes and layouts, same hooks, which `scan_layers` checks.
+- Autograd. The stack is one autograd function. Its backward is a reverse scan whose body
+  recomputes the block's forward from the saved block input and runs PyTorch's autograd
+  through it (`torch.autograd.grad`), so every op's PyTorch backward (including the layout
+  constraints of TP/FSDP gradients and custom autograd functions) applies as in the unrolled
+  program. This IS full activation checkpointing of every block: only each block's input is
+  kept from the forward. Use the scan where the blocks would be fully recomputed anyway.
+- Randomness. Each block draws from its own key (the step's key folded with the block index),
+  and the backward's recomputation draws the same values as the forward.
+
+The loop must feed each block's output straight to the next block with the same other
+arguments. Anything else (work between blocks, a loop that stops early, other arguments per
+block) raises an error naming it instead of computing something different.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..backend import random as tpu_random
+from ..backend.dispatch import _Tracing, array_of, tracing
+from ..backend.tensor import TpuTensor, new_base
+from .params import get_layout, spec_of
+
+__all__ = ["scan_layers", "unscan_layers", "is_scanned"]
+
+
+class ScanError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def scan_layers(blocks: nn.Module) -> nn.Module:
+    """Run the identical blocks of `blocks` (an nn.ModuleDict or nn.ModuleList) under one
+    `jax.lax.scan` inside compiled programs. Returns `blocks` (changed in place: same object,
+    same children, same state_dict)."""
+    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        raise TypeError(f"scan_layers takes an nn.ModuleDict or nn.ModuleList of blocks, got {type(blocks).__name__}")
+    if is_scanned(blocks):
+        return blocks
+    children = [m for m in blocks._modules.values() if m is not None]
+    if len(children) < 2:
+        raise ValueError(f"scan_layers needs at least 2 blocks to scan, got {len(children)}")
+    _check_identical(children)
+    base = type(blocks)
+    blocks.__dict__["_tpu_scan_base"] = base
+    blocks.__class__ = _scanned_class(base)
+    return blocks
+
+
+def unscan_layers(blocks: nn.Module) -> nn.Module:
+    """Undo `scan_layers`: the blocks run one by one again."""
+    base = blocks.__dict__.pop("_tpu_scan_base", None)
+    if base is not None:
+        blocks.__class__ = base
+    return blocks
+
+
+def is_scanned(blocks: nn.Module) -> bool:
+    return "_tpu_scan_base" in blocks.__dict__
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _scanned_class(base: type) -> type:
+    cls = _CLASSES.get(base)
+    if cls is None:
+        mixin = _ScannedDict if issubclass(base, nn.ModuleDict) else _ScannedList
+        cls = _CLASSES[base] = type(f"Scanned{base.__name__}", (mixin, base), {})
+    return cls
+
+
+class _ScannedDict:
+    """ModuleDict whose values() yields, while a program is being traced, a scan of all blocks."""
+
+    def values(self):
+        if tracing():
+            return _Run(self).callables()
+        return super().values()
+
+
+class _ScannedList:
+    def __iter__(self):
+        if tracing():
+            return _Run(self).callables()
+        return super().__iter__()
+
+
+def _structure(block: nn.Module):
+    """What must be equal between blocks for one block's trace to stand for all of them."""
+    out = []
+    for path, m in block.named_modules():
+        hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        fsdp = m.__dict__.get("_tpu_fsdp")
+        mp = fsdp.mp_policy if fsdp is not None else None
+        out.append(("module", path, type(m), hooks, mp))
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            rec = get_layout(m, name)
+            layout = None if rec is None or rec[0] is None else (id(rec[0].jax_mesh), spec_of(rec[1]))
+            out.append(("param", path, name, tuple(p.shape), p.dtype, p.requires_grad, layout))
+        for name, b in m._buffers.items():
+            if b is not None:
+                out.append(("buffer", path, name))
+    return out
+
+
+def _check_identical(children) -> None:
+    first = _structure(children[0])
+    buffers = [x for x in first if x[0] == "buffer"]
+    if buffers:
+        raise ValueError(f"scan_layers: the blocks hold buffers ({buffers[0][1] or type(children[0]).__name__}."
+                         f"{buffers[0][2]}), which the layer scan does not carry; run these blocks unscanned")
+    for i, c in enumerate(children[1:], 1):
+        other = _structure(c)
+        if other != first:
+            diff = next((a, b) for a, b in zip(first + [None] * len(other), other + [None] * len(first)) if a != b)
+            raise ValueError(f"scan_layers: block {i} differs from block 0 ({diff[1]} vs {diff[0]}); only identical "
+                             "blocks (same class, parameters, layouts and hooks) can be scanned")
+
+
+# ----------------------------------------------------------------------------- one traced pass
+
+
+class _Run:
+    """One pass of a traced loop over the blocks: the first callable runs the whole scan, the
+    others check that they are called in order on its result and pass it on."""
+
+    def __init__(self, blocks):
+        self.children = [m for m in blocks._modules.values() if m is not None]
+        self.result = None
+        self.args = None
+        self.called = 0
+
+    def callables(self):
+        yield self._first
+        for i in range(1, len(self.children)):
+            yield _PassThrough(self, i)
+
+    def _first(self, h, *args, **kwargs):
+        self.called = 1
+        self.args = (args, kwargs)
+        self.result = _scan_blocks(self, h, args, kwargs)
+        return self.result
+
+    def check_complete(self):
+        n = len(self.children)
+        if self.called != n:
+            raise ScanError(
+                f"scan_layers: the loop over the {n} scanned blocks stopped after {self.called} of them, but the scan "
+                "ran all of them; scanned blocks must all be called in one loop (turn the layer scan off, "
+                "[tpu] scan_layers = false, for models that skip blocks)")
+
+
+class _PassThrough:
+    def __init__(self, run: _Run, index: int):
+        self.run = run
+        self.index = index
+
+    def __call__(self, h, *args, **kwargs):
+        run = self.run
+        if h is not run.result or run.called != self.index:
+            raise ScanError(
+                f"scan_layers: block {self.index} was not called on block {self.index - 1}'s output; a scanned loop "
+                "must feed each block's output straight to the next block (turn the layer scan off, "
+                "[tpu] scan_layers = false, for models that do work between blocks)")
+        a0, k0 = run.args
+        if len(args) != len(a0) or any(x is not y for x, y in zip(args, a0)) or k0.keys() != kwargs.keys() or any(
+                kwargs[k] is not k0[k] for k in k0):
+            raise ScanError(f"scan_layers: block {self.index} got other arguments than block 0; scanned blocks must all "
+                            "get the same extra arguments (turn the layer scan off, [tpu] scan_layers = false)")
+        run.called += 1
+        return h
+
+    def __getattr__(self, name):
+        raise ScanError(f"scan_layers: attribute {name!r} of a scanned block was read while tracing the loop over "
+                        "the blocks; scanned loops may only call the blocks (turn the layer scan off, "
+                        "[tpu] scan_layers = false)")
+
+
+# ----------------------------------------------------------------------------- the scan
+
+
+def _param_slots(block: nn.Module):
+    """(owner module, name) of each parameter of `block`, in a fixed order."""
+    return [(m, n) for _, m in block.named_modules() for n, p in m._parameters.items() if p is not None]
+
+
+def _scan_blocks(run: _Run, h, args, kwargs):
+    if not isinstance(h, TpuTensor):
+        raise TypeError(f"scan_layers: the blocks' input must be a tpu tensor, got {type(h).__name__} on {h.device}")
+    flat, spec = tree_flatten((args, kwargs))
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise NotImplementedError(
+                "scan_layers: an argument of the scanned blocks other than the first requires grad; the layer scan "
+                "differentiates only the carried activation and the parameters (turn it off: [tpu] scan_layers = false)")
+    template = run.children[0]
+    slots = _param_slots(template)
+    per_block = [[m._parameters[n] for m, n in _param_slots(c)] for c in run.children]
+    params = [p for ps in per_block for p in ps]
+    if tpu_random.TRACED is not None:
+        key = tpu_random.TRACED.next()
+    else:
+        key = tpu_random.next_key_data(h._st.device_index)
+    job = _Job(run, template, slots, len(run.children), flat, spec, key, h._st.device_index,
+               [p.dtype for p in per_block[0]])
+    return _ScanFunction.apply(job, h, *params)
+
+
+class _Job:
+    def __init__(self, run, template, slots, n, flat, spec, key, device_index, param_dtypes):
+        self.run = run
+        self.template = template
+        self.slots = slots
+        self.n = n
+        self.flat = flat
+        self.spec = spec
+        self.key = key
+        self.device_index = device_index
+        self.param_dtypes = param_dtypes
+
+    def extra_arrays(self):
+        return [array_of(x) if isinstance(x, TpuTensor) else x for x in self.flat]
+
+    def call_block(self, h_t, param_ts, extra, index):
+        """Run the template block on tensors wrapping this iteration's values."""
+        flat = [new_base(a, self.device_index, x.dtype) if isinstance(x, TpuTensor) else x
+                for a, x in zip(extra, self.flat)]
+        args, kwargs = tree_unflatten(flat, self.spec)
+        saved = [m._parameters[n] for m, n in self.slots]
+        prev_keys = tpu_random.TRACED
+        tpu_random.TRACED = tpu_random.TracedKeys(
+            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(self.key), index)))
+        try:
+            for (m, n), t in zip(self.slots, param_ts):
+                m._parameters[n] = t
+            with _Tracing():
+                return self.template(h_t, *args, **kwargs)
+        finally:
+            tpu_random.TRACED = prev_keys
+            for (m, n), p in zip(self.slots, saved):
+                m._parameters[n] = p
+
+
+def _wrap(a, device_index, dtype, requires_grad=False):
+    t = new_base(a, device_index, dtype)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+# How the loop body gets block i's parameters:
+# "stack" (default, the tested path): the arrays are stacked along a new leading dim and the loop
+#   slices them (a copy of every block's weights while the step runs);
+# "select": the per-block arrays are loop invariants and a switch on i picks block i's, so the
+#   program holds no second copy of the weights (one block's worth per iteration).
+#   bench/scan_layers.py compares the two.
+PARAMS_BY = "stack"
+
+
+def _layer_params(per_block, index):
+    """Block `index`'s parameter arrays, picked from per-block arrays inside the loop."""
+    if len(per_block) == 1:
+        return list(per_block[0])
+    branches = [lambda ps=ps: tuple(ps) for ps in per_block]
+    return list(jax.lax.switch(index, branches))
+
+
+class _ScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, job: _Job, h, *params):
+        k = len(job.slots)
+        dev = job.device_index
+        per_block = [[array_of(params[i * k + j]) for j in range(k)] for i in range(job.n)]
+        if PARAMS_BY == "stack":
+            weights = [jnp.stack([per_block[i][j] for i in range(job.n)]) for j in range(k)]
+        else:
+            weights = per_block
+        extra = job.extra_arrays()
+        h_dtype = h.dtype
+
+        def params_at(index, xs_weights):
+            return list(xs_weights) if PARAMS_BY == "stack" else _layer_params(weights, index)
+
+        def body(carry, xs):
+            index, xs_weights = xs
+            param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
+            with torch.no_grad():
+                out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index)
+            if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
+                raise ScanError(f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
+                                f"{h_dtype}, got {_describe(out)}")
+            # the block's input is the only activation kept for the backward (full recomputation)
+            return array_of(out), carry
+
+        indices = jnp.arange(job.n, dtype=jnp.int32)
+        xs_weights = weights if PARAMS_BY == "stack" else []
+        out, inputs = jax.lax.scan(body, array_of(h), (indices, xs_weights))
+        ctx.job = job
+        ctx.saved = (weights, params_at, inputs, extra)
+        ctx.h_dtype = h_dtype
+        return _wrap(out, dev, h_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        job = ctx.job
+        job.run.check_complete()
+        weights, params_at, inputs, extra = ctx.saved
+        dev = job.device_index
+        h_dtype = ctx.h_dtype
+        k = len(job.slots)
+        g_arr = array_of(g) if g is not None else jnp.zeros(inputs.shape[1:], inputs.dtype)
+
+        def body(g_carry, xs):
+            index, h_in, xs_weights = xs
+            layer_params = params_at(index, xs_weights)
+            h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
+            param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
+            with torch.enable_grad():
+                out = job.call_block(h_t, param_ts, extra, index)
+                grads = torch.autograd.grad(out, [h_t] + param_ts, _wrap(g_carry, dev, h_dtype), allow_unused=True)
+            g_h = array_of(grads[0]) if grads[0] is not None else jnp.zeros_like(h_in)
+            g_params = [array_of(gp) if gp is not None else jnp.zeros_like(a) for gp, a in zip(grads[1:], layer_params)]
+            return g_h, g_params
+
+        indices = jnp.arange(job.n, dtype=jnp.int32)
+        xs_weights = weights if PARAMS_BY == "stack" else []
+        g_h, g_stacked = jax.lax.scan(body, g_arr, (indices, inputs, xs_weights), reverse=True)
+        ctx.saved = None
+        grads = [None] * (job.n * k)
+        for j in range(k):
+            for i in range(job.n):
+                if ctx.needs_input_grad[2 + i * k + j]:
+                    grads[i * k + j] = _wrap(g_stacked[j][i], dev, job.param_dtypes[j])
+        return (None, _wrap(g_h, dev, h_dtype), *grads)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor {tuple(x.shape)} {x.dtype}"
+    return type(x).__name__
