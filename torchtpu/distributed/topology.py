@@ -34,6 +34,11 @@ __all__ = [
     "compile_report",
     "format_report",
     "COLLECTIVES",
+    "dump_compiles_to",
+    "wide_types",
+    "while_loops",
+    "largest_temporaries",
+    "depth_extrapolated_cost",
 ]
 
 EXAMPLES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v5p:4x4x8", "v6e:2x2", "v6e:16x16")
@@ -194,6 +199,21 @@ def topology_mesh(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str
 
 # ----------------------------------------------------------------------------- compile report
 
+_DUMP_DIR: list = [None]
+
+
+@contextlib.contextmanager
+def dump_compiles_to(folder: str):
+    """While active, `aot_compile` writes XLA's dump (optimized HLO, buffer assignment, memory
+    report) of every program it compiles into `folder`; `largest_temporaries` reads it."""
+    before = _DUMP_DIR[0]
+    _DUMP_DIR[0] = folder
+    try:
+        yield folder
+    finally:
+        _DUMP_DIR[0] = before
+
+
 def aot_compile(lowered, compiler_options: dict | None = None):
     """`lowered.compile()` for topology devices, bypassing JAX's persistent compilation cache.
 
@@ -204,6 +224,9 @@ def aot_compile(lowered, compiler_options: dict | None = None):
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
 
+    if _DUMP_DIR[0] is not None:
+        # the compiler's own record of the program: optimized HLO and its buffer assignment
+        compiler_options = {**(compiler_options or {}), "xla_dump_to": _DUMP_DIR[0]}
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     cc.reset_cache()
@@ -287,6 +310,7 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
     live = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
     needed = max(live, mem["peak_bytes"]) + mem["generated_code_bytes"]
 
+    text = compiled.as_text()
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):  # older jax: one dict per executable
         ca = ca[0] if ca else {}
@@ -315,7 +339,9 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
         # collectives, no precision passes); it is what remains when XLA gives no estimate
         "roofline_seconds": (max(flops / peak_flops, float(ca.get("bytes accessed", 0.0)) / (spec["hbm_bandwidth"] / per_chip))
                              if spec else None),
-        "collectives": count_collectives(compiled.as_text()),
+        "collectives": count_collectives(text),
+        "wide_types": wide_types(text),
+        "while_loops": while_loops(text),
     }
 
 
@@ -362,3 +388,113 @@ def format_report(report: dict) -> str:
     rows += [(f"{name}", str(n)) for name, n in report["collectives"].items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+# ----------------------------------------------------------------------------- what the program holds
+
+# A shape in HLO text: element type, then dimensions.
+_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]")
+WIDE_TYPES = ("s64", "u64", "f64", "c64", "c128")
+
+
+def wide_types(hlo_text: str) -> dict:
+    """How often 64-bit and complex element types (and the TPU compiler's 64-bit emulation calls)
+    occur in HLO text: {"s64": n, "u64": n, "f64": n, "c64": n, "c128": n, "x64_emulation_calls": n}.
+
+    On TPU, 64-bit integers and complex numbers have no hardware type: the compiler emulates
+    them with 32-bit pairs and splits/combines program inputs with X64Split*/X64Combine custom
+    calls, after which its cost model gives no step-time estimate.
+    """
+    counts = dict.fromkeys(WIDE_TYPES, 0)
+    for m in _SHAPE.finditer(hlo_text):
+        if m.group(1) in counts:
+            counts[m.group(1)] += 1
+    counts["x64_emulation_calls"] = len(re.findall(r'custom_call_target="X64(?:Split\w*|Combine)"', hlo_text))
+    return counts
+
+
+_WHILE = re.compile(r"%([\w.\-]+) = .* while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
+
+
+def _computation(hlo_text: str, name: str) -> str:
+    m = re.search(r"^(?:ENTRY )?%" + re.escape(name) + r" \(.*?^\}", hlo_text, re.M | re.S)
+    return m.group(0) if m else ""
+
+
+def while_loops(hlo_text: str) -> list[dict]:
+    """The while loops of optimized HLO text: [{"name", "body", "trip_count"}] (trip_count from the
+    loop condition's `counter < constant` compare, None when the condition has another form).
+
+    XLA's cost analysis costs a loop body once, whatever its trip count, so a program with loops
+    (a scan over layers) reports a fraction of the work it does."""
+    loops = []
+    for m in _WHILE.finditer(hlo_text):
+        cond = _computation(hlo_text, m.group(2))
+        consts = dict(re.findall(r"%([\w.\-]+) = [su]32\[\]\S* constant\((\d+)\)", cond))
+        trips = [int(consts[c]) for c in re.findall(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", cond)
+                 if c in consts]
+        loops.append({"name": m.group(1), "body": m.group(3), "trip_count": max(trips) if trips else None})
+    return loops
+
+
+def largest_temporaries(dump_folder: str, count: int = 8) -> list[dict]:
+    """The largest buffers XLA's buffer assignment gives a compiled program's scratch memory,
+    read from a `dump_compiles_to` folder (the newest module there).
+
+    Returns [{"bytes", "shape", "op", "values"}] largest first: buffers of the same shape made
+    by the same source operation (op_name metadata) are grouped, with `values` their number.
+    Parameters, outputs and constants are not temporaries and are left out.
+    """
+    import glob
+
+    assignments = sorted(glob.glob(os.path.join(dump_folder, "*after_optimizations-buffer-assignment.txt")),
+                         key=os.path.getmtime)
+    if not assignments:
+        return []
+    path = assignments[-1]
+    hlo_path = path.replace("-buffer-assignment.txt", ".txt")
+    op_names = {}
+    if os.path.exists(hlo_path):
+        with open(hlo_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
+                if m:
+                    op_names[m.group(1)] = m.group(2)
+    groups: dict = {}
+    temp = False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("allocation "):
+                temp = not any(k in line for k in ("parameter", "output shape", "constant", "thread-local"))
+                continue
+            if not temp:
+                continue
+            m = re.match(r"\s*value: <\d+ ([\w.\-]+)(?: \{[\d,]*\})? @\d+> \(size=(\d+),offset=\d+\): (.*)$", line)
+            if not m:
+                if line.startswith("Used values") or line.startswith("BufferLiveRange"):
+                    break
+                continue
+            name, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
+            op = op_names.get(name, name)
+            op = re.sub(r"^jit\([^)]*\)/", "", op)
+            key = (shape, op)
+            g = groups.setdefault(key, {"bytes": size, "shape": shape, "op": op, "values": 0})
+            g["values"] += 1
+            g["bytes"] = max(g["bytes"], size)
+    return sorted(groups.values(), key=lambda g: -g["bytes"] * g["values"])[:count]
+
+
+def depth_extrapolated_cost(report_0: dict, report_1: dict, depth: int) -> dict:
+    """Cost of a `depth`-layer program from `compile_report`s of the same program with 0 and 1 layers.
+
+    Why: XLA costs a while-loop body once (a scanned model looks `depth` times cheaper) and a
+    kernel without a declared cost as nothing. Compiled with 0 and 1 layer, a model has no loop
+    over layers left to miscount, so cost(depth) = cost(0) + depth * (cost(1) - cost(0)) holds
+    whether the full program scans its layers or not. Returns flops, bytes accessed and XLA's
+    estimated seconds per device at that depth (None where XLA gave no estimate).
+    """
+    out = {"method": f"XLA cost model on the 0- and 1-layer programs, extrapolated to {depth} layers"}
+    for key in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds", "roofline_seconds"):
+        a, b = report_0.get(key), report_1.get(key)
+        out[key] = None if a is None or b is None else a + depth * (b - a)
+    return out
