@@ -15,8 +15,8 @@
     --pallas, the Pallas TPU flash-attention kernel inside `shard_map`; int32 token ids.
 
 Both are costed the same way (torchtpu.distributed.topology.depth_extrapolated_cost: XLA's cost
-model on the 0- and 1-layer programs, extrapolated to the model's depth, which a scan cannot
-fool); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
+model on shallow unrolled programs, extrapolated to the model's depth, which a scan cannot
+fool: the dry run's method, from unrolled 2- and 4-layer programs); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
 torchtitan's model FLOPs per token and the chip's bf16 peak.
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def main(argv=None):
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
     from torchtpu.train.config import load_config
-    from torchtpu.train.dry_run import recompute_factor
+    from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled
     from torchtpu.train.trainer import _ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
@@ -212,11 +212,11 @@ def main(argv=None):
           f" reference: {'scanned' if a.scan else 'unrolled'} layers, {'Pallas flash' if a.pallas else 'XLA'} attention",
           flush=True)
     rows = {}
-    # depth-extrapolated cost: 0- and 1-layer programs of both
+    # depth-extrapolated cost: unrolled shallow programs of both
     small_tt, small_ref = [], []
     base = None
-    for n in (0, 1):
-        rep, _, t = torchtpu_program(cfg, n_layers=n)
+    for n in COSTING_DEPTHS:
+        rep, _, t = torchtpu_program(unrolled(cfg), n_layers=n)
         small_tt.append(rep)
         base = base or t
         specs = param_specs(t)
@@ -225,7 +225,8 @@ def main(argv=None):
         del t
         gc.collect()
     depth = base.model_args.n_layers
-    est = {"torchtpu": depth_extrapolated_cost(*small_tt, depth), "pure JAX": depth_extrapolated_cost(*small_ref, depth)}
+    est = {"torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
+           "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth)}
     full = {}
     if not a.no_full:
         rep, dt, trainer = torchtpu_program(cfg)

@@ -1,8 +1,8 @@
 """The dry run's step-time estimate: honest through loops over layers (torchtpu/train/dry_run.py).
 
 XLA's cost analysis costs a while-loop body once, so a program whose layers run under lax.scan
-reports a fraction of its work. The dry run costs the step from its 0- and 1-layer programs
-and extrapolates to the model's depth; these tests check that against XLA's own figures for
+reports a fraction of its work. The dry run costs the step from unrolled 2- and 4-layer
+programs and extrapolates to the model's depth; these tests check that against XLA's own figures for
 the unrolled program, on TPU v5p programs compiled ahead of time.
 """
 import jax
@@ -57,8 +57,8 @@ def test_scanned_estimate_equals_unrolled_within_5_percent():
     assert [lp["trip_count"] for lp in scanned["while_loops"]] == [DEPTH, DEPTH]  # forward and backward loops
     assert not unrolled["while_loops"]
     assert scanned["flops_per_device"] < 0.5 * unrolled["flops_per_device"]
-    # depth extrapolation from the scanned program's own 0- and 1-layer versions
-    est = depth_extrapolated_cost(_report(0, scan=True), _report(1, scan=True), DEPTH)
+    # the dry run's method: the same program unrolled at 2 and 4 layers, extrapolated to 8
+    est = depth_extrapolated_cost(_report(2, scan=False), _report(4, scan=False), 2, 4, DEPTH)
     for key in ("flops_per_device", "estimated_step_seconds"):
         truth = unrolled[key]
         assert truth and truth > 0, key
@@ -79,7 +79,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
     full = compile_report(_compile_step(t), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
     est = step_estimate(t, full)
-    assert "extrapolated to 6 layers" in est["method"]
+    assert "unrolled 2- and 4-layer programs, extrapolated to 6 layers" in est["method"]
     for key in ("flops_per_device", "estimated_step_seconds"):
         assert est[key] == pytest.approx(full[key], rel=0.05), (key, est[key], full[key])
 

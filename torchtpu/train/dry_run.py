@@ -10,9 +10,9 @@ compile-only devices when `[tpu] topology` names one) and prints:
 - an estimated step time, the tokens/s per chip and the MFU it implies, and how it was costed.
   XLA's cost analysis of a program counts a while-loop body once (a model whose layers run
   under `lax.scan` looks n_layers times cheaper) and a kernel without a declared cost as
-  nothing. So the step is also compiled with 0 and with 1 layer, where no loop over layers is
-  left to miscount, and XLA's figures for those two are extrapolated linearly to the model's
-  depth (`topology.depth_extrapolated_cost`). When XLA gives no time estimate at all, a
+  nothing. So the step is also compiled unrolled with 2 and with 4 layers, where no loop over
+  layers is left to miscount, and XLA's figures for those two are extrapolated linearly to the
+  model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). When XLA gives no time estimate at all, a
   compute-bound bound is printed instead, and it is never called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
@@ -53,31 +53,55 @@ def _compile_step(trainer):
     return trainer.step_fn.compile_for(batch)
 
 
+COSTING_DEPTHS = (2, 4)
+
+
+def unrolled(cfg):
+    """`cfg` with any layer scan switched off: the costing programs must not loop over layers."""
+    import dataclasses
+
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            flags = {k.name: False for k in dataclasses.fields(section) if k.name in ("scan_layers", "scan")}
+            if flags:
+                changes[f.name] = dataclasses.replace(section, **flags)
+    if not changes:
+        return cfg
+    out = dataclasses.replace(cfg, **changes)
+    out._origins = dict(getattr(cfg, "_origins", {}))
+    return out
+
+
 def step_estimate(trainer, report: dict) -> dict:
     """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
 
-    Compiles the same job with 0 and 1 layers (unrolled programs whose cost XLA counts fully)
-    and extrapolates; if that fails, falls back to the full program's own XLA figures, flagged
-    as counting loop bodies once when the program has loops."""
+    Compiles the same job unrolled at COSTING_DEPTHS layers (programs whose cost XLA counts
+    fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
+    If that fails, the full program's own XLA figures are used, flagged when it has loops."""
     from torchtpu.distributed.topology import compile_report, depth_extrapolated_cost
 
     from .trainer import Trainer
 
     depth = trainer.model_args.n_layers
+    loops = report.get("while_loops") or []
+    if depth <= COSTING_DEPTHS[1] and not loops:
+        return {"method": "XLA cost model on the whole program (no loops)", **{
+            k: report[k] for k in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds",
+                                   "roofline_seconds")}}
     try:
         small = []
-        for n in (0, 1):
-            t = Trainer(trainer.cfg, n_layers=n)
+        cfg = unrolled(trainer.cfg)
+        for n in COSTING_DEPTHS:
+            t = Trainer(cfg, n_layers=n)
             small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
             del t
-        est = depth_extrapolated_cost(small[0], small[1], depth)
-        est["per_layer_flops"] = small[1]["flops_per_device"] - small[0]["flops_per_device"]
-        return est
+        return depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth)
     except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
-        loops = report.get("while_loops") or []
         method = "XLA cost model on the whole program"
         if loops:
-            method += (f" (NOTE: it has {len(loops)} while loop(s), whose bodies XLA costs once: the figures are "
+            method += (f" (it has {len(loops)} while loop(s), whose bodies XLA costs once: no time estimate; FLOPs "
                        "too low)")
         return {"method": f"{method}; depth extrapolation failed: {type(e).__name__}: {e}",
                 "flops_per_device": report["flops_per_device"],
