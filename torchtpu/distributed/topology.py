@@ -438,50 +438,38 @@ def while_loops(hlo_text: str) -> list[dict]:
 
 
 def largest_temporaries(dump_folder: str, count: int = 8) -> list[dict]:
-    """The largest buffers XLA's buffer assignment gives a compiled program's scratch memory,
-    read from a `dump_compiles_to` folder (the newest module there).
+    """The largest slices of device memory in a compiled program, from XLA's memory-usage report
+    in a `dump_compiles_to` folder (the newest module there), largest first.
 
-    Returns [{"bytes", "shape", "op", "values"}] largest first: buffers of the same shape made
-    by the same source operation (op_name metadata) are grouped, with `values` their number.
-    Parameters, outputs and constants are not temporaries and are left out.
+    Returns [{"bytes", "shapes", "values"}]: one slice of memory each, with the shapes of the
+    buffers that reuse it over the program (`values` of them). Arguments are included: a
+    full-size shape where the layout says sharded is what to look for.
     """
     import glob
 
-    assignments = sorted(glob.glob(os.path.join(dump_folder, "*after_optimizations-buffer-assignment.txt")),
-                         key=os.path.getmtime)
-    if not assignments:
+    reports = sorted(glob.glob(os.path.join(dump_folder, "*after_optimizations-memory-usage-report.txt")),
+                     key=os.path.getmtime)
+    if not reports:
         return []
-    path = assignments[-1]
-    hlo_path = path.replace("-buffer-assignment.txt", ".txt")
-    op_names = {}
-    if os.path.exists(hlo_path):
-        with open(hlo_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
-                if m:
-                    op_names[m.group(1)] = m.group(2)
-    groups: dict = {}
-    temp = False
-    with open(path, encoding="utf-8", errors="replace") as f:
+    rows = []
+    with open(reports[-1], encoding="utf-8", errors="replace") as f:
+        f.readline()  # Memory Space: default
         for line in f:
-            if line.startswith("allocation "):
-                temp = not any(k in line for k in ("parameter", "output shape", "constant", "thread-local"))
-                continue
-            if not temp:
-                continue
-            m = re.match(r"\s*value: <\d+ ([\w.\-]+)(?: \{[\d,]*\})? @\d+> \(size=(\d+),offset=\d+\): (.*)$", line)
-            if not m:
-                if line.startswith("Used values") or line.startswith("BufferLiveRange"):
+            parts = [p.strip() for p in line.split(";")]
+            if len(parts) < 5 or not parts[2].isdigit():
+                if rows and not line.strip():
                     break
                 continue
-            name, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
-            op = op_names.get(name, name)
-            op = re.sub(r"^jit\([^)]*\)/", "", op)
-            key = (shape, op)
-            g = groups.setdefault(key, {"bytes": size, "shape": shape, "op": op, "values": 0})
-            g["values"] += 1
-            g["bytes"] = max(g["bytes"], size)
-    return sorted(groups.values(), key=lambda g: -g["bytes"] * g["values"])[:count]
+            size = _parse_size(parts[1])
+            rows.append({"bytes": size, "shapes": parts[4], "values": int(parts[3])})
+    return sorted(rows, key=lambda r: -r["bytes"])[:count]
+
+
+def _parse_size(text: str) -> int:
+    m = re.match(r"([\d.]+)\s*(B|KiB|MiB|GiB)", text)
+    if not m:
+        return 0
+    return int(float(m.group(1)) * {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[m.group(2)])
 
 
 def depth_extrapolated_cost(report_a: dict, report_b: dict, depth_a: int, depth_b: int, depth: int) -> dict:

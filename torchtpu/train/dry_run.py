@@ -151,10 +151,10 @@ def dry_run(trainer) -> int:
     print(format_report(report), flush=True)
     lines = [f"compile time            {t_compile:.1f} s"]
     if temps:
-        lines.append("largest temporaries     (per device; size x buffers, shape, source operation)")
+        lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse "
+                     "it)")
         for g in temps:
-            n = f" x {g['values']}" if g["values"] > 1 else ""
-            lines.append(f"  {g['bytes'] / 1024**2:9.1f} MiB{n:<6} {g['shape']:<28} {g['op'][:90]}")
+            lines.append(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
     wide = {k: v for k, v in report["wide_types"].items() if v}
     if wide:
         lines.append(f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate "
