@@ -48,9 +48,11 @@ def _in_backward() -> bool:
 
 
 def _barrier_tensors(args):
-    # Complex inputs (such as a rotary table) skip the barrier: a complex output of the
-    # custom op aborts PyTorch's autograd engine during recomputation.
-    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "tpu" and not a.is_complex()]
+    # Only inputs that require grad (the activations) pass the barrier: constants such as a
+    # rotary table need none (the recomputation already starts from barriered activations),
+    # and a barrier output that needs no grad aborts PyTorch's autograd engine during
+    # recomputation (seen with complex and with float32 rotary tables).
+    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "tpu" and a.requires_grad]
     if not idx:
         return args
     out = torch.ops.torchtpu.optimization_barrier([args[i] for i in idx])

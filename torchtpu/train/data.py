@@ -480,3 +480,18 @@ def build_dataloader(
     """This rank's iterator of packed (inputs, labels) batches. See the module docstring."""
     source = _make_source(dataset, dataset_path, seed, dp_rank, dp_world_size)
     return TokenBatchLoader(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world_size, infinite)
+
+
+def token_ids_int32(ids, vocab_size: int):
+    """Token ids as int32 for the device: TPUs emulate 64-bit integers (docs/DESIGN_NOTES.md).
+
+    Ids index a vocabulary of `vocab_size` < 2**31 entries; an id outside [0, vocab_size) would
+    index past the embedding table, so it is refused here, where the host still sees the values.
+    """
+    import numpy as np
+
+    ids = np.asarray(ids)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())} is outside "
+                         f"the model's vocabulary [0, {vocab_size}); use the model's own tokenizer")
+    return ids.astype(np.int32)

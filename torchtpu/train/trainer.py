@@ -93,15 +93,18 @@ def job_devices(cfg: JobConfig) -> list:
 
 
 def build_meta_model(cfg: JobConfig, model_args):
-    """torchtitan's Transformer on the meta device, its parameters in training.dtype."""
+    """torchtitan's Transformer on the meta device, its parameters in training.dtype, with real
+    rotary arithmetic (no complex64 table on the chip: docs/DESIGN_NOTES.md)."""
     import torch
     from torchtitan.models.llama3 import Transformer
 
+    from torchtpu.models.llama3.rope import use_real_rope
+
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = use_real_rope(Transformer(model_args))
     param_dtype = _torch_dtype(cfg.training.dtype)
     if param_dtype != torch.float32:
-        # parameters only: the RoPE table (freqs_cis) stays complex64
+        # parameters only: the RoPE table (freqs_cis) keeps its float32 values
         for mod in model.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None and p.is_floating_point():
@@ -205,7 +208,9 @@ def cross_entropy_loss(logits, labels):
     """torchtitan's loss: mean token cross entropy, computed in float32."""
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    # PyTorch wants int64 class indices; the trainer's token ids are int32 on the device
+    # (docs/DESIGN_NOTES.md), and the widening is folded away by the compiler.
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1).long())
 
 
 def _scalar(value: float, mesh=None, lazy: bool = False):
@@ -312,7 +317,8 @@ class Trainer:
     checkpointer (or None), step (the last completed step), history (the logged metrics).
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, n_layers: int | None = None):
+        """`n_layers` overrides the flavor's depth (the dry run costs 0- and 1-layer copies)."""
         import jax
         import torch
 
@@ -345,6 +351,8 @@ class Trainer:
             where = cfg.origin("model", "hf_assets_path") or "default"
             raise ConfigError(f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: {e}") from None
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
+        if n_layers is not None:
+            self.model_args = dataclasses.replace(self.model_args, n_layers=n_layers)
 
         # -- seed
         seed = resolve_seed(cfg)
@@ -446,14 +454,18 @@ class Trainer:
     # -- data ----------------------------------------------------------------------------------
 
     def _place(self, x):
-        """A host numpy (host_batch, seq_len) int64 array -> a tpu tensor laid out over the dp axes."""
+        """A host numpy (host_batch, seq_len) array of token ids -> an int32 tpu tensor laid out over
+        the dp axes (64-bit integers are emulated on TPU; see docs/DESIGN_NOTES.md)."""
         import jax
         import torch
+
+        from .data import token_ids_int32
 
         import torchtpu
         from torchtpu.distributed import distribute_tensor
         from torchtpu.models.llama3.parallelize import batch_placements
 
+        x = token_ids_int32(x, self.model_args.vocab_size)
         placements = batch_placements(self.mesh)
         if jax.process_count() == 1:
             return distribute_tensor(torch.from_numpy(x), self.mesh, placements)
@@ -723,107 +735,9 @@ class Trainer:
 
     def dry_run(self) -> int:
         """Compile the step ahead of time without allocating arrays; report; 0 if it fits else 1."""
-        import torch
+        from .dry_run import dry_run
 
-        import torchtpu.distributed as td
-        from torchtpu.distributed.topology import compile_report, format_report
-        from torchtpu.models.llama3.parallelize import batch_placements
-
-        if not hasattr(self.step_fn, "compile_for") or not hasattr(td, "empty"):
-            raise RuntimeError("this torchtpu build cannot compile a step ahead of time (compile_for / "
-                               "torchtpu.distributed.empty are missing)")
-        dims = self.dims
-        shape = (dims.local_batch_size * dims.dp, dims.seq_len)
-        placements = batch_placements(self.mesh)
-        # One micro-batch: with accumulation the training step unrolls the same forward/backward
-        # grad_accum_steps times over the same buffers (gradients accumulate in place), so the
-        # per-device memory is that of one micro-batch while compile time would grow with the
-        # unrolled copies. Time and FLOPs are scaled to the whole step below.
-        accum = dims.grad_accum_steps
-        batch = [(td.empty(shape, torch.int64, mesh=self.mesh, placements=placements),
-                  td.empty(shape, torch.int64, mesh=self.mesh, placements=placements))]
-        t0 = time.perf_counter()
-        try:
-            compiled = self.step_fn.compile_for(batch)
-        except Exception as e:  # noqa: BLE001
-            text = str(e)
-            if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
-                raise
-            first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
-            print(f"torchtpu-train: dry run: the step does NOT fit in device memory on {self._where()}: the XLA "
-                  f"compiler says: {first}; {self._fit_hint()}", file=sys.stderr, flush=True)
-            return 1
-        t_compile = time.perf_counter() - t0
-        report = compile_report(compiled, self.mesh.jax_mesh)
-        if accum > 1:
-            print(f"(program compiled for 1 of {accum} micro-batches; FLOPs and times below are per micro-batch "
-                  "program, the tokens/s and MFU lines scale them to the whole step)", flush=True)
-        from torchtpu.distributed.scan import is_scanned
-
-        scanned = is_scanned(self.model.layers)
-        print(format_report(report), flush=True)
-        if scanned:
-            print(f"(layers scanned: XLA's cost analysis counts the loop body once, not {len(self.model.layers)} times, "
-                  "so its FLOPs and time figures above undercount the blocks; no time or MFU estimate is derived "
-                  "from them. [tpu] scan_layers = false gives the unrolled program's figures)", flush=True)
-        est = None if scanned else report["estimated_step_seconds"]
-        if est:
-            est *= accum
-        peak = report["peak_bf16_flops_per_device"]
-        tokens = dims.tokens_per_step
-        model_flops = self.flops_per_token * tokens
-        layers = (f"scanned ({len(self.model.layers)} blocks compiled once, each recomputed in backward)"
-                  if scanned else "unrolled")
-        lines = [f"compile time          {t_compile:.1f} s (layers {layers})",
-                 f"model FLOPs / step    {model_flops:.4g} ({self.flops_per_token:.4g} per token x {tokens} tokens)"]
-        if scanned:
-            pass
-        elif est:
-            lines.append(f"tokens/s (XLA est.)   {tokens / est:,.0f} total, {tokens / est / dims.world_size:,.0f} "
-                         "per device")
-            if peak:
-                lines.append(f"MFU (XLA est.)        {100 * model_flops / (est * dims.world_size * peak):.1f}%")
-        else:
-            roof = report.get("roofline_seconds")
-            bound = report.get("compute_bound_seconds")
-            if roof and bound and roof > bound * 1.0001:
-                # memory-bound by the roofline: a real (if optimistic) time estimate
-                roof *= accum
-                lines.append(f"tokens/s (roofline)   {tokens / roof:,.0f} total, {tokens / roof / dims.world_size:,.0f} per "
-                             "device (XLA gave no time estimate; roofline = bytes accessed / HBM bandwidth)")
-            if bound:
-                # Compute-bound: the bound assumes every FLOP at the chip's peak, i.e. 100% utilization,
-                # so it yields no MFU estimate.
-                bound *= accum
-                lines.append(f"tokens/s upper bound  {tokens / bound:,.0f} total, {tokens / bound / dims.world_size:,.0f} "
-                             "per device (every XLA FLOP at the chip's peak; XLA gave no time estimate, so no MFU "
-                             "estimate)")
-        print("\n".join(lines), flush=True)
-        fits = report["fits"]
-        if fits is False:
-            print(f"torchtpu-train: dry run: the step needs {report['hbm_bytes_needed'] / 1024**3:.2f} GiB of HBM per "
-                  f"device but a {report['chip']} device has {report['hbm_bytes_available'] / 1024**3:.2f} GiB: "
-                  f"it does NOT fit on {self._where()}; {self._fit_hint()}", file=sys.stderr, flush=True)
-            return 1
-        if fits is None:
-            print("dry run: compiled; no HBM capacity known for these devices (name a [tpu] topology to check the fit)",
-                  flush=True)
-        else:
-            print("dry run: it fits", flush=True)
-        return 0
-
-
-    def _fit_hint(self) -> str:
-        hint = ("shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
-                "training.local_batch_size / seq_len")
-        if self.cfg.activation_checkpoint.mode != "full":
-            hint += ', or set activation_checkpoint.mode = "full"'
-        return hint
-
-    def _where(self) -> str:
-        return (self.cfg.tpu.topology or f"{len(self.devices)} {self.devices[0].device_kind} devices")
-
-
+        return dry_run(self)
 
 
 class _Profiler:

@@ -74,7 +74,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     if reduction == 1:
         g = g / _acc(total_weight)
     coeff = -w * g  # broadcast: g is scalar unless reduction none
-    classes = jnp.arange(x.shape[cdim]).reshape((x.shape[cdim],) + (1,) * (x.ndim - cdim - 1))
+    classes = jnp.arange(x.shape[cdim], dtype=jnp.int32).reshape((x.shape[cdim],) + (1,) * (x.ndim - cdim - 1))
     onehot = jnp.expand_dims(safe, cdim) == classes
     gi = jnp.where(onehot, jnp.expand_dims(coeff, cdim), jnp.zeros((), x.dtype))
     return gi.astype(self.dtype)

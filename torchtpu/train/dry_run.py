@@ -1,0 +1,211 @@
+"""`torchtpu-train --dry-run`: size a TPU slice without a TPU.
+
+    status = dry_run(trainer)    # Trainer built with [tpu] dry_run = true; 0 fits, 1 does not
+
+It compiles the real training step ahead of time for the job's devices (a TPU topology's
+compile-only devices when `[tpu] topology` names one) and prints:
+
+- memory per device: arguments, outputs, XLA's temporaries and the largest of them by shape and
+  source operation (from XLA's buffer assignment), against the chip's HBM;
+- an estimated step time, the tokens/s per chip and the MFU it implies, and how it was costed.
+  XLA's cost analysis of a program counts a while-loop body once (a model whose layers run
+  under `lax.scan` looks n_layers times cheaper) and a kernel without a declared cost as
+  nothing. So the step is also compiled unrolled with 2 and with 4 layers, where no loop over
+  layers is left to miscount, and XLA's figures for those two are extrapolated linearly to the
+  model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). When XLA gives no time estimate at all, a
+  compute-bound bound is printed instead, and it is never called an MFU;
+- XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
+  activation recomputation should add, so work the program does beyond that shows.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+
+__all__ = ["dry_run", "recompute_factor", "step_estimate"]
+
+
+def recompute_factor(ac_mode: str) -> float:
+    """FLOPs of a step with activation recomputation over one without, for a decoder whose
+    FLOPs are in its layers: full recomputation runs each layer's forward (1/3 of forward +
+    backward) twice, so 4/3; selective recomputation of some ops lies in between (1 is reported
+    as the lower end); none is 1."""
+    return 4 / 3 if ac_mode == "full" else 1.0
+
+
+def _compile_step(trainer):
+    """The step of `trainer` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
+    import torch
+
+    import torchtpu.distributed as td
+    from torchtpu.models.llama3.parallelize import batch_placements
+
+    dims = trainer.dims
+    shape = (dims.local_batch_size * dims.dp, dims.seq_len)
+    placements = batch_placements(trainer.mesh)
+    # One micro-batch: with accumulation the step repeats the same forward/backward over the
+    # same buffers, so memory is one micro-batch's; time and FLOPs are scaled to the step.
+    batch = [(td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
+              td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements))]
+    return trainer.step_fn.compile_for(batch)
+
+
+COSTING_DEPTHS = (2, 4)
+
+
+def unrolled(cfg):
+    """`cfg` with the layer scan ([tpu] scan_layers) off: the costing programs must not loop over layers."""
+    import dataclasses
+
+    if not cfg.tpu.scan_layers:
+        return cfg
+    out = dataclasses.replace(cfg, tpu=dataclasses.replace(cfg.tpu, scan_layers=False))
+    out._origins = dict(getattr(cfg, "_origins", {}))
+    return out
+
+
+def step_estimate(trainer, report: dict) -> dict:
+    """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
+
+    Compiles the same job unrolled at COSTING_DEPTHS layers (programs whose cost XLA counts
+    fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
+    If that fails, the full program's own XLA figures are used, flagged when it has loops."""
+    from torchtpu.distributed.topology import compile_report, depth_extrapolated_cost
+
+    from .trainer import Trainer
+
+    depth = trainer.model_args.n_layers
+    loops = report.get("while_loops") or []
+    if depth <= COSTING_DEPTHS[1] and not loops:
+        return {"method": "XLA cost model on the whole program (no loops)", **{
+            k: report[k] for k in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds",
+                                   "roofline_seconds")}}
+    try:
+        small = []
+        cfg = unrolled(trainer.cfg)
+        for n in COSTING_DEPTHS:
+            t = Trainer(cfg, n_layers=n)
+            small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
+            del t
+        return depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth)
+    except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
+        method = "XLA cost model on the whole program"
+        if loops:
+            method += (f" (it has {len(loops)} while loop(s), whose bodies XLA costs once: no time estimate; FLOPs "
+                       "too low)")
+        return {"method": f"{method}; depth extrapolation failed: {type(e).__name__}: {e}",
+                "flops_per_device": report["flops_per_device"],
+                "bytes_accessed_per_device": report["bytes_accessed_per_device"],
+                "estimated_step_seconds": report["estimated_step_seconds"] if not loops else None,
+                "roofline_seconds": report.get("roofline_seconds")}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def dry_run(trainer) -> int:
+    """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
+    import torchtpu.distributed as td
+    from torchtpu.distributed.topology import compile_report, dump_compiles_to, format_report, largest_temporaries
+
+    from .trainer import _ac_settings
+
+    if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
+        raise RuntimeError("this torchtpu build cannot compile a step ahead of time (compile_for / "
+                           "torchtpu.distributed.empty are missing)")
+    dims = trainer.dims
+    accum = dims.grad_accum_steps
+    keep = os.environ.get("TORCHTPU_DRY_RUN_DUMP")  # a folder to keep XLA's dump of the step in
+    with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-")) as dump:
+        t0 = time.perf_counter()
+        try:
+            with dump_compiles_to(dump):
+                compiled = _compile_step(trainer)
+        except Exception as e:  # noqa: BLE001
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+                raise
+            first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
+            print(f"torchtpu-train: dry run: the step does NOT fit in device memory on {_where(trainer)}: the XLA "
+                  f"compiler says: {first}; {_fit_hint(trainer)}", file=sys.stderr, flush=True)
+            return 1
+        t_compile = time.perf_counter() - t0
+        report = compile_report(compiled, trainer.mesh.jax_mesh)
+        temps = largest_temporaries(dump)
+    del compiled
+
+    if accum > 1:
+        print(f"(program compiled for 1 of {accum} micro-batches; memory, FLOPs and XLA's figures below are per "
+              "micro-batch program, the step-time, tokens/s and MFU lines scale them to the whole step)", flush=True)
+    print(format_report(report), flush=True)
+    lines = [f"compile time            {t_compile:.1f} s"]
+    if temps:
+        lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse "
+                     "it)")
+        for g in temps:
+            lines.append(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
+    wide = {k: v for k, v in report["wide_types"].items() if v}
+    if wide:
+        lines.append(f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate "
+                     "with X64 calls)")
+
+    tokens = dims.tokens_per_step
+    chips = dims.world_size
+    model_flops = trainer.flops_per_token * tokens
+    lines.append(f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
+                 "tokens, torchtitan's 6N + attention)")
+    ac_mode, _ = _ac_settings(trainer.cfg)
+    est = step_estimate(trainer, report)
+    lines.append(f"costing method          {est['method']}")
+    flops = est.get("flops_per_device")
+    if flops:
+        model_per_device = model_flops / accum / chips
+        lines.append(f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
+                     f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
+                     f"{recompute_factor(ac_mode):.2f}x)")
+    peak = report["peak_bf16_flops_per_device"]
+    seconds = est.get("estimated_step_seconds")
+    if seconds and seconds > 0:
+        step = seconds * accum
+        tps = tokens / step / chips
+        lines.append(f"estimated step          {step:.3f} s ({accum} x {seconds:.4f} s per micro-batch)")
+        lines.append(f"tokens/s per chip       {tps:,.0f} (estimate)")
+        if peak:
+            lines.append(f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
+                         "estimated step / chip bf16 peak)")
+    else:
+        bound = flops / peak * accum if flops and peak else None
+        if bound:
+            # every FLOP at the chip's peak is 100% utilization by construction: a bound, not an MFU
+            lines.append(f"tokens/s upper bound    {tokens / bound / chips:,.0f} per chip (every XLA FLOP at the "
+                         "chip's peak; XLA gave no time estimate, so no MFU estimate)")
+    print("\n".join(lines), flush=True)
+
+    fits = report["fits"]
+    if fits is False:
+        print(f"torchtpu-train: dry run: the step needs {_gib(report['hbm_bytes_needed'])} of HBM per device but a "
+              f"{report['chip']} device has {_gib(report['hbm_bytes_available'])}: it does NOT fit on "
+              f"{_where(trainer)}; {_fit_hint(trainer)}", file=sys.stderr, flush=True)
+        return 1
+    if fits is None:
+        print("dry run: compiled; no HBM capacity known for these devices (name a [tpu] topology to check the fit)",
+              flush=True)
+    else:
+        print("dry run: it fits", flush=True)
+    return 0
+
+
+def _fit_hint(trainer) -> str:
+    hint = ("shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
+            "training.local_batch_size / seq_len")
+    if trainer.cfg.activation_checkpoint.mode != "full":
+        hint += ', or set activation_checkpoint.mode = "full"'
+    return hint
+
+
+def _where(trainer) -> str:
+    return trainer.cfg.tpu.topology or f"{len(trainer.devices)} {trainer.devices[0].device_kind} devices"
