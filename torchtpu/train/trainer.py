@@ -44,6 +44,7 @@ import time
 import warnings
 
 from .config import ConfigError, JobConfig, ParallelDims, validate
+from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 
 __all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
 
@@ -213,6 +214,7 @@ class Trainer:
         self.dry = bool(cfg.tpu.dry_run)
         self.history: list[dict] = []
         self.step = 0
+        self.watchdog = None  # a fault.StepWatchdog, set by main()
 
         # -- devices, mesh
         if cfg.tpu.topology:
@@ -461,7 +463,7 @@ class Trainer:
                  f"full checkpoint, step {full[-1]}")
             step = full[-1]
         self._restore_full(ck, step)
-        _log(f"resumed from {ck.step_path(self.step)} (step {self.step})")
+        _log(f"attempt {attempt_number()}: resumed from {ck.step_path(self.step)} (step {self.step})")
         return True
 
     def _initial_load(self) -> None:
@@ -541,6 +543,7 @@ class Trainer:
         _log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
         profiler = _Profiler(cfg)
+        preemption = PreemptionWatch()  # SIGTERM: stop at a step boundary all processes agree on
         t_last = time.perf_counter()
         steps_since = 0
         gc_was = gc.isenabled()
@@ -552,6 +555,7 @@ class Trainer:
                 batch = self.next_batch()
                 lr = self.current_lr()
                 loss, grad_norm = self.step_fn(batch)
+                maybe_stall(step, jax.process_index())
                 self.lr_scheduler.step()
                 self.step = step
                 steps_since += 1
@@ -581,7 +585,12 @@ class Trainer:
                     force = step == total_steps or (step == 1 and cfg.checkpoint.enable_first_step_checkpoint)
                     if self.checkpointer.should_save(step, force):
                         self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
+                if self.watchdog is not None:
+                    self.watchdog.step_done()
+                if step < total_steps and preemption.should_stop(step):
+                    raise self._preempted(step)
         finally:
+            preemption.close()
             profiler.close()
             if gc_was:
                 gc.enable()
@@ -589,6 +598,16 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         return self.history
+
+    def _preempted(self, step: int) -> Preempted:
+        """SIGTERM: checkpoint the step just finished (unless it was saved already); exit 42 follows."""
+        ck = self.checkpointer
+        if ck is None or self.cfg.checkpoint.load_only:
+            return Preempted(step, None)
+        if ck.latest_step() != step:
+            ck.save(step, self.state(), force=True)
+        ck.close()  # waits for an asynchronous save to be complete on disk
+        return Preempted(step, ck.step_path(step))
 
     # -- dry run -------------------------------------------------------------------------------
 
@@ -736,11 +755,29 @@ def main(cfg: JobConfig) -> int:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         with open(os.path.join(cfg.job.dump_folder, cfg.job.save_config_file), "w", encoding="utf-8") as f:
             f.write(cfg.to_toml())
-    trainer = Trainer(cfg)
-    if trainer.dry:
-        return trainer.dry_run()
-    t0 = time.perf_counter()
-    history = trainer.train()
+    watchdog = None
+    if not cfg.tpu.dry_run:
+        # Multi-host: join the job (coordinator from torchrun / the TPU slice) before any device work.
+        from torchtpu.distributed import initialize
+
+        initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            _log(f"attempt {attempt_number()} of at most {int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')) + 1}")
+        watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
+    try:
+        trainer = Trainer(cfg)
+        if trainer.dry:
+            return trainer.dry_run()
+        trainer.watchdog = watchdog
+        t0 = time.perf_counter()
+        try:
+            history = trainer.train()
+        except Preempted as p:
+            _log(str(p))
+            return EXIT_RETRIABLE
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     if history:
         _log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
     return 0
