@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whole-job restarts after a failure (torchelastic); each resumes from the newest checkpoint")
     lo.add_argument("--log-dir", default=None,
                     help="per-attempt host logs (default: <dump_folder>/logs of the torchtpu-train configuration)")
-    lo.add_argument("--grace-seconds", type=float, default=30.0,
+    lo.add_argument("--grace-seconds", type=float, default=10.0,
                     help="after a host fails, how long the others get to stop on their own before being killed")
     lo.add_argument("--shutdown-timeout", type=_positive, default=120,
                     help="seconds a stopped host gets to write its checkpoint before SIGKILL")

@@ -43,6 +43,7 @@ def host_env(base: dict[str, str], devices_per_host: int, host_index: int) -> di
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_host}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["TORCHTPU_HOST_INDEX"] = str(host_index)
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the console (and the launcher's reader) as they are written
     return env
 
 
@@ -110,7 +111,7 @@ def _kill_all(sig: int) -> None:
 
 
 def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restarts: int = 0,
-              log_dir: str | None = None, grace_seconds: float = 30.0, shutdown_timeout: int = 120) -> int:
+              log_dir: str | None = None, grace_seconds: float = 10.0, shutdown_timeout: int = 120) -> int:
     """Run `cmd` as a job of `num_hosts` local hosts; returns the launcher's exit status."""
     _set_child_subreaper()
     run_id = uuid.uuid4().hex[:12]

@@ -773,7 +773,7 @@ def main(cfg: JobConfig) -> int:
         try:
             history = trainer.train()
         except Preempted as p:
-            _log(str(p))
+            print(f"[torchtpu-train] {p}", file=sys.stderr, flush=True)  # every process: each exits 42
             return EXIT_RETRIABLE
     finally:
         if watchdog is not None:
