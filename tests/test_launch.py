@@ -310,3 +310,38 @@ def test_stuck_host_trips_the_watchdog(tmp_path):
     assert re.search(r"Thread 0x[0-9a-f]+ \(most recent call first\):", text), text[-4000:]
     assert "in maybe_stall" in text
     print(f"job exited 42 {elapsed:.1f} s after the stall began")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit statuses through torchelastic (a tiny program instead of the trainer)
+# ---------------------------------------------------------------------------------------------
+
+def _program(tmp: Path, name: str, code: str, *launch_args: str) -> Job:
+    return Job([PY, "-m", "torchtpu.launch", "local", "--num-hosts", "2", "--devices-per-host", "1",
+                "--log-dir", str(tmp / name), *launch_args, "--", PY, "-c", code], tmp / f"{name}.console.log")
+
+
+ATTEMPT = "import os, sys; n = int(os.environ['TORCHELASTIC_RESTART_COUNT']); print('attempt', n + 1); "
+
+
+def test_exit_42_restarts_the_whole_job(tmp_path):
+    job = _program(tmp_path, "r42", ATTEMPT + "sys.exit(42 if n == 0 and os.environ['RANK'] == '1' else 0)",
+                   "--max-restarts", "1")
+    try:
+        assert job.wait(300) == 0, job.text()[-3000:]
+    finally:
+        job.close()
+    text = job.text()
+    assert "[host 0] attempt 2" in text and "[host 1] attempt 2" in text
+    assert (tmp_path / "r42" / "attempt_2" / "host_0.stdout.log").read_text() == "attempt 2\n"
+
+
+def test_configuration_error_is_not_retried(tmp_path):
+    job = _program(tmp_path, "r2", ATTEMPT + "sys.exit(2)", "--max-restarts", "2")
+    try:
+        assert job.wait(300) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    text = job.text()
+    assert "attempt 2" not in text
+    assert re.search(r"job failed: host \d exit status 2 \(configuration or usage error\)", text), text

@@ -41,11 +41,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     before any tpu tensor is made (JAX's backend must not have started yet); `torchtpu-train`
     does it for you.
     """
-    from jax._src import xla_bridge
+    from jax._src import distributed, xla_bridge
 
     from .._platform import has_tpu_chips
 
+    if distributed.global_state.client is not None:
+        return True  # already joined
+    env = os.environ
+    under_torchrun = all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    auto = coordinator_address is None and has_tpu_chips()
+    if coordinator_address is None and not auto and not (under_torchrun and int(env["WORLD_SIZE"]) > 1):
+        return False  # a single-process job: nothing to join
     if xla_bridge.backends_are_initialized():
+        if auto and not under_torchrun:
+            return False  # a TPU host already in use by this process on its own (a notebook, a test)
         raise RuntimeError(
             "torchtpu.distributed.initialize() must run before the first tpu tensor or jax call in this "
             "process (JAX's backend is already running); call it right after `import torchtpu`"
@@ -53,16 +62,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     kwargs = {"initialization_timeout": int(init_timeout_seconds)}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
+    if auto:
+        jax.distributed.initialize(**kwargs)  # JAX finds the slice's hosts (GCE metadata / GKE env)
+        return True
     if coordinator_address is None:
-        env = os.environ
-        if has_tpu_chips():
-            jax.distributed.initialize(**kwargs)  # JAX finds the slice's hosts (GCE metadata / GKE env)
-            return True
-        if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-            return False
         num_processes, process_id = int(env["WORLD_SIZE"]), int(env["RANK"])
-        if num_processes == 1:
-            return False
         coordinator_address = _coordinator_from_torchelastic(process_id, init_timeout_seconds)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
     return True

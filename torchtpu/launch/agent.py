@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from torchtpu.train.fault import EXIT_FAILURE, EXIT_RETRIABLE
+from torchtpu.train.fault import EXIT_CONFIG, EXIT_FAILURE, EXIT_RETRIABLE
 
 PROG = "torchtpu-launch agent"
 
@@ -120,6 +120,25 @@ def resolve_command(cmd: list[str]) -> list[str]:
     return list(cmd)
 
 
+def _no_retry_on_config_error() -> None:
+    """Make torchelastic's gang restarts skip exit status 2 (a configuration error fails every attempt alike).
+
+    torchelastic retries any failure; its launcher builds a LocalElasticAgent, so this process's
+    launcher gets a subclass that spends the remaining restarts when a training process exits 2."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class Agent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and any(f.exitcode == EXIT_CONFIG for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    api.LocalElasticAgent = Agent
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description="One host of a torchtpu job under torchelastic.")
     p.add_argument("--nnodes", type=int, required=True, help="hosts in the job")
@@ -161,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     os.environ["TORCHTPU_HOST_INDEX"] = str(host)
+    _no_retry_on_config_error()
     cmd = resolve_command(args.cmd)
     try:
         elastic_launch(config, cmd[0])(*cmd[1:])
