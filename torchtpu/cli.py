@@ -137,7 +137,9 @@ def train_main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"{_PROG}: error: {e}", file=sys.stderr)
-        return 2
+        from torchtpu.train.fault import EXIT_CONFIG, leave_job
+
+        return leave_job(EXIT_CONFIG)
     except _TrainerMissing as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 1
@@ -147,12 +149,15 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"{_PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        from torchtpu.train.fault import failure_status, leave_job
+
+        status, why = failure_status(e)
         if debug:
             traceback.print_exc()
-            print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
+            print(f"{_PROG}: error: {_one_line(e)}{why}", file=sys.stderr)
         else:
-            print(f"{_PROG}: error: {_one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
-        return 1
+            print(f"{_PROG}: error: {_one_line(e)}{why} (run with --debug for the traceback)", file=sys.stderr)
+        return leave_job(status)
 
 
 def launch_main(argv: list[str] | None = None) -> int:

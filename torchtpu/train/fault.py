@@ -29,7 +29,7 @@ import threading
 import time
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_RETRIABLE", "Preempted", "PreemptionWatch",
-           "StepWatchdog", "attempt_number", "maybe_stall"]
+           "StepWatchdog", "attempt_number", "failure_status", "leave_job", "maybe_stall"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -133,6 +133,38 @@ class StepWatchdog:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _in_multiprocess_job() -> bool:
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def failure_status(error: BaseException) -> tuple[int, str]:
+    """(exit status, explanation) for an exception that ends training.
+
+    In a multi-process job an XLA runtime error is how a collective reports a peer that is gone
+    (gloo: "Connection reset by peer"): the job is retriable, 42. Anything else is 1."""
+    if _in_multiprocess_job() and type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+        return EXIT_RETRIABLE, f"; a collective failed, another host is probably gone: exiting with {EXIT_RETRIABLE} " \
+                               "(retriable)"
+    return EXIT_FAILURE, ""
+
+
+def leave_job(status: int) -> int:
+    """Return `status`; after a failure in a multi-process job, exit right away instead.
+
+    A normal exit runs jax.distributed's shutdown, which waits (minutes) at a barrier for every
+    other process; a failed job's peers may be dead, and the host must not hang."""
+    if status and _in_multiprocess_job():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def maybe_stall(step: int, process_index: int) -> None:
