@@ -264,7 +264,7 @@ def test_killed_host_with_restarts_resumes_and_matches(tmp_path, uninterrupted):
         job.close()
     resumed = int(m.group(1))
     assert resumed in (4, 8)
-    assert "[torchtpu-train] attempt 2 of at most 2" in text
+    assert "[torchtpu-train] attempt 2 (torchelastic restarts allowed: 1)" in text
     assert (tmp_path / "restart" / "logs" / "attempt_2" / "host_1.stdout.log").is_file()
     got = losses(tmp_path / "restart")
     assert_losses_close(got, uninterrupted, range(resumed + 1, 13), rtol=1e-6)
@@ -321,11 +321,13 @@ def _program(tmp: Path, name: str, code: str, *launch_args: str) -> Job:
                 "--log-dir", str(tmp / name), *launch_args, "--", PY, "-c", code], tmp / f"{name}.console.log")
 
 
-ATTEMPT = "import os, sys; n = int(os.environ['TORCHELASTIC_RESTART_COUNT']); print('attempt', n + 1); "
+ATTEMPT = "import os, sys; n = int(os.environ['TORCHTPU_ATTEMPT']); print('attempt', n); "
 
 
 def test_exit_42_restarts_the_whole_job(tmp_path):
-    job = _program(tmp_path, "r42", ATTEMPT + "sys.exit(42 if n == 0 and os.environ['RANK'] == '1' else 0)",
+    job = _program(tmp_path, "r42", ATTEMPT + "import time; "
+                   # attempt 1: one host fails with 42 while the other is still working
+                   "(sys.exit(42) if os.environ['RANK'] == '1' else time.sleep(120)) if n == 1 else None",
                    "--max-restarts", "1")
     try:
         assert job.wait(300) == 0, job.text()[-3000:]

@@ -89,7 +89,10 @@ def _coordinator_from_torchelastic(rank: int, timeout_seconds: int) -> str:
     env = os.environ
     host, store_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     # One key per job and attempt: a restarted attempt must not read the previous attempt's port.
-    key = f"torchtpu/jax_coordinator/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # TORCHTPU_ATTEMPT (torchtpu.launch.agent) is the same on every host; plain torchrun's restart
+    # count can differ between hosts after a restart that a peer caused.
+    attempt = env.get("TORCHTPU_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"torchtpu/jax_coordinator/{env.get('TORCHELASTIC_RUN_ID', '')}/{attempt}"
     store = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
     if rank == 0:
         port = _free_port()

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from torchtpu.train.fault import EXIT_CONFIG, EXIT_FAILURE, EXIT_RETRIABLE
+from torchtpu.train.fault import ATTEMPT_ENV, EXIT_CONFIG, EXIT_FAILURE, EXIT_RETRIABLE, attempt_number
 
 PROG = "torchtpu-launch agent"
 
@@ -58,7 +58,7 @@ def _logs_specs(log_dir: str | None, host_index: int):
         def reify(self, envs):
             if not log_dir:
                 return LogsDest()
-            attempt = int(envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+            attempt = attempt_number()
             folder = os.path.join(log_dir, f"attempt_{attempt}")
             os.makedirs(folder, exist_ok=True)
             stdouts, stderrs, errors = {}, {}, {}
@@ -120,16 +120,28 @@ def resolve_command(cmd: list[str]) -> list[str]:
     return list(cmd)
 
 
-def _no_retry_on_config_error() -> None:
-    """Make torchelastic's gang restarts skip exit status 2 (a configuration error fails every attempt alike).
+def _use_torchtpu_agent() -> None:
+    """Two additions to torchelastic's LocalElasticAgent, which its launcher builds for this process:
 
-    torchelastic retries any failure; its launcher builds a LocalElasticAgent, so this process's
-    launcher gets a subclass that spends the remaining restarts when a training process exits 2."""
+    - Attempt numbers every host agrees on. torchelastic's TORCHELASTIC_RESTART_COUNT counts only
+      the restarts a host's *own* failures cost; a host restarted because a peer re-joined keeps
+      its count, so the hosts of one attempt can disagree. Every host joins every rendezvous
+      round (min = max hosts), so the number of rounds joined is the same everywhere:
+      TORCHTPU_ATTEMPT = that number, for the workers (keys, logs) and the log folders.
+    - Exit status 2 (a configuration error fails every attempt alike) spends the remaining restarts.
+    """
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.launcher import api
 
     class Agent(LocalElasticAgent):
+        _rounds = 0
+
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            self._rounds += 1
+            os.environ[ATTEMPT_ENV] = str(self._rounds)  # inherited by the workers started next
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and any(f.exitcode == EXIT_CONFIG for f in result.failures.values()):
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     os.environ["TORCHTPU_HOST_INDEX"] = str(host)
-    _no_retry_on_config_error()
+    _use_torchtpu_agent()
     cmd = resolve_command(args.cmd)
     try:
         elastic_launch(config, cmd[0])(*cmd[1:])

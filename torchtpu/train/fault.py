@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_RETRIABLE", "Preempted", "PreemptionWatch",
+__all__ = ["ATTEMPT_ENV", "EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_RETRIABLE", "Preempted", "PreemptionWatch",
            "StepWatchdog", "attempt_number", "failure_status", "leave_job", "maybe_stall"]
 
 EXIT_OK = 0
@@ -51,8 +51,14 @@ class Preempted(Exception):
                          "(retriable), the next attempt resumes from the newest checkpoint")
 
 
+# The job's attempt (1, 2, ...), the same on every host; set by torchtpu.launch.agent.
+ATTEMPT_ENV = "TORCHTPU_ATTEMPT"
+
+
 def attempt_number() -> int:
-    """1 for the first attempt of a job, n + 1 after torchelastic's n-th restart."""
+    """1 for a job's first attempt, n + 1 after its n-th (gang) restart."""
+    if os.environ.get(ATTEMPT_ENV, "").isdigit():
+        return int(os.environ[ATTEMPT_ENV])
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + 1
 
 

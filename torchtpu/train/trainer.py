@@ -761,8 +761,9 @@ def main(cfg: JobConfig) -> int:
         from torchtpu.distributed import initialize
 
         initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-            _log(f"attempt {attempt_number()} of at most {int(os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')) + 1}")
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            _log(f"attempt {attempt_number()} (torchelastic restarts allowed: "
+                 f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})")
         watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
     try:
         trainer = Trainer(cfg)
