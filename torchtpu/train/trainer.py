@@ -411,7 +411,7 @@ class Trainer:
             "model": model_state(self.model),
             "optimizer": optimizer_state(self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": self.dataloader.state_dict(),
+            "dataloader": _loader_states(self.dataloader),
             "step": self.step,
         }
 
@@ -509,7 +509,7 @@ class Trainer:
         if "lr_scheduler" not in excluded:
             self.lr_scheduler.load_state_dict(restored["lr_scheduler"])
         if "dataloader" not in excluded:
-            self.dataloader.load_state_dict(restored["dataloader"])
+            self.dataloader.load_state_dict(_my_loader_state(restored["dataloader"]))
         self.step = int(restored["step"])
 
     # -- the loop ------------------------------------------------------------------------------
@@ -703,6 +703,41 @@ class Trainer:
         return (self.cfg.tpu.topology or f"{len(self.devices)} {self.devices[0].device_kind} devices")
 
 
+
+
+_LOADER_INTS = ("dp_rank", "dp_world_size", "seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
+
+
+def _loader_states(loader) -> dict:
+    """The data position for a checkpoint. Each host reads its own shard of the data, so a job of
+    several processes keeps every host's position ({"hosts": [...]}); the checkpoint's non-array
+    data is written by process 0, which gathers them."""
+    import jax
+
+    mine = loader.state_dict()
+    if jax.process_count() == 1:
+        return mine
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    table = multihost_utils.process_allgather(np.array([mine[k] for k in _LOADER_INTS], dtype=np.int64))
+    return {"hosts": [dict(mine, **{k: int(v) for k, v in zip(_LOADER_INTS, row)}) for row in table]}
+
+
+def _my_loader_state(saved: dict) -> dict:
+    """This host's entry of a checkpoint's data position (see _loader_states)."""
+    import jax
+
+    if "hosts" not in saved:
+        return saved
+    for state in saved["hosts"]:
+        if int(state["dp_rank"]) == jax.process_index() and int(state["dp_world_size"]) == jax.process_count():
+            return state
+    raise ConfigError(
+        f"the checkpoint's data position was saved by {len(saved['hosts'])} host(s); this job has "
+        f"{jax.process_count()}: each host's place in its data shard cannot be carried over to another host "
+        "count. Resume with the same number of hosts, or add --checkpoint.exclude_from_loading dataloader to "
+        "restart the data stream")
 
 
 class _Profiler:
