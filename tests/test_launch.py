@@ -210,22 +210,31 @@ def test_two_hosts_of_4_devices_match_one_process_of_8(runs_8):
     assert_losses_close(got, want, [1, 2, 3, 4], rtol=1e-5)
 
 
-def test_checkpoint_of_2x4_resumes_on_1x8(runs_8):
+REFUSED = r"data position was saved by (\d) host\(s\); this job has (\d).*exclude_from_loading dataloader"
+
+
+def test_checkpoint_of_2x4_on_1x8_is_refused_with_the_fix(runs_8):
+    # Not done yet: each host's place in its data shard does not carry over to another host count
+    # (the weights and optimizer state would: they reshard on load). Until it does, say so.
     tmp, _ = runs_8
     _resume_from(tmp, "two_by_4", "resume_1x8", 2)
-    text = run_to_end(single(tmp, "resume_1x8", 8, SHORT))
-    assert re.search(r"resumed from .*step_2 \(step 2\)", text), text[-3000:]
-    got = losses(tmp / "resume_1x8")
-    assert sorted(got) == [3, 4]
-    assert_losses_close(got, losses(tmp / "two_by_4"), [3, 4], rtol=1e-5)
+    job = single(tmp, "resume_1x8", 8, SHORT)
+    try:
+        assert job.wait(900) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    assert re.search(REFUSED, job.text()).groups() == ("2", "1"), job.text()[-3000:]
 
 
-def test_checkpoint_of_1x8_resumes_on_2x4(runs_8):
+def test_checkpoint_of_1x8_on_2x4_is_refused_with_the_fix(runs_8):
     tmp, _ = runs_8
     _resume_from(tmp, "one_by_8", "resume_2x4", 2)
-    text = run_to_end(launch(tmp, "resume_2x4", 2, 4, SHORT))
-    assert re.search(r"attempt 1: resumed from .*step_2 \(step 2\)", text), text[-3000:]
-    assert_losses_close(losses(tmp / "resume_2x4"), losses(tmp / "one_by_8"), [3, 4], rtol=1e-5)
+    job = launch(tmp, "resume_2x4", 2, 4, SHORT)
+    try:
+        assert job.wait(900) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    assert re.search(REFUSED, job.text()).groups() == ("1", "2"), job.text()[-3000:]
 
 
 def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):

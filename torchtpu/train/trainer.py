@@ -728,13 +728,12 @@ def _my_loader_state(saved: dict) -> dict:
     """This host's entry of a checkpoint's data position (see _loader_states)."""
     import jax
 
-    if "hosts" not in saved:
-        return saved
-    for state in saved["hosts"]:
+    hosts = saved.get("hosts", [saved])
+    for state in hosts:
         if int(state["dp_rank"]) == jax.process_index() and int(state["dp_world_size"]) == jax.process_count():
             return state
     raise ConfigError(
-        f"the checkpoint's data position was saved by {len(saved['hosts'])} host(s); this job has "
+        f"the checkpoint's data position was saved by {len(hosts)} host(s); this job has "
         f"{jax.process_count()}: each host's place in its data shard cannot be carried over to another host "
         "count. Resume with the same number of hosts, or add --checkpoint.exclude_from_loading dataloader to "
         "restart the data stream")
