@@ -5,8 +5,8 @@ file, then command-line options) and hands it to the training loop in torchtpu.t
 Exit status: 0 on success, 2 for a configuration error (one line on stderr), 1 for any other
 failure (one line on stderr; the traceback only with --debug).
 
-The launcher (`torchtpu-launch`) is not built yet; until it is, the command says so and exits
-non-zero instead of failing on a missing module.
+`torchtpu-launch` (torchtpu.launch.cli) starts a job on every host; its exit status is the job's:
+0 done, 42 retriable (preempted or stuck), 2 configuration or usage error, 1 other failure.
 """
 from __future__ import annotations
 
@@ -17,15 +17,6 @@ import traceback
 
 _PROG = "torchtpu-train"
 _REEXEC_MARK = "_TORCHTPU_TRAIN_REEXEC"
-
-
-def _not_yet(command: str) -> int:
-    print(
-        f"{command}: not available in torchtpu {__import__('torchtpu').__version__} yet. "
-        "The tpu device, torchtpu.compile and activation checkpointing are; see README.md.",
-        file=sys.stderr,
-    )
-    return 2
 
 
 def _wants_debug(args: list[str]) -> bool:
@@ -146,7 +137,9 @@ def train_main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"{_PROG}: error: {e}", file=sys.stderr)
-        return 2
+        from torchtpu.train.fault import EXIT_CONFIG, leave_job
+
+        return leave_job(EXIT_CONFIG)
     except _TrainerMissing as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 1
@@ -156,13 +149,19 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"{_PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        from torchtpu.train.fault import failure_status, leave_job
+
+        status, why = failure_status(e)
         if debug:
             traceback.print_exc()
-            print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
+            print(f"{_PROG}: error: {_one_line(e)}{why}", file=sys.stderr)
         else:
-            print(f"{_PROG}: error: {_one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
-        return 1
+            print(f"{_PROG}: error: {_one_line(e)}{why} (run with --debug for the traceback)", file=sys.stderr)
+        return leave_job(status)
 
 
-def launch_main() -> int:
-    return _not_yet("torchtpu-launch")
+def launch_main(argv: list[str] | None = None) -> int:
+    """`torchtpu-launch {local,tpu-vm,gke,skypilot} ... -- CMD ...`; returns the exit status."""
+    from torchtpu.launch.cli import main
+
+    return main(argv)

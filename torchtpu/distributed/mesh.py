@@ -13,6 +13,7 @@ mesh are left to the program (see placements.py).
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -23,23 +24,84 @@ __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initia
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               local_device_ids=None) -> None:
-    """Join this process to a multi-host job (`jax.distributed.initialize`).
+               local_device_ids=None, *, init_timeout_seconds: int = 300) -> bool:
+    """Join this process to a multi-host job (`jax.distributed.initialize`); True if it joined one.
 
-    On a TPU pod the arguments are found automatically. Call it before any tpu tensor is
-    made (JAX's backend must not have started yet); `torchtpu-launch` does it for you.
+    Where the job's coordinator comes from, first match wins:
+
+    1. the arguments, when `coordinator_address` is given;
+    2. on a host with TPU chips (a TPU VM, a GKE TPU node): JAX's own cluster auto-detection;
+    3. under torchrun / torchelastic (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` set) with
+       WORLD_SIZE > 1: process `RANK` of `WORLD_SIZE`, coordinator on `MASTER_ADDR`. Its port is
+       never torchrun's `MASTER_PORT` (that is torchelastic's own store): rank 0 picks a free port
+       and hands it to the others through that store;
+    4. otherwise a single-process job: nothing to join, returns False.
+
+    `init_timeout_seconds` bounds how long the processes wait for each other to join. Call it
+    before any tpu tensor is made (JAX's backend must not have started yet); `torchtpu-train`
+    does it for you.
     """
-    from jax._src import xla_bridge
+    from jax._src import distributed, xla_bridge
 
+    from .._platform import has_tpu_chips
+
+    if distributed.global_state.client is not None:
+        return True  # already joined
+    env = os.environ
+    under_torchrun = all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    auto = coordinator_address is None and has_tpu_chips()
+    if coordinator_address is None and not auto and not (under_torchrun and int(env["WORLD_SIZE"]) > 1):
+        return False  # a single-process job: nothing to join
     if xla_bridge.backends_are_initialized():
+        if auto and not under_torchrun:
+            return False  # a TPU host already in use by this process on its own (a notebook, a test)
         raise RuntimeError(
             "torchtpu.distributed.initialize() must run before the first tpu tensor or jax call in this "
             "process (JAX's backend is already running); call it right after `import torchtpu`"
         )
-    kwargs = {}
+    kwargs = {"initialization_timeout": int(init_timeout_seconds)}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
+    if auto:
+        jax.distributed.initialize(**kwargs)  # JAX finds the slice's hosts (GCE metadata / GKE env)
+        return True
+    if coordinator_address is None:
+        num_processes, process_id = int(env["WORLD_SIZE"]), int(env["RANK"])
+        coordinator_address = _coordinator_from_torchelastic(process_id, init_timeout_seconds)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))  # JAX's coordinator listens on every interface
+        return s.getsockname()[1]
+
+
+def _coordinator_from_torchelastic(rank: int, timeout_seconds: int) -> str:
+    """host:port for JAX's coordinator, agreed through torchelastic's store at MASTER_ADDR:MASTER_PORT."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    env = os.environ
+    host, store_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    # One key per job and attempt: a restarted attempt must not read the previous attempt's port.
+    # TORCHTPU_ATTEMPT (torchtpu.launch.agent) is the same on every host; plain torchrun's restart
+    # count can differ between hosts after a restart that a peer caused.
+    attempt = env.get("TORCHTPU_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"torchtpu/jax_coordinator/{env.get('TORCHELASTIC_RUN_ID', '')}/{attempt}"
+    store = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
+    if rank == 0:
+        port = _free_port()
+        while port == store_port:
+            port = _free_port()
+        store.set(key, str(port))
+    else:
+        port = int(store.get(key).decode())
+    return f"{host}:{port}"
 
 
 class DeviceMesh:

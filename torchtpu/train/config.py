@@ -351,9 +351,13 @@ class Compile:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _opt(300, "Time allowed for collectives during start-up and the first step.",
+    init_timeout_seconds: int = _opt(300, "Time allowed for start-up and the first step: the hosts joining the job "
+                                     "(jax.distributed's initialization timeout), building the model and compiling "
+                                     "the step. Past it the step watchdog dumps every stack and exits 42.",
                                      check=_positive)
-    train_timeout_seconds: int = _opt(100, "Time allowed for collectives after the first step.", check=_positive)
+    train_timeout_seconds: int = _opt(100, "Step watchdog after the first step: when no step finishes in this time "
+                                      "(a host is stuck or gone), every Python stack is written to the log and the "
+                                      "process exits with 42 (retriable).", check=_positive)
 
 
 @dataclass

@@ -47,6 +47,7 @@ import time
 import warnings
 
 from .config import ConfigError, JobConfig, ParallelDims, validate
+from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 
 __all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
 
@@ -332,6 +333,7 @@ class Trainer:
         self.dry = bool(cfg.tpu.dry_run)
         self.history: list[dict] = []
         self.step = 0
+        self.watchdog = None  # a fault.StepWatchdog, set by main()
 
         # -- devices, mesh
         self.devices = job_devices(cfg)
@@ -491,7 +493,7 @@ class Trainer:
             "model": model_state(self.model),
             "optimizer": optimizer_state(self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": self.dataloader.state_dict(),
+            "dataloader": _loader_states(self.dataloader),
             "step": self.step,
         }
 
@@ -575,7 +577,7 @@ class Trainer:
                  f"full checkpoint, step {full[-1]}")
             step = full[-1]
         self._restore_full(ck, step)
-        _log(f"resumed from {ck.step_path(self.step)} (step {self.step})")
+        _log(f"attempt {attempt_number()}: resumed from {ck.step_path(self.step)} (step {self.step})")
         return True
 
     def _initial_load(self) -> None:
@@ -632,7 +634,7 @@ class Trainer:
         if "lr_scheduler" not in excluded:
             self.lr_scheduler.load_state_dict(restored["lr_scheduler"])
         if "dataloader" not in excluded:
-            self.dataloader.load_state_dict(restored["dataloader"])
+            self.dataloader.load_state_dict(_my_loader_state(restored["dataloader"]))
         self.step = int(restored["step"])
 
     # -- the loop ------------------------------------------------------------------------------
@@ -662,6 +664,7 @@ class Trainer:
         _log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
         profiler = _Profiler(cfg)
+        preemption = PreemptionWatch()  # SIGTERM: stop at a step boundary all processes agree on
         t_last = time.perf_counter()
         steps_since = 0
         gc_was = gc.isenabled()
@@ -673,6 +676,7 @@ class Trainer:
                 batch = self.next_batch()
                 lr = self.current_lr()
                 loss, grad_norm = self.step_fn(batch)
+                maybe_stall(step, jax.process_index())
                 self.lr_scheduler.step()
                 self.step = step
                 steps_since += 1
@@ -711,7 +715,12 @@ class Trainer:
                 if (step == total_steps and self.checkpointer is not None and not cfg.checkpoint.load_only
                         and cfg.checkpoint.last_save_in_hf):
                     self._save_hf(step)
+                if self.watchdog is not None:
+                    self.watchdog.step_done()
+                if step < total_steps and preemption.should_stop(step):
+                    raise self._preempted(step)
         finally:
+            preemption.close()
             profiler.close()
             if gc_was:
                 gc.enable()
@@ -731,6 +740,16 @@ class Trainer:
         jax.block_until_ready(torchtpu.to_jax(loss))  # the training step's time is not the evaluation's
         return self.validator.validate()
 
+    def _preempted(self, step: int) -> Preempted:
+        """SIGTERM: checkpoint the step just finished (unless it was saved already); exit 42 follows."""
+        ck = self.checkpointer
+        if ck is None or self.cfg.checkpoint.load_only:
+            return Preempted(step, None)
+        if ck.latest_step() != step:
+            ck.save(step, self.state(), force=True)
+        ck.close()  # waits for an asynchronous save to be complete on disk
+        return Preempted(step, ck.step_path(step))
+
     # -- dry run -------------------------------------------------------------------------------
 
     def dry_run(self) -> int:
@@ -738,6 +757,40 @@ class Trainer:
         from .dry_run import dry_run
 
         return dry_run(self)
+
+
+_LOADER_INTS = ("dp_rank", "dp_world_size", "seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
+
+
+def _loader_states(loader) -> dict:
+    """The data position for a checkpoint. Each host reads its own shard of the data, so a job of
+    several processes keeps every host's position ({"hosts": [...]}); the checkpoint's non-array
+    data is written by process 0, which gathers them."""
+    import jax
+
+    mine = loader.state_dict()
+    if jax.process_count() == 1:
+        return mine
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    table = multihost_utils.process_allgather(np.array([mine[k] for k in _LOADER_INTS], dtype=np.int64))
+    return {"hosts": [dict(mine, **{k: int(v) for k, v in zip(_LOADER_INTS, row)}) for row in table]}
+
+
+def _my_loader_state(saved: dict) -> dict:
+    """This host's entry of a checkpoint's data position (see _loader_states)."""
+    import jax
+
+    hosts = saved.get("hosts", [saved])
+    for state in hosts:
+        if int(state["dp_rank"]) == jax.process_index() and int(state["dp_world_size"]) == jax.process_count():
+            return state
+    raise ConfigError(
+        f"the checkpoint's data position was saved by {len(hosts)} host(s); this job has "
+        f"{jax.process_count()}: each host's place in its data shard cannot be carried over to another host "
+        "count. Resume with the same number of hosts, or add --checkpoint.exclude_from_loading dataloader to "
+        "restart the data stream")
 
 
 class _Profiler:
@@ -810,11 +863,30 @@ def main(cfg: JobConfig) -> int:
 
     Configuration problems raise ConfigError (the CLI prints one line and exits 2)."""
     save_resolved_config(cfg)
-    trainer = Trainer(cfg)
-    if trainer.dry:
-        return trainer.dry_run()
-    t0 = time.perf_counter()
-    history = trainer.train()
+    watchdog = None
+    if not cfg.tpu.dry_run:
+        # Multi-host: join the job (coordinator from torchrun / the TPU slice) before any device work.
+        from torchtpu.distributed import initialize
+
+        initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            _log(f"attempt {attempt_number()} (torchelastic restarts allowed: "
+                 f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})")
+        watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
+    try:
+        trainer = Trainer(cfg)
+        if trainer.dry:
+            return trainer.dry_run()
+        trainer.watchdog = watchdog
+        t0 = time.perf_counter()
+        try:
+            history = trainer.train()
+        except Preempted as p:
+            print(f"[torchtpu-train] {p}", file=sys.stderr, flush=True)  # every process: each exits 42
+            return EXIT_RETRIABLE
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     if history:
         _log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
     return 0

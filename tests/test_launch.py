@@ -1,0 +1,358 @@
+"""torchtpu-launch local: real multi-host jobs on this machine (torchelastic agents, jax.distributed
+over loopback), with real kills and real signals, against single-process runs of the same training.
+
+The model is torchtitan's debugmodel with short sequences and few steps, so that each job takes
+minutes on a small shared host; every test kills whatever it started (found by a marker in the
+processes' environment) in a finally block.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MARK = "TORCHTPU_TEST_LAUNCH_RUN"
+
+# A small, fast job: debugmodel, 32-token sequences, 1 sequence per device, fp32, checkpoint every 2 steps.
+TRAIN = ["torchtpu-train", "--config", "train_configs/debug_model.toml", "--training.seq_len", "32",
+         "--training.local_batch_size", "1", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _job_pids(mark: str) -> list[int]:
+    """Every live process whose environment carries this test's marker."""
+    out = []
+    needle = f"{MARK}={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as g:
+                        if g.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def _kill_job(mark: str) -> None:
+    for pid in _job_pids(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Job:
+    """A command (the launcher, or one training process) run in the background with a marker."""
+
+    def __init__(self, argv: list[str], log: Path, **env):
+        self.mark = uuid.uuid4().hex
+        self.log = log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=_env(**{MARK: self.mark}, **env), stdout=self._out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            m = re.search(pattern, self.text(), re.M)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"no {pattern!r} within {timeout} s (exit {self.proc.poll()}):\n{self.text()[-4000:]}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s:\n{self.text()[-4000:]}") from None
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill_job(self.mark)
+        self.proc.wait()
+        self._out.close()
+
+
+def launch(tmp: Path, name: str, hosts: int, devices: int, train_args: list[str], *launch_args: str, **env) -> Job:
+    return Job([PY, "-m", "torchtpu.launch", "local", "--num-hosts", str(hosts), "--devices-per-host", str(devices),
+                *launch_args, "--", *TRAIN, "--job.dump_folder", str(tmp / name), *train_args],
+               tmp / f"{name}.console.log", **env)
+
+
+def single(tmp: Path, name: str, devices: int, train_args: list[str]) -> Job:
+    return Job([PY, "-m", "torchtpu.train", *TRAIN[1:], "--job.dump_folder", str(tmp / name), *train_args],
+               tmp / f"{name}.console.log", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+
+
+def run_to_end(job: Job, timeout: float = 900) -> str:
+    try:
+        code = job.wait(timeout)
+        text = job.text()
+        assert code == 0, text[-4000:]
+        return text
+    finally:
+        job.close()
+
+
+def losses(folder: Path) -> dict[int, float]:
+    """step -> loss from process 0's metrics.jsonl (a re-run step keeps its newest value)."""
+    out = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def checkpoint_steps(folder: Path) -> list[int]:
+    ck = folder / "checkpoint"
+    return sorted(int(p.name.split("_")[1]) for p in ck.glob("step_*")) if ck.is_dir() else []
+
+
+def assert_losses_close(got: dict[int, float], want: dict[int, float], steps, rtol: float) -> None:
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=rtol)
+
+
+def _training_pid(job: Job, host: int) -> int:
+    """The training process (not the agent) of local host `host`."""
+    for pid in _job_pids(job.mark):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torchtpu.train" in cmd and f"TORCHTPU_HOST_INDEX={host}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(
+                e[:19] for e in env):
+            return pid
+    raise AssertionError(f"no training process of host {host} among {_job_pids(job.mark)}")
+
+
+def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
+    job = launch(tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300"])
+    try:
+        job.wait_for(r"^\[host 0\] step +3 \|", 600)
+        victim = _training_pid(job, 1)
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = job.wait(60)
+        elapsed = time.monotonic() - t0
+        text = job.text()
+        assert code != 0, text[-3000:]
+        assert elapsed < 60
+        assert re.search(r"host 1 .*killed by signal 9 \(SIGKILL\)", text), text[-3000:]
+        assert _job_pids(job.mark) == [], "processes of the job are still running"
+        print(f"launcher exited {code} {elapsed:.1f} s after the kill")
+    finally:
+        job.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 hosts x 4 devices against 1 process x 8 devices, and checkpoints moving between shapes
+# ---------------------------------------------------------------------------------------------
+
+SHORT = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs_8(tmp_path_factory):
+    """The same 4 steps (checkpoints at 2 and 4) on 1 process x 8 devices and on 2 hosts x 4 devices."""
+    tmp = tmp_path_factory.mktemp("shape8")
+    run_to_end(single(tmp, "one_by_8", 8, SHORT))
+    text = run_to_end(launch(tmp, "two_by_4", 2, 4, SHORT))
+    return tmp, text
+
+
+def _resume_from(tmp: Path, src: str, dst: str, step: int) -> Path:
+    """A new job folder whose only checkpoint is `src`'s step `step`."""
+    folder = tmp / dst / "checkpoint"
+    folder.mkdir(parents=True)
+    shutil.copytree(tmp / src / "checkpoint" / f"step_{step}", folder / f"step_{step}")
+    return tmp / dst
+
+
+def test_two_hosts_of_4_devices_match_one_process_of_8(runs_8):
+    tmp, text = runs_8
+    assert "[host 0] " in text and "[host 1] " in text
+    for host in (0, 1):
+        assert (tmp / "two_by_4" / "logs" / "attempt_1" / f"host_{host}.stdout.log").is_file()
+    got, want = losses(tmp / "two_by_4"), losses(tmp / "one_by_8")
+    assert sorted(got) == [1, 2, 3, 4]
+    assert_losses_close(got, want, [1, 2, 3, 4], rtol=1e-5)
+
+
+REFUSED = r"data position was saved by (\d) host\(s\); this job has (\d).*exclude_from_loading dataloader"
+
+
+def test_checkpoint_of_2x4_on_1x8_is_refused_with_the_fix(runs_8):
+    # Not done yet: each host's place in its data shard does not carry over to another host count
+    # (the weights and optimizer state would: they reshard on load). Until it does, say so.
+    tmp, _ = runs_8
+    _resume_from(tmp, "two_by_4", "resume_1x8", 2)
+    job = single(tmp, "resume_1x8", 8, SHORT)
+    try:
+        assert job.wait(900) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    assert re.search(REFUSED, job.text()).groups() == ("2", "1"), job.text()[-3000:]
+
+
+def test_checkpoint_of_1x8_on_2x4_is_refused_with_the_fix(runs_8):
+    tmp, _ = runs_8
+    _resume_from(tmp, "one_by_8", "resume_2x4", 2)
+    job = launch(tmp, "resume_2x4", 2, 4, SHORT)
+    try:
+        assert job.wait(900) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    assert re.search(REFUSED, job.text()).groups() == ("1", "2"), job.text()[-3000:]
+
+
+def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):
+    tmp, _ = runs_8
+    _resume_from(tmp, "one_by_8", "resume_tp2", 2)
+    text = run_to_end(single(tmp, "resume_tp2", 8, SHORT + ["--parallelism.tensor_parallel_degree", "2"]))
+    assert "'dp_shard': 4, 'tp': 2" in text, text[-3000:]
+    assert_losses_close(losses(tmp / "resume_tp2"), losses(tmp / "one_by_8"), [3, 4], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Restarts, preemption, the watchdog (2 hosts x 1 device: the cheapest real multi-host job)
+# ---------------------------------------------------------------------------------------------
+
+LONG = ["--training.steps", "12", "--checkpoint.enable", "--checkpoint.interval", "4",
+        "--checkpoint.keep_latest_k", "0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref2x1")
+    run_to_end(launch(tmp, "ref", 2, 1, LONG))
+    return losses(tmp / "ref")
+
+
+def test_killed_host_with_restarts_resumes_and_matches(tmp_path, uninterrupted):
+    job = launch(tmp_path, "restart", 2, 1, LONG, "--max-restarts", "1")
+    try:
+        job.wait_for(r"^\[host 0\] step +6 \|", 600)
+        os.kill(_training_pid(job, 1), signal.SIGKILL)
+        m = job.wait_for(r"attempt 2: resumed from \S+ \(step (\d+)\)", 600)
+        code = job.wait(600)
+        text = job.text()
+        assert code == 0, text[-4000:]
+    finally:
+        job.close()
+    resumed = int(m.group(1))
+    assert resumed in (4, 8)
+    assert "[torchtpu-train] attempt 2 (torchelastic restarts allowed: 1)" in text
+    assert (tmp_path / "restart" / "logs" / "attempt_2" / "host_1.stdout.log").is_file()
+    got = losses(tmp_path / "restart")
+    assert_losses_close(got, uninterrupted, range(resumed + 1, 13), rtol=1e-6)
+
+
+def test_sigterm_to_launcher_checkpoints_exits_42_and_rerun_continues(tmp_path, uninterrupted):
+    job = launch(tmp_path, "preempt", 2, 1, LONG)
+    try:
+        job.wait_for(r"^\[host 0\] step +5 \|", 600)
+        job.proc.send_signal(signal.SIGTERM)
+        code = job.wait(180)
+        text = job.text()
+    finally:
+        job.close()
+    assert code == 42, text[-4000:]
+    m = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint \S+ written; exiting with 42", text)
+    assert m, text[-4000:]
+    stopped = int(m.group(1))
+    assert stopped > 4 and checkpoint_steps(tmp_path / "preempt")[-1] == stopped
+    for host in (0, 1):  # every training process took the preemption path and exited 42
+        log = (tmp_path / "preempt" / "logs" / "attempt_1" / f"host_{host}.stderr.log").read_text()
+        assert f"after step {stopped}: checkpoint" in log and "exiting with 42" in log, log[-2000:]
+    rerun = run_to_end(launch(tmp_path, "preempt", 2, 1, LONG))
+    assert re.search(rf"resumed from \S+ \(step {stopped}\)", rerun), rerun[-3000:]
+    assert_losses_close(losses(tmp_path / "preempt"), uninterrupted, range(stopped + 1, 13), rtol=1e-6)
+
+
+def test_stuck_host_trips_the_watchdog(tmp_path):
+    job = launch(tmp_path, "stuck", 2, 1, ["--training.steps", "12", "--comm.train_timeout_seconds", "10"],
+                 TORCHTPU_TEST_STALL="1:4:600")
+    try:
+        job.wait_for(r"TORCHTPU_TEST_STALL: process 1 stalls", 600)
+        t0 = time.monotonic()
+        code = job.wait(60)
+        elapsed = time.monotonic() - t0
+        text = job.text()
+    finally:
+        job.close()
+    assert code == 42, text[-4000:]
+    assert elapsed < 45, elapsed
+    assert "step watchdog: no training step finished" in text
+    # faulthandler's dump of the stuck host shows where it sleeps
+    assert re.search(r"Thread 0x[0-9a-f]+ \(most recent call first\):", text), text[-4000:]
+    assert "in maybe_stall" in text
+    print(f"job exited 42 {elapsed:.1f} s after the stall began")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit statuses through torchelastic (a tiny program instead of the trainer)
+# ---------------------------------------------------------------------------------------------
+
+def _program(tmp: Path, name: str, code: str, *launch_args: str) -> Job:
+    return Job([PY, "-m", "torchtpu.launch", "local", "--num-hosts", "2", "--devices-per-host", "1",
+                "--log-dir", str(tmp / name), *launch_args, "--", PY, "-c", code], tmp / f"{name}.console.log")
+
+
+ATTEMPT = "import os, sys; n = int(os.environ['TORCHTPU_ATTEMPT']); print('attempt', n); "
+
+
+def test_exit_42_restarts_the_whole_job(tmp_path):
+    job = _program(tmp_path, "r42", ATTEMPT + "import time; "
+                   # attempt 1: one host fails with 42 while the other is still working
+                   "(sys.exit(42) if os.environ['RANK'] == '1' else time.sleep(120)) if n == 1 else None",
+                   "--max-restarts", "1")
+    try:
+        assert job.wait(300) == 0, job.text()[-3000:]
+    finally:
+        job.close()
+    text = job.text()
+    assert "[host 0] attempt 2" in text and "[host 1] attempt 2" in text
+    assert (tmp_path / "r42" / "attempt_2" / "host_0.stdout.log").read_text() == "attempt 2\n"
+
+
+def test_configuration_error_is_not_retried(tmp_path):
+    job = _program(tmp_path, "r2", ATTEMPT + "sys.exit(2)", "--max-restarts", "2")
+    try:
+        assert job.wait(300) == 2, job.text()[-3000:]
+    finally:
+        job.close()
+    text = job.text()
+    assert "attempt 2" not in text
+    assert re.search(r"job failed: host \d exit status 2 \(configuration or usage error\)", text), text

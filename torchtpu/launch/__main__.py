@@ -1,0 +1,5 @@
+import sys
+
+from torchtpu.launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,184 @@
+"""What a training process does when something goes wrong: exit codes, preemption, the step watchdog.
+
+Exit codes (the contract `torchtpu-launch`, torchelastic, xpk and JobSet rely on):
+
+    EXIT_OK = 0          the job finished
+    EXIT_FAILURE = 1     any other failure
+    EXIT_CONFIG = 2      configuration or usage error: retrying cannot help
+    EXIT_RETRIABLE = 42  preempted or stuck: restart the job, it resumes from its newest checkpoint
+
+Preemption. A SIGTERM to any process of the job (a TPU VM maintenance event, a GKE eviction,
+`torchtpu-launch` being stopped) asks the job to stop at a step boundary. With several processes
+they must all stop at the *same* step, because writing a checkpoint is a collective: JAX's
+preemption service (started by `jax.distributed.initialize`, it owns SIGTERM in that case) spreads
+the notice to every process and `reached_preemption_sync_point(step)` turns true on all of them at
+one agreed step. A single process handles SIGTERM with a plain Python handler.
+
+The step watchdog. A host whose peer died or hung blocks inside a collective forever. A thread
+watches the steps the loop finishes; when none finished for `[comm] init_timeout_seconds` (start-up
+and the first step, which compiles) or `[comm] train_timeout_seconds` (later steps), it writes
+every Python thread's stack to stderr (the host's log) and ends the process with EXIT_RETRIABLE.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+
+__all__ = ["ATTEMPT_ENV", "EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_RETRIABLE", "Preempted", "PreemptionWatch",
+           "StepWatchdog", "attempt_number", "failure_status", "leave_job", "maybe_stall"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_RETRIABLE = 42
+
+# Test hook: "HOST:STEP:SECONDS" makes process HOST sleep SECONDS inside step STEP (a stuck host).
+STALL_ENV = "TORCHTPU_TEST_STALL"
+
+
+class Preempted(Exception):
+    """The job was asked to stop (SIGTERM); a checkpoint of `step` has been written. Exit 42."""
+
+    def __init__(self, step: int, checkpoint: str | None):
+        self.step = step
+        self.checkpoint = checkpoint
+        where = f"checkpoint {checkpoint} written" if checkpoint else "checkpoints are off, nothing saved"
+        super().__init__(f"preempted (SIGTERM) after step {step}: {where}; exiting with {EXIT_RETRIABLE} "
+                         "(retriable), the next attempt resumes from the newest checkpoint")
+
+
+# The job's attempt (1, 2, ...), the same on every host; set by torchtpu.launch.agent.
+ATTEMPT_ENV = "TORCHTPU_ATTEMPT"
+
+
+def attempt_number() -> int:
+    """1 for a job's first attempt, n + 1 after its n-th (gang) restart."""
+    if os.environ.get(ATTEMPT_ENV, "").isdigit():
+        return int(os.environ[ATTEMPT_ENV])
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + 1
+
+
+def _jax_preemption_service():
+    """JAX's preemption sync manager when this process is part of a jax.distributed job, else None."""
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.preemption_sync_manager
+    except Exception:  # noqa: BLE001  (private API moved: fall back to the Python handler)
+        return None
+
+
+class PreemptionWatch:
+    """Tells the loop, after each step, whether the job must stop there (all processes agree)."""
+
+    def __init__(self):
+        self._flag = threading.Event()
+        self._previous = None
+        self._service = _jax_preemption_service()
+        if self._service is None and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self._flag.set()
+
+    def should_stop(self, step: int) -> bool:
+        if self._service is not None:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        return self._flag.is_set()
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+class StepWatchdog:
+    """Ends the process with EXIT_RETRIABLE (after dumping all stacks) when no step finishes in time."""
+
+    def __init__(self, first_step_seconds: float, step_seconds: float, label: str = ""):
+        self.first_step_seconds = float(first_step_seconds)
+        self.step_seconds = float(step_seconds)
+        self.label = label
+        self._last = time.monotonic()
+        self._steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="torchtpu-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def step_done(self) -> None:
+        self._steps += 1
+        self._last = time.monotonic()
+
+    def _limit(self) -> float:
+        return self.first_step_seconds if self._steps == 0 else self.step_seconds
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self._limit() / 4)):
+            waited = time.monotonic() - self._last
+            if waited > self._limit():
+                self._fire(waited)
+
+    def _fire(self, waited: float) -> None:
+        which = ("[comm] init_timeout_seconds" if self._steps == 0 else "[comm] train_timeout_seconds")
+        msg = (f"{self.label}step watchdog: no training step finished in {waited:.0f} s (limit {self._limit():.0f} s, "
+               f"{which}); a host is stuck or gone. Stacks of every thread follow; exiting with "
+               f"{EXIT_RETRIABLE} (retriable)")
+        try:
+            sys.stdout.flush()
+            print(msg, file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:
+            os._exit(EXIT_RETRIABLE)  # a thread stuck in a collective cannot be unwound: leave now
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _in_multiprocess_job() -> bool:
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def failure_status(error: BaseException) -> tuple[int, str]:
+    """(exit status, explanation) for an exception that ends training.
+
+    In a multi-process job an XLA runtime error is how a collective reports a peer that is gone
+    (gloo: "Connection reset by peer"): the job is retriable, 42. Anything else is 1."""
+    if _in_multiprocess_job() and type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+        return EXIT_RETRIABLE, f"; a collective failed, another host is probably gone: exiting with {EXIT_RETRIABLE} " \
+                               "(retriable)"
+    return EXIT_FAILURE, ""
+
+
+def leave_job(status: int) -> int:
+    """Return `status`; after a failure in a multi-process job, exit right away instead.
+
+    A normal exit runs jax.distributed's shutdown, which waits (minutes) at a barrier for every
+    other process; a failed job's peers may be dead, and the host must not hang."""
+    if status and _in_multiprocess_job():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def maybe_stall(step: int, process_index: int) -> None:
+    """Test hook (TORCHTPU_TEST_STALL="HOST:STEP:SECONDS"): process HOST sleeps in step STEP."""
+    spec = os.environ.get(STALL_ENV)
+    if not spec:
+        return
+    host, at, seconds = (float(x) for x in spec.split(":"))
+    if int(host) == process_index and int(at) == step:
+        print(f"{STALL_ENV}: process {process_index} stalls {seconds:.0f} s in step {step}", file=sys.stderr, flush=True)
+        time.sleep(seconds)
