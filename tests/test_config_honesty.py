@@ -14,7 +14,6 @@ behaviour (or a refusal) makes test_every_key_is_accounted_for fail. Each key is
   checks that the named test exists and sets the key);
 - NO_EFFECT_BY_DESIGN: [compile] enable/components, whose meaning holds because every step is
   always compiled; --help says so;
-- OWNED_ELSEWHERE: keys another branch implements. MERGE markers for the lead.
 """
 from __future__ import annotations
 
@@ -31,13 +30,6 @@ from torchtpu.train import config as C
 
 KEYS = [".".join(path) for path, _ in C._walk()]
 SPECS = {".".join(path): spec for path, spec in C._walk()}
-
-# MERGE(i10 launcher): [comm] init_timeout_seconds / train_timeout_seconds are implemented by the launcher
-# helper (i10), who also refuses the other [comm] keys. Move them to PROBED/REFUSED when merging.
-OWNED_ELSEWHERE = {
-    "comm.init_timeout_seconds": "MERGE(i10 launcher)",
-    "comm.train_timeout_seconds": "MERGE(i10 launcher)",
-}
 
 NO_EFFECT_BY_DESIGN = {"compile.enable", "compile.components"}
 
@@ -67,6 +59,8 @@ COVERED_BY = {
     "checkpoint.initial_load_in_hf": "tests/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss",
     "checkpoint.last_save_in_hf": "tests/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match",
     "tpu.scan_layers": "tests/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan",
+    "comm.init_timeout_seconds": "tests/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts",
+    "comm.train_timeout_seconds": "tests/test_launch.py::test_stuck_host_trips_the_watchdog",
 }
 
 VALIDATION = ["--validation.enable", "--validation.dataset", "bundled_validation", "--validation.seq_len", "32",
@@ -149,7 +143,7 @@ PROBED = {
 
 
 def test_every_key_is_accounted_for():
-    groups = [set(PROBED), set(REFUSED), set(COVERED_BY), NO_EFFECT_BY_DESIGN, set(OWNED_ELSEWHERE)]
+    groups = [set(PROBED), set(REFUSED), set(COVERED_BY), NO_EFFECT_BY_DESIGN]
     named = [k for g in groups for k in g]
     assert len(named) == len(set(named)), sorted(k for k in named if named.count(k) > 1)
     missing = sorted(set(KEYS) - set(named))

@@ -379,8 +379,9 @@ class Trainer:
             sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
             param_dtype=mp_param, reduce_dtype=mp_reduce,
             ac_mode=ac_mode, ac_every=ac_every,
-            # the layer scan recomputes every block, so it stands in for full checkpointing only
-            scan_layers=cfg.tpu.scan_layers and ac_mode == "full",
+            # the layer scan recomputes every block, so it stands in for full checkpointing only;
+            # a single block has nothing to scan
+            scan_layers=cfg.tpu.scan_layers and ac_mode == "full" and self.model_args.n_layers > 1,
         )
         materialize(model)
         if not self.dry:
