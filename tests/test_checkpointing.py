@@ -41,7 +41,9 @@ def test_checkpointing_changes_program_not_numbers():
         for a, b in zip(params, base_params):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert dots > base_dots, f"{mode}: no recomputed matmuls in the program"
-    assert results["selective"][2] == 2 and results["full"][2] == 4  # one barrier per recomputed block
+    # one barrier per recomputed block whose input needs a gradient: the first block's input (the
+    # batch) needs none, so full recomputation of 4 blocks has 3 (selective, every 2nd: blocks 1 and 3)
+    assert results["selective"][2] == 2 and results["full"][2] == 3
     assert results["selective"][1] < results["full"][1]
 
 

@@ -68,6 +68,13 @@ class Storage:
             Storage.on_create(self)
 
 
+_aten = torch.ops.aten
+_LIKE_FACTORIES = frozenset({
+    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like,
+    _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_empty_strided, _aten.new_full,
+})
+
+
 class TpuTensor(torch.Tensor):
     # _st: Storage; _vw: tuple of view steps from the storage's array (() for a base);
     # _vc/_vv: cached read of a view and the storage version it was read at.
@@ -99,6 +106,15 @@ class TpuTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if kwargs and kwargs.get("device") is not None and func.overloadpacket in _LIKE_FACTORIES:
+            device = torch.device(kwargs["device"])
+            if device.type != "tpu":
+                # `torch.zeros_like(t, device="cpu")`: the tpu tensor only gives shape and dtype; the
+                # result belongs to the device the call names, as ATen does
+                from torch.utils._pytree import tree_map
+
+                cpu_args = tree_map(lambda a: a.cpu() if isinstance(a, TpuTensor) else a, args)
+                return func(*cpu_args, **kwargs)
         return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     # torch.Tensor.__repr__ formats through many small ops; format the CPU copy instead.
