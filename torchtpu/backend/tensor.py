@@ -109,12 +109,17 @@ class TpuTensor(torch.Tensor):
         if kwargs and kwargs.get("device") is not None and func.overloadpacket in _LIKE_FACTORIES:
             device = torch.device(kwargs["device"])
             if device.type != "tpu":
-                # `torch.zeros_like(t, device="cpu")`: the tpu tensor only gives shape and dtype; the
+                # `torch.zeros_like(t, device="cpu")`: the tpu tensor only gives shape, strides and
+                # dtype (its values are never read, and may be a tracer or a sharded array); the
                 # result belongs to the device the call names, as ATen does
                 from torch.utils._pytree import tree_map
 
-                cpu_args = tree_map(lambda a: a.cpu() if isinstance(a, TpuTensor) else a, args)
-                return func(*cpu_args, **kwargs)
+                def on_meta(a):
+                    if isinstance(a, TpuTensor):
+                        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                    return a
+
+                return func(*tree_map(on_meta, args), **kwargs)
         return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     # torch.Tensor.__repr__ formats through many small ops; format the CPU copy instead.
