@@ -68,9 +68,8 @@ def _set_child_subreaper() -> bool:
         return False
 
 
-def _descendants(root: int) -> list[int]:
-    """Every live process below `root` (read from /proc)."""
-    parents: dict[int, list[int]] = {}
+def _processes():
+    """(pid, state, parent pid) of every process, read from /proc (vanished ones skipped)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -79,10 +78,16 @@ def _descendants(root: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] == "Z":
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        yield int(entry), fields[0], int(fields[1])
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root` (read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for pid, state, ppid in _processes():
+        if state != "Z":
+            parents.setdefault(ppid, []).append(pid)
     out, todo = [], [root]
     while todo:
         for child in parents.get(todo.pop(), []):
@@ -193,17 +198,9 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
 def _reap_orphans_only(agents: list[subprocess.Popen]) -> None:
     """Reap adopted orphans without stealing the agents' exit statuses from Popen."""
     ours = {a.pid for a in agents}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in ours:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+    for pid, state, ppid in _processes():
+        if pid not in ours and state == "Z" and ppid == os.getpid():
             try:
-                os.waitpid(int(entry), os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
