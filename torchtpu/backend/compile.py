@@ -55,10 +55,12 @@ Known limit: a program assumes the tensors in each role are the objects it was t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import sys
+import time
 import warnings
 import weakref
 
@@ -98,6 +100,33 @@ class GlobalCompileStats:
 
 
 STATS = GlobalCompileStats()
+
+
+class ProgramBuilds:
+    """Whether torchtpu.compile is building a program now (eager warm-up, trace, lower, XLA compile).
+
+    A step watchdog reads this: a step that builds its program is slow because the compiler
+    works, not because a host is stuck, so it is held to the first-step limit instead."""
+
+    def __init__(self):
+        self.active = 0
+        self.started = 0.0  # time.monotonic() when the outermost build began
+        self.last_end = 0.0  # time.monotonic() when the last build ended
+
+    @contextlib.contextmanager
+    def building(self):
+        if self.active == 0:
+            self.started = time.monotonic()
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.last_end = time.monotonic()
+
+
+BUILDS = ProgramBuilds()
 
 # Optimizer hyperparameters that LR schedulers change every step: program inputs, never guarded.
 LIFTED_HYPERPARAMETERS = ("lr",)
@@ -246,7 +275,8 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
-            return self._warmup(args, kwargs, flat)
+            with BUILDS.building():
+                return self._warmup(args, kwargs, flat)
         while True:
             inputs = self._call_inputs()
             key = (tree, self._signature(flat), inputs.guard, _function_numbers(self.fn))
@@ -260,13 +290,15 @@ class CompiledFunction:
                     print(f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
                           f"{_key_change(self.last_key, key)}", file=sys.stderr)
             try:
-                entry, holder = self._trace(flat, tree, inputs)
-                out = self._run(entry, flat, inputs, first_holder=holder)
+                with BUILDS.building():
+                    entry, holder = self._trace(flat, tree, inputs)
+                    out = self._run(entry, flat, inputs, first_holder=holder)
             except _NewOptimizer:
                 # An optimizer that did not step in the warm-up (one stepped every k calls):
                 # this call runs eagerly, as a second warm-up that creates its state and adds
                 # it to the step's; later calls trace with its hyperparameters lifted and guarded.
-                return self._warmup(args, kwargs, flat)
+                with BUILDS.building():
+                    return self._warmup(args, kwargs, flat)
             self.entries[key] = entry
             self.last_key = key
             return out

@@ -105,6 +105,9 @@ class StepWatchdog:
         self.first_step_seconds = float(first_step_seconds)
         self.step_seconds = float(step_seconds)
         self.label = label
+        from ..backend.compile import BUILDS  # here, not at the top: the launcher imports this module
+
+        self._builds = BUILDS
         self._last = time.monotonic()
         self._steps = 0
         self._stop = threading.Event()
@@ -115,17 +118,31 @@ class StepWatchdog:
         self._steps += 1
         self._last = time.monotonic()
 
+    def _building(self) -> bool:
+        return self._builds.active > 0
+
     def _limit(self) -> float:
-        return self.first_step_seconds if self._steps == 0 else self.step_seconds
+        # The first step, and any step that builds a program (the compiled step after its eager
+        # warm-up, a validation program, a retrace), may take as long as the first one.
+        if self._steps == 0 or self._building():
+            return max(self.first_step_seconds, self.step_seconds)
+        return self.step_seconds
+
+    def _waited(self) -> float:
+        now = time.monotonic()
+        if self._building():
+            return now - max(self._last, self._builds.started)
+        return now - max(self._last, self._builds.last_end)
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self._limit() / 4)):
-            waited = time.monotonic() - self._last
+            waited = self._waited()
             if waited > self._limit():
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
-        which = ("[comm] init_timeout_seconds" if self._steps == 0 else "[comm] train_timeout_seconds")
+        which = ("[comm] init_timeout_seconds" if self._steps == 0 or self._building()
+                 else "[comm] train_timeout_seconds")
         msg = (f"{self.label}step watchdog: no training step finished in {waited:.0f} s (limit {self._limit():.0f} s, "
                f"{which}); a host is stuck or gone. Stacks of every thread follow; exiting with "
                f"{EXIT_RETRIABLE} (retriable)")
