@@ -14,7 +14,7 @@ one traced program still compiles for CPU or GPU with the blocked pure-JAX atten
 The kernels are the module's private functions (`_flash_attention_impl`,
 `_flash_attention_bwd_dkv`, `_flash_attention_bwd_dq`) of the pinned jax 0.10.2: the public
 `flash_attention` hides the residuals the separate PyTorch backward needs. A jax upgrade must
-re-run tests/test_pallas_attention.py.
+re-run tests/backend/test_pallas_attention.py.
 
 Each kernel carries the cost it declares to XLA (`kernel_costs`): the FLOPs of the score and
 output matmuls over the blocks it actually visits (a causal kernel skips the blocks above the

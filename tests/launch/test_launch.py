@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 MARK = "TORCHTPU_TEST_LAUNCH_RUN"
 

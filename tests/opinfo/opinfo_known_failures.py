@@ -1,6 +1,6 @@
-"""OpInfos known to fail the harness (tests/opinfo_harness.py), with the reason.
+"""OpInfos known to fail the harness (tests/opinfo/opinfo_harness.py), with the reason.
 
-tests/test_opinfo.py marks these xfail(strict=True): an entry whose OpInfo starts passing
+tests/opinfo/test_opinfo.py marks these xfail(strict=True): an entry whose OpInfo starts passing
 fails the suite until it is removed here, so these lists only ever shrink. The summary
 tests count the results the OpInfo tests had and hold them to the bar: at least 97.6% of the
 float32 OpInfos pass forward, at least 97.2% of the autograd OpInfos backward.

@@ -26,7 +26,7 @@ from torchtpu.train.checkpoint import (
     optimizer_state,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny_model(seed=0):

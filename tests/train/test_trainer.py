@@ -20,7 +20,7 @@ import torchtpu  # noqa: F401
 from torchtpu.cli import train_main
 from torchtpu.train.config import load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 PY = sys.executable
 

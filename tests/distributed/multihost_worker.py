@@ -1,4 +1,4 @@
-"""One process of a real multi-process job (run by tests/test_multihost.py): joins the job through
+"""One process of a real multi-process job (run by tests/distributed/test_multihost.py): joins the job through
 jax.distributed over loopback, shards torchtitan's Llama 3 debugmodel with FSDP over every
 device of every process and prints the losses of 3 compiled training steps."""
 import os, sys

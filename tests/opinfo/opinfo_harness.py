@@ -1,6 +1,6 @@
 """Run PyTorch's OpInfo samples on tpu and compare with CPU.
 
-Used by tests/test_opinfo.py and by `python -m tests.opinfo_harness [--backward] [names...]`,
+Used by tests/opinfo/test_opinfo.py and by `python -m tests.opinfo.opinfo_harness [--backward] [names...]`,
 which prints one line per OpInfo and the totals (the figures recorded in the README).
 """
 from __future__ import annotations

@@ -51,16 +51,16 @@ REFUSED = {
 
 # key -> the real run that shows its behaviour
 COVERED_BY = {
-    "checkpoint.initial_load_model_only": "tests/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
-    "checkpoint.last_save_model_only": "tests/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
-    "checkpoint.export_dtype": "tests/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
-    "checkpoint.load_step": "tests/test_train_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
-    "checkpoint.exclude_from_loading": "tests/test_train_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
-    "checkpoint.initial_load_in_hf": "tests/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss",
-    "checkpoint.last_save_in_hf": "tests/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match",
-    "tpu.scan_layers": "tests/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan",
-    "comm.init_timeout_seconds": "tests/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts",
-    "comm.train_timeout_seconds": "tests/test_launch.py::test_stuck_host_trips_the_watchdog",
+    "checkpoint.initial_load_model_only": "tests/train/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
+    "checkpoint.last_save_model_only": "tests/train/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
+    "checkpoint.export_dtype": "tests/train/test_trainer.py::test_final_model_only_save_resume_and_initial_load",
+    "checkpoint.load_step": "tests/train/test_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
+    "checkpoint.exclude_from_loading": "tests/train/test_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
+    "checkpoint.initial_load_in_hf": "tests/train/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss",
+    "checkpoint.last_save_in_hf": "tests/train/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match",
+    "tpu.scan_layers": "tests/distributed/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan",
+    "comm.init_timeout_seconds": "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts",
+    "comm.train_timeout_seconds": "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog",
 }
 
 VALIDATION = ["--validation.enable", "--validation.dataset", "bundled_validation", "--validation.seq_len", "32",

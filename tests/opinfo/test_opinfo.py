@@ -2,7 +2,7 @@
 
 One test per float32 OpInfo runs every sample (up to TORCHTPU_OPINFO_MAX_SAMPLES, default 12)
 forward, one per autograd OpInfo compares input gradients. OpInfos listed in
-tests/opinfo_known_failures.py are xfail(strict=True), so a fixed op must leave the list; those
+tests/opinfo/opinfo_known_failures.py are xfail(strict=True), so a fixed op must leave the list; those
 listed in CRASHES (their failure aborts the process) run in a subprocess, also as strict
 expected failures. The summary tests count the results the OpInfo tests actually had in this
 session and enforce the bar: at least 97.6% of OpInfos pass forward, 97.2% backward.
@@ -20,13 +20,13 @@ import threading
 
 import pytest
 
-from tests import opinfo_harness as harness
-from tests.opinfo_known_failures import BACKWARD, CRASHES, FORWARD
+from tests.opinfo import opinfo_harness as harness
+from tests.opinfo.opinfo_known_failures import BACKWARD, CRASHES, FORWARD
 
 FORWARD_BAR = 0.976   # at least this fraction of OpInfos pass forward
 BACKWARD_BAR = 0.972  # ... and backward
 TIMEOUT_S = int(os.environ.get("TORCHTPU_OPINFO_TIMEOUT", "600"))
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What each OpInfo test actually did in this session: {direction: {opinfo_id: passed}}.
 RESULTS: dict[str, dict[str, bool]] = {"forward": {}, "backward": {}}
@@ -55,7 +55,7 @@ def _run_recorded(direction, check, op):
         RESULTS[direction][oid] = passed
         if passed:
             pytest.fail(f"{direction}:{oid} is listed in CRASHES ({crash}) but now passes: remove it from "
-                        "tests/opinfo_known_failures.py", pytrace=False)
+                        "tests/opinfo/opinfo_known_failures.py", pytrace=False)
         pytest.xfail(f"listed in CRASHES: {crash}")
     RESULTS[direction][oid] = False
     _run_bounded(check, op)
@@ -64,7 +64,7 @@ def _run_recorded(direction, check, op):
 
 def _passes_in_subprocess(direction, oid) -> bool:
     """The harness on one OpInfo in a child process: a process abort fails only the child."""
-    cmd = [sys.executable, "-m", "tests.opinfo_harness", *(["--backward"] if direction == "backward" else []), oid]
+    cmd = [sys.executable, "-m", "tests.opinfo.opinfo_harness", *(["--backward"] if direction == "backward" else []), oid]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
     try:
         proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True,

@@ -20,7 +20,7 @@ import pytest
 from torchtpu import cli
 from torchtpu.train import config as C
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "train_configs"
 PY = sys.executable
 SHIPPED = {  # file -> (devices of the slice it is written for, topology)

@@ -18,7 +18,7 @@ import torch
 import torchtpu  # noqa: F401
 from torchtpu.train.config import ConfigError, load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 
 

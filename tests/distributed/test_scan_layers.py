@@ -2,7 +2,7 @@
 jax.lax.scan inside a compiled step, invisible to the user.
 
 - Sharded Llama 3 training with the scan matches the unsharded, unscanned run (the oracle of
-  tests/test_distributed.py) at the same tolerance.
+  tests/distributed/test_distributed.py) at the same tolerance.
 - The compiled program holds one copy of the block: a while loop, and as many dot ops for 2
   layers as for 4.
 - state_dict() names, shapes and values are the same with the scan on and off; a trainer
@@ -111,11 +111,11 @@ def test_state_dict_same_with_scan_on_and_off():
 
 def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
     """The trainer with full recomputation and the layer scan (its default) against the plain
-    PyTorch loop of tests/test_trainer.py; its checkpoint then resumes with the scan off."""
+    PyTorch loop of tests/train/test_trainer.py; its checkpoint then resumes with the scan off."""
     from torchtpu.train.config import load_config
     from torchtpu.train.trainer import Trainer
 
-    from .test_trainer import cpu_state, reference_losses, small_argv
+    from ..train.test_trainer import cpu_state, reference_losses, small_argv
 
     argv = small_argv(tmp_path, "--activation_checkpoint.mode", "full", "--training.steps", "4",
                       "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
