@@ -3,3 +3,23 @@ import os
 # Every test runs the tpu device on 8 virtual XLA CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def assert_close_to_cpu(actual, expected, msg="", *, rtol, atol):
+    """`actual` must be a tensor on the tpu device and `expected` PyTorch's result on CPU; their
+    values agree within rtol/atol. The tolerances have no default: every caller states its own.
+
+    A test module binds its usual tolerance once, e.g. `close = partial(assert_close_to_cpu, **TOL)`,
+    and overrides it per call where a comparison needs another one.
+    """
+    import torch
+
+    prefix = f"{msg}: " if msg else ""
+    assert isinstance(actual, torch.Tensor) and actual.device.type == "tpu", (
+        f"{prefix}expected a tpu tensor, got {type(actual).__name__} on "
+        f"{getattr(actual, 'device', None)}")
+    assert isinstance(expected, torch.Tensor) and expected.device.type == "cpu", (
+        f"{prefix}the reference must be a CPU tensor, got {type(expected).__name__} on "
+        f"{getattr(expected, 'device', None)}")
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{prefix}{m}")

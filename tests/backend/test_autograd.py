@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import copy
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 
 DEV = "tpu"
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def close(actual, expected, msg="", **tol):
-    opts = dict(TOL)
-    opts.update(tol)
-    assert isinstance(actual, torch.Tensor) and actual.device.type == DEV, f"{msg}: not a tpu tensor: {actual!r}"
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), msg=lambda m: f"{msg}: {m}", **opts)
+close = partial(assert_close_to_cpu, **TOL)
 
 
 def leaf(*shape, seed=0, device="cpu"):

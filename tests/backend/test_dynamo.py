@@ -7,10 +7,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from functools import partial
+
 import pytest
 import torch
 
 import torchtpu
+from tests.conftest import assert_close_to_cpu
 
 
 LLAMA_LAYERS = 2
@@ -32,10 +35,7 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
-def _close(actual, expected, rtol=1e-4, atol=1e-5, msg=""):
-    assert actual.device.type == "tpu", f"{msg}: result is on {actual.device}, not tpu"
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{msg}: {m}")
+_close = partial(assert_close_to_cpu, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- torchtitan Llama 3
@@ -76,14 +76,14 @@ def test_llama3_debugmodel_logits_and_grads_match_eager_and_cpu():
     loss_of(logits_cpu, labels).backward()
 
     _close(logits_c, logits_cpu, msg="logits vs cpu")
-    _close(logits_c, logits_e, msg="logits vs eager tpu")
+    _close(logits_c, logits_e.cpu(), msg="logits vs eager tpu")
     named_cpu = dict(cpu.named_parameters())
     named_eager = dict(eager.named_parameters())
     n = 0
     for name, p in compiled_model.named_parameters():
         assert p.grad is not None, name
         _close(p.grad, named_cpu[name].grad, msg=f"grad of {name} vs cpu")
-        _close(p.grad, named_eager[name].grad, msg=f"grad of {name} vs eager tpu")
+        _close(p.grad, named_eager[name].grad.cpu(), msg=f"grad of {name} vs eager tpu")
         n += 1
     assert n == len(named_cpu) > 10
 

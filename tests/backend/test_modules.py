@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 
 DEV = "tpu"
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -42,12 +45,7 @@ def _weighted_loss(outs, weights):
     return loss
 
 
-def assert_close_cpu(actual, expected, msg="", **tol):
-    """`actual` lives on tpu, `expected` on CPU."""
-    opts = dict(TOL)
-    opts.update(tol)
-    assert actual.device.type == DEV, f"{msg}: expected a tpu tensor, got one on {actual.device}"
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), msg=lambda m: f"{msg}: {m}", **opts)
+assert_close_cpu = partial(assert_close_to_cpu, **TOL)
 
 
 def check_module(module, *inputs, kwargs=None, seed=0, tol=None, grad_tol=None, forward_fn=None):

@@ -5,11 +5,14 @@ Tolerances: float32 training, rtol 1e-5 / atol 1e-6 on weights after a few optim
 """
 import copy
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 from torchtpu.backend.tensor import TpuTensor
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -46,8 +49,7 @@ def _pair(seed=0):
     return cpu, tpu
 
 
-def _assert_close(tpu_tensor, cpu_tensor):
-    torch.testing.assert_close(tpu_tensor.detach().cpu(), cpu_tensor.detach(), rtol=RTOL, atol=ATOL)
+_assert_close = partial(assert_close_to_cpu, rtol=RTOL, atol=ATOL)
 
 
 def test_tied_weights_keep_identity_and_train_like_cpu():

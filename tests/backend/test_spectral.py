@@ -1,13 +1,14 @@
 """Spectral ops and complex64 on tpu, checked against CPU (the OpInfos cover the rest)."""
+from functools import partial
+
 import pytest
 import torch
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 
 
-def _close(actual, expected):
-    assert actual.device.type == "tpu"
-    torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4)
+_close = partial(assert_close_to_cpu, rtol=1e-4, atol=1e-4)
 
 
 def test_complex64_round_trip_and_view_as_real():

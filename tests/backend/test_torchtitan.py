@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 
 DEV = "tpu"
 
@@ -53,10 +54,7 @@ def _run(model, tokens, device):
     return logits, loss
 
 
-def _close(actual, expected, msg, rtol, atol):
-    assert actual.device.type == DEV, f"{msg}: not on tpu"
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{msg}: {m}")
+_close = assert_close_to_cpu
 
 
 def _relative_error(actual, expected):

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import copy
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
 
 DEV = "tpu"
 
 
-def close(actual, expected, msg="", rtol=1e-4, atol=1e-5):
-    assert actual.device.type == DEV, f"{msg}: not a tpu tensor"
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{msg}: {m}")
+close = partial(assert_close_to_cpu, rtol=1e-4, atol=1e-5)
 
 
 def assert_trajectories_match(tpu_losses, cpu_losses, rtol=1e-4):
