@@ -102,7 +102,7 @@ def test_logits_and_every_gradient_match_cpu(name, mode):
         q = cpu_params[n]
         assert (p.grad is None) == (q.grad is None), f"{n}: tpu grad {p.grad is not None}, cpu grad {q.grad is not None}"
         if q.grad is not None:
-            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
             checked += 1
     assert checked == len(cpu_params) or name == "bert_mlm"  # BERT's pooler is unused by the MLM loss
     if mode == "compile":

@@ -58,7 +58,7 @@ def test_kernels_match_torch_cpu(causal, heads, mask):
     with attention_tpu.interpret_kernels():
         got = _run("tpu", q, k, v, **kw)
     for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4, msg=lambda s, name=name: f"{name}: {s}")
 
 
 def test_bf16_kernels_match_torch_cpu():
@@ -161,7 +161,7 @@ def test_sharded_program_runs_kernels_per_shard():
     assert compiled.stats.traces == 1
     assert "shard_map" in compiled.as_text(optimized=False) or "manual_computation" in compiled.as_text(optimized=False)
     for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------------- TPU compilation

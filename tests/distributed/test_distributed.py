@@ -73,7 +73,7 @@ def test_placements_to_partition_specs_and_back():
     assert spec_for(mesh, (Shard(0), Shard(1)), 2) == P("dp", "tp")
     assert spec_for(mesh, (Shard(0), Shard(0)), 2) == P(("dp", "tp"), None)
     assert spec_for(mesh, (Replicate(), Shard(-1)), 3) == P(None, None, "tp")
-    assert spec_for(mesh, (Partial(), Replicate()), 2) == P(None, None)  # noqa: the raw spec keeps its Nones
+    assert spec_for(mesh, (Partial(), Replicate()), 2) == P(None, None)  # the raw spec keeps its Nones
     flat = mesh["dp", "tp"]._flatten("all")
     assert spec_for(flat, (Shard(1),), 2) == P(None, ("dp", "tp"))
     for pl in [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(1), Replicate()), (Replicate(), Replicate())]:

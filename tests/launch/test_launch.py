@@ -157,7 +157,8 @@ def _training_pid(job: Job, host: int) -> int:
     raise AssertionError(f"no training process of host {host} among {_job_pids(job.mark)}")
 
 
-@pytest.mark.xfail(strict=False, reason='passed on its branch (launcher exit 50.5 s after the kill); failed once in the merged full suite under load, not yet diagnosed (issue 10)')
+@pytest.mark.xfail(strict=False, reason='passed on its branch (launcher exit 50.5 s after the kill); failed once in '
+                   'the merged full suite under load, not yet diagnosed (issue 10)')
 def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
     job = launch(tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300"])
     try:
@@ -242,7 +243,8 @@ def test_checkpoint_of_1x8_on_2x4_is_refused_with_the_fix(runs_8):
     assert re.search(REFUSED, job.text()).groups() == ("1", "2"), job.text()[-3000:]
 
 
-@pytest.mark.xfail(strict=False, reason='never passed: resuming an FSDP8 checkpoint on TP2xFSDP4 does not continue the losses yet, not yet diagnosed (issue 10)')
+@pytest.mark.xfail(strict=False, reason='never passed: resuming an FSDP8 checkpoint on TP2xFSDP4 does not continue '
+                   'the losses yet, not yet diagnosed (issue 10)')
 def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):
     tmp, _ = runs_8
     _resume_from(tmp, "one_by_8", "resume_tp2", 2)

@@ -83,7 +83,7 @@ def scramble(model, opt):
         for p in model.parameters():
             p.fill_(7.0)
         for st in opt.state.values():
-            for k, v in st.items():
+            for v in st.values():
                 if isinstance(v, torch.Tensor):
                     v.fill_(-3.0)
 
@@ -381,7 +381,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
     partial = []
-    for attempt in range(3):  # the save must still be in progress when the signal lands
+    for _attempt in range(3):  # the save must still be in progress when the signal lands
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:

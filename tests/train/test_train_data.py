@@ -91,7 +91,7 @@ def test_bundled_corpus_is_learnable(tok):
     loader = build_dataloader("bundled", None, tok, 64, 8, 0, 1)
     losses = []
     try:
-        for step in range(60):
+        for _step in range(60):
             x, y = next(loader)
             logits = model(torch.from_numpy(x))
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten())

@@ -81,7 +81,10 @@ def test_logger_jsonl_console_and_tensorboard(tmp_path, capsys):
     log.close()
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step")]
     assert len(lines) == len(steps)
-    assert lines[1] == "step 2 | loss 2.5000 | grad_norm 1.5000 | lr 6.000e-04 | tps 1,234 | tflops 0.50 | mfu 12.50% | step 0.250s | mem 1.50GiB"
+    assert lines[1] == (
+        "step 2 | loss 2.5000 | grad_norm 1.5000 | lr 6.000e-04 | tps 1,234 | tflops 0.50 | mfu 12.50% | step 0.250s"
+        " | mem 1.50GiB"
+    )
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == steps
     for r in records:

@@ -1,0 +1,87 @@
+"""Names vulture cannot see being used: PyTorch, JAX, torchelastic, tokenizers, argparse and pytest call or
+read them by name. Read by vulture only (`make lint`); never imported. Each entry says who uses it.
+
+Anything else vulture reports is dead code: delete it rather than list it here.
+"""
+# ruff: noqa: B018, F821
+
+# PyTorch's PrivateUse1 backend (torchtpu.backend.device): torch.tpu.* mirrors torch.cuda.* and torch
+# calls these hooks, device-guard methods and module functions by name.
+_.type_
+_.has_primary_context
+_.dev_id
+_.is_built
+_.is_initialized
+_.seed_all
+_.get_rng_state_all
+_.set_rng_state_all
+_.max_memory_allocated
+_.mem_get_info
+_.get_device_name
+_._is_in_bad_fork
+
+# ATen schema arguments: the dispatcher binds a lowering's arguments by their schema names, so a
+# lowering declares the ones it has no use for (a tpu tensor has no pinned memory or memory format).
+_.pin_memory
+_.memory_format
+_.non_blocking
+_.unsafe
+_.sparse_grad
+_.sorted_
+_.assume_unique
+_.check_errors
+_.implicit
+_.self_is_result
+_.half_to_float
+_.input_dtype
+_.buffer
+_.reserve
+_.neg_log_likelihood
+_.allow_tf32
+_.benchmark
+_.cudnn_enabled
+_.bias_sizes
+_.return_debug_mask
+_.grad_input_mask
+_.cum_seq_q
+_.cum_seq_k
+_.max_q
+_.max_k
+_.philox_seed
+_.philox_offset
+
+# Signatures PyTorch and JAX call with fixed arguments: nn.Module state-dict hooks, Tensor.__repr__ and
+# __reduce_ex__, jax.monitoring duration listeners.
+_.local_metadata
+_.strict
+_.missing_keys
+_.unexpected_keys
+_.error_msgs
+_.tensor_contents
+_.proto
+_.duration
+
+# Attributes PyTorch reads: AOTAutograd's tangent coercion and boxed calling convention, FakeTensorMode's
+# device-init switch; a module's class swapped in place (layer scan, real RoPE).
+_.__coerce_same_metadata_as_tangent__
+_._boxed_call
+_.avoid_device_init
+_.__class__
+
+# torchelastic's agent reads these on the subclass torchtpu.launch.agent builds.
+_.root_log_dir
+_.reify
+_._remaining_restarts
+
+# argparse, tokenizers and transformers read these attributes.
+_.required
+_.pre_tokenizer
+_.decoder
+_.eos_token_id
+
+# Entry points: console script (pyproject [project.scripts]) and the public torchtpu.persistent_cache_stats.
+_.launch_main
+_.persistent_cache_stats
+
+# pytest reads module-level marks.
+_.pytestmark
