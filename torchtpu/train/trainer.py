@@ -289,20 +289,10 @@ def _ac_settings(cfg: JobConfig) -> tuple[str, int]:
 def _memory_gib() -> float | None:
     """Device memory in use on this process's first device (GiB)."""
     import jax
-    import torch
 
-    try:
-        used = torch.tpu.memory_allocated()
-    except Exception:  # noqa: BLE001
-        used = 0
-    if not used:
-        dev = jax.local_devices()[0]
-        used = 0
-        for a in jax.live_arrays():
-            for s in a.addressable_shards:
-                if s.device == dev:
-                    used += s.data.nbytes
-    return used / 1024**3
+    from torchtpu.backend.device import device_memory_stats
+
+    return device_memory_stats(jax.local_devices()[0]).get("bytes_in_use", 0) / 1024**3
 
 
 # --------------------------------------------------------------------------------------------
