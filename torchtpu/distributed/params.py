@@ -78,7 +78,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
     module._parameters[name] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
 
 
-def materialize(model: torch.nn.Module, buffer_device="tpu") -> torch.nn.Module:
+def materialize(model: torch.nn.Module) -> torch.nn.Module:
     """Replace `meta` parameters and buffers by tpu tensors created in their layouts.
 
     Values are zeros until written (e.g. by `model.init_weights()`), and each storage is
@@ -128,10 +128,6 @@ def local_bytes(tensors) -> dict:
         for s in a.addressable_shards:
             out[s.device] = out.get(s.device, 0) + math.prod(s.data.shape) * a.dtype.itemsize
     return out
-
-
-def is_laid_out(p) -> bool:
-    return isinstance(p, TpuTensor) and isinstance(getattr(p._st, "dist", None), tuple)
 
 
 __all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "Storage"]

@@ -21,7 +21,7 @@ import importlib.util
 import math
 import os
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
