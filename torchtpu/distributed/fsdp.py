@@ -23,10 +23,10 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Shard
 
 from . import placements as pl
+from .batch import batch_pinner
 from .mesh import DeviceMesh, current_mesh
 from .params import apply_layout, get_layout, layout_of, set_layout, spec_of
 
@@ -152,32 +152,12 @@ def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor
     return v
 
 
-def _batch_pinner(state: FSDPState):
-    """x -> x with its batch dim (0) constrained to the data-parallel axes, other dims free."""
-    axes = tuple(a for d in state.mesh.dims for a in d)
-    n = 1
-    for a in axes:
-        n *= state.mesh.jax_mesh.shape[a]
-    first = axes[0] if len(axes) == 1 else axes
-    specs: dict[int, str] = {}
-
-    def pin_batch(x):
-        if isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2 and x.shape[0] % n == 0:
-            s = specs.get(x.dim())
-            if s is None:
-                s = specs[x.dim()] = pl.encode(state.mesh, P(first, *([P.UNCONSTRAINED] * (x.dim() - 1))))
-            return torch.ops.torchtpu.shard(x, s, s)
-        return x
-
-    return pin_batch
-
-
 def _pin_linear_outputs(state: FSDPState):
     """Forward hook for the linear layers a fully_shard manages: their outputs stay split over the
     batch, as FSDP's activations are (each rank computes its own samples with gathered weights).
     Without it XLA may keep a weight sharded and split the activations on the hidden dim instead,
     paying all-to-alls and full-batch gathers around the layer."""
-    pin_batch = _batch_pinner(state)
+    pin_batch = batch_pinner(state.mesh)
 
     def hook(module, args, out):
         return pin_batch(out)
@@ -189,7 +169,7 @@ def _pre_forward(state: FSDPState):
     mp = state.mp_policy
     # the module's main input keeps its batch dim split over the data-parallel axes, so XLA
     # does not trade it for a split of the hidden dims (all-to-alls around the module)
-    pin_batch = _batch_pinner(state)
+    pin_batch = batch_pinner(state.mesh)
 
     def hook(module, args, kwargs):
         if args:

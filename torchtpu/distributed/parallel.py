@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .batch import activation_batch_axes
 from .dtensor import shard_as
 from .mesh import DeviceMesh, current_mesh
 from . import placements as pl
@@ -143,13 +144,6 @@ def _constrain_uses(module):
     module.register_forward_hook(post)
 
 
-def batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The data-parallel axes of the job's mesh (its dims named dp*), outside `mesh`."""
-    root = mesh.root()
-    mine = {a for d in mesh.dims for a in d}
-    return tuple(a for a in root.jax_mesh.axis_names if a.startswith("dp") and a not in mine)
-
-
 def _layout(t, mesh, placement, grad_placement):
     if not isinstance(t, torch.Tensor) or placement is None:
         return t
@@ -157,7 +151,7 @@ def _layout(t, mesh, placement, grad_placement):
     if grad_placement is not None:
         grad = (Replicate() if isinstance(grad_placement, Partial) else grad_placement,)
     # the batch dim (0) goes over the data-parallel axes, so XLA keeps activations batch-split
-    return shard_as(t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=batch_axes(mesh))
+    return shard_as(t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=activation_batch_axes(mesh))
 
 
 def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:

@@ -449,23 +449,11 @@ class Trainer:
     def _place(self, x):
         """A host numpy (host_batch, seq_len) array of token ids -> an int32 tpu tensor laid out over
         the dp axes (64-bit integers are emulated on TPU; see docs/DESIGN_NOTES.md)."""
-        import jax
-        import torch
+        from torchtpu.distributed.batch import place_batch
 
         from .data import token_ids_int32
 
-        import torchtpu
-        from torchtpu.distributed import distribute_tensor
-        from torchtpu.models.llama3.parallelize import batch_placements
-
-        x = token_ids_int32(x, self.model_args.vocab_size)
-        placements = batch_placements(self.mesh)
-        if jax.process_count() == 1:
-            return distribute_tensor(torch.from_numpy(x), self.mesh, placements)
-        from torchtpu.distributed.placements import sharding_for
-
-        sharding = sharding_for(self.mesh, placements, x.ndim)
-        return torchtpu.from_jax(jax.make_array_from_process_local_data(sharding, x))
+        return place_batch(token_ids_int32(x, self.model_args.vocab_size), self.mesh)
 
     def next_batch(self):
         """The next optimizer step's micro-batches: [(inputs, labels)] * grad_accum_steps on tpu."""
