@@ -38,6 +38,7 @@ from ...distributed import (
 )
 from ...distributed.batch import batch_placements  # noqa: F401  (the model's batch layout; callers import it from here)
 from ...distributed.mesh import DeviceMesh
+from ...distributed.params import release_parameter, use_parameter
 from ...distributed.scan import scan_layers as scan_blocks
 
 
@@ -156,12 +157,11 @@ def _cast_while_running(module: torch.nn.Module, dtype: torch.dtype, skip: set[i
 
     def pre(mod, args):
         for owner, name in owned:
-            # an instance attribute shadows the registered parameter for the module's own code
-            owner.__dict__[name] = owner._parameters[name].to(dtype)
+            use_parameter(owner, name, owner._parameters[name].to(dtype))
 
     def post(mod, args, out):
         for owner, name in owned:
-            owner.__dict__.pop(name, None)
+            release_parameter(owner, name)
         return out
 
     if owned:
