@@ -30,9 +30,9 @@ from .test_distributed import CONFIGS, _batches, _llama, _reference_losses, _tra
 def _keep_current_mesh():
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 def _sharded_llama(name, scan, steps=None, mp=False):

@@ -259,7 +259,7 @@ def test_changing_the_key_changes_what_the_trainer_does(key, tmp_path, monkeypat
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.chdir(tmp_path)
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     (tmp_path / "docs.txt").write_text("\n\n".join(f"document {i} " + "word " * 40 for i in range(40)))
     config_file = tmp_path / "job.toml"
     config_file.write_text('[training]\nseq_len = 96\n[optimizer]\nlr = 0.003\n')
@@ -277,7 +277,7 @@ def test_changing_the_key_changes_what_the_trainer_does(key, tmp_path, monkeypat
         else:
             a, b = plan(C.load_config(base)), plan(C.load_config(changed))
     finally:
-        mesh._CURRENT = before
+        mesh.set_mesh(before)
         torch.use_deterministic_algorithms(False)
     assert a != b, f"--{key} {value} changed nothing the trainer uses"
 

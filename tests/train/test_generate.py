@@ -20,9 +20,9 @@ NEW = 16
 def _keep_current_mesh():
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 @pytest.fixture(scope="module")

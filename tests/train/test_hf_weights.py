@@ -34,9 +34,9 @@ def argv(dump, *extra):
 def _keep_current_mesh():
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 def _tokens(batch=8, n=16, seed=3):

@@ -65,9 +65,9 @@ def compiled_step_dots(cfg):
 def _keep_current_mesh():
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 def test_tensor_parallel_only_job_computes_in_bf16(tmp_path):

@@ -46,9 +46,9 @@ def _keep_current_mesh():
     """The trainer sets the process's current device mesh; give other tests theirs back."""
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 def _keep_current_mesh():
     from torchtpu.distributed import mesh
 
-    before = mesh._CURRENT
+    before = mesh.current_mesh()
     yield
-    mesh._CURRENT = before
+    mesh.set_mesh(before)
 
 
 def argv(dump, *extra):

@@ -850,11 +850,6 @@ def _committed(a, device_index, mesh=None):
 def _keep_sharding(a, sharding):
     if a is None or not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size == 1:
         return a
-    from ..distributed.mesh import jax_mesh_for
-
-    target = jax_mesh_for(sharding.mesh)
-    if target is not sharding.mesh:
-        sharding = jax.sharding.NamedSharding(target, sharding.spec)
     return jax.lax.with_sharding_constraint(a, sharding)
 
 

@@ -75,25 +75,29 @@ def _copy_from(self, dst, non_blocking=False):
     return dst
 
 
-def _memory_stats(device=None) -> dict:
-    d = _devices()[_index(device)]
-    stats = None
+def device_memory_stats(device: jax.Device) -> dict:
+    """The memory counters of one jax device: its allocator's own statistics where the runtime
+    keeps them (TPU, GPU), else {"bytes_in_use": bytes of the live arrays' shards on it} (XLA's
+    CPU client reports nothing). The one per-device counter: torch.tpu and the trainer read it."""
     try:
-        stats = d.memory_stats()
+        stats = device.memory_stats()
     except Exception:
         stats = None
     if stats:
         return dict(stats)
-    # XLA's CPU client reports nothing: count the live arrays we hold on that device.
     live = 0
     for a in jax.live_arrays():
         try:
             for shard in a.addressable_shards:
-                if shard.device == d:
+                if shard.device == device:
                     live += shard.data.nbytes
         except Exception:
             continue
     return {"bytes_in_use": live}
+
+
+def _memory_stats(device=None) -> dict:
+    return device_memory_stats(_devices()[_index(device)])
 
 
 def _build_module() -> types.ModuleType:

@@ -7,8 +7,8 @@ collectives (single-program SPMD).
 
 See mesh.py (meshes), placements.py (placements <-> PartitionSpec), dtensor.py
 (distribute_tensor and the DTensor methods of tpu tensors), parallel.py (tensor parallelism),
-fsdp.py (fully_shard), params.py (parameter layouts, materialize), collectives.py
-(functional collectives, local_map, loss_parallel).
+fsdp.py (fully_shard), batch.py (the batch over the data-parallel axes), params.py (parameter
+layouts, materialize), collectives.py (functional collectives, local_map, loss_parallel).
 """
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: F401
 from torch.distributed.tensor.parallel import (  # noqa: F401
@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
     SequenceParallel,
 )
 
+from .batch import batch_placements, place_batch  # noqa: F401
 from .collectives import local_map, loss_parallel, vocab_parallel_cross_entropy  # noqa: F401
 from .dtensor import distribute_tensor, local_shards, shard_as  # noqa: F401
 from .fsdp import FSDPState, MixedPrecisionPolicy, fully_shard  # noqa: F401

@@ -31,6 +31,7 @@ from ..backend.dispatch import array_of
 from ..backend.registry import lower
 from ..backend.tensor import TpuTensor, new_base
 from . import placements as pl
+from .batch import batch_entry
 from .mesh import DeviceMesh, current_mesh
 
 __all__ = ["distribute_tensor", "local_shards", "shard_as"]
@@ -93,12 +94,9 @@ def shard_as(t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=N
 
     def make(pls):
         spec = pl.spec_for(mesh, pls, ndim, unconstrained=unconstrained)
-        if batch_axes and ndim and spec[0] in (None, P.UNCONSTRAINED):
-            n = 1
-            for a in batch_axes:
-                n *= mesh.jax_mesh.shape[a]
-            if t.shape[0] % n == 0:
-                spec = P(batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes), *tuple(spec)[1:])
+        entry = batch_entry(mesh.jax_mesh, batch_axes, t.shape[0]) if ndim else None
+        if entry is not None and spec[0] in (None, P.UNCONSTRAINED):
+            spec = P(entry, *tuple(spec)[1:])
         return pl.encode(mesh, spec)
 
     spec = make(placements)

@@ -23,12 +23,20 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Shard
 
-from . import placements as pl
+from .batch import batch_pinner
 from .mesh import DeviceMesh, current_mesh
-from .params import apply_layout, get_layout, layout_of, set_layout, spec_of
+from .params import (
+    apply_layout,
+    get_layout,
+    layout_of,
+    module_record,
+    release_parameter,
+    set_layout,
+    through_layout,
+    use_parameter,
+)
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPState"]
 
@@ -45,7 +53,8 @@ def _managed(module: nn.Module, ignored) -> list[tuple[nn.Module, str]]:
     out = []
 
     def walk(m, top):
-        if not top and "_tpu_fsdp" in m.__dict__:
+        rec = module_record(m)
+        if not top and rec is not None and rec.fsdp is not None:
             return  # an inner fully_shard manages this subtree
         for name, p in m._parameters.items():
             if p is not None and p not in ignored:
@@ -84,7 +93,7 @@ def fully_shard(
         p = owner._parameters[name]
         entries = layout_of(owner, name, p.dim())
         rec = get_layout(owner, name)
-        if rec is not None and rec[0] is not None and rec[0].jax_mesh != mesh.jax_mesh:
+        if rec is not None and rec.mesh is not None and rec.mesh.jax_mesh != mesh.jax_mesh:
             raise ValueError(f"parameter {name!r} is laid out on another mesh than {mesh}")
         if any(a in e for e in entries for a in shard_axes):
             continue  # already sharded over these axes
@@ -107,7 +116,7 @@ def fully_shard(
         set_layout(owner, name, mesh, entries)
         apply_layout(owner, name)
     state = FSDPState(mesh, params, mp_policy, reshard_after_forward)
-    module.__dict__["_tpu_fsdp"] = state
+    module_record(module, create=True).fsdp = state
     module.register_forward_pre_hook(_pre_forward(state), with_kwargs=True)
     # always_call: activation checkpointing's recomputation stops early by raising out of the
     # module's forward; the cast parameters must not outlive it (they would be kept alive, and
@@ -144,32 +153,10 @@ def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor
     floating = p.is_floating_point()
     if floating and rd is not None and rd != p.dtype:
         v = v.to(rd)
-    if rec is not None and rec[0] is not None and p.device.type == "tpu":
-        spec = pl.encode(rec[0], spec_of(rec[1]))
-        v = torch.ops.torchtpu.shard(v, spec, spec)
+    v = through_layout(v, rec)
     if floating and pd is not None and pd != v.dtype:
         v = v.to(pd)
     return v
-
-
-def _batch_pinner(state: FSDPState):
-    """x -> x with its batch dim (0) constrained to the data-parallel axes, other dims free."""
-    axes = tuple(a for d in state.mesh.dims for a in d)
-    n = 1
-    for a in axes:
-        n *= state.mesh.jax_mesh.shape[a]
-    first = axes[0] if len(axes) == 1 else axes
-    specs: dict[int, str] = {}
-
-    def pin_batch(x):
-        if isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2 and x.shape[0] % n == 0:
-            s = specs.get(x.dim())
-            if s is None:
-                s = specs[x.dim()] = pl.encode(state.mesh, P(first, *([P.UNCONSTRAINED] * (x.dim() - 1))))
-            return torch.ops.torchtpu.shard(x, s, s)
-        return x
-
-    return pin_batch
 
 
 def _pin_linear_outputs(state: FSDPState):
@@ -177,7 +164,7 @@ def _pin_linear_outputs(state: FSDPState):
     batch, as FSDP's activations are (each rank computes its own samples with gathered weights).
     Without it XLA may keep a weight sharded and split the activations on the hidden dim instead,
     paying all-to-alls and full-batch gathers around the layer."""
-    pin_batch = _batch_pinner(state)
+    pin_batch = batch_pinner(state.mesh)
 
     def hook(module, args, out):
         return pin_batch(out)
@@ -189,7 +176,7 @@ def _pre_forward(state: FSDPState):
     mp = state.mp_policy
     # the module's main input keeps its batch dim split over the data-parallel axes, so XLA
     # does not trade it for a split of the hidden dims (all-to-alls around the module)
-    pin_batch = _batch_pinner(state)
+    pin_batch = batch_pinner(state.mesh)
 
     def hook(module, args, kwargs):
         if args:
@@ -197,7 +184,7 @@ def _pre_forward(state: FSDPState):
         for owner, name in state.params:
             p = owner._parameters.get(name)
             if p is not None:
-                owner.__dict__[name] = _use(p, owner, name, mp)
+                use_parameter(owner, name, _use(p, owner, name, mp))
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             cast = lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
@@ -212,7 +199,7 @@ def _post_forward(state: FSDPState):
 
     def hook(module, args, out):
         for owner, name in state.params:
-            owner.__dict__.pop(name, None)
+            release_parameter(owner, name)
         if mp.output_dtype is not None:
             cast = lambda x: x.to(mp.output_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
             out = torch.utils._pytree.tree_map(cast, out)

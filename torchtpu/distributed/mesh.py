@@ -231,7 +231,6 @@ class DeviceMesh:
 
 
 _CURRENT: DeviceMesh | None = None
-_TARGET = None  # a jax Mesh that stands in for the global mesh while compiling for a TPU topology
 
 
 def current_mesh() -> DeviceMesh | None:
@@ -246,13 +245,6 @@ def set_mesh(mesh: DeviceMesh | None) -> None:
         from ..backend.dispatch import note_mesh
 
         note_mesh(mesh.jax_mesh)
-
-
-def jax_mesh_for(mesh: Mesh) -> Mesh:
-    """The mesh to resolve shardings against: `mesh`, or the TPU topology mesh standing in for it."""
-    if _TARGET is not None and _TARGET.axis_names == mesh.axis_names and _TARGET.devices.shape == mesh.devices.shape:
-        return _TARGET
-    return mesh
 
 
 def _device_grid(devices, shape: tuple[int, ...], dcn_shape: tuple[int, ...] | None):

@@ -35,10 +35,19 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .batch import activation_batch_axes
 from .dtensor import shard_as
 from .mesh import DeviceMesh, current_mesh
-from . import placements as pl
-from .params import apply_layout, get_layout, layout_of, set_layout, spec_of
+from .params import (
+    apply_layout,
+    layout_of,
+    module_record,
+    parameter_in_use,
+    release_parameter,
+    set_layout,
+    through_layout,
+    use_parameter,
+)
 
 __all__ = ["parallelize_module"]
 
@@ -119,35 +128,30 @@ def _constrain_uses(module):
     their own layout, so their gradients come back in that layout too (and XLA never gathers
     a tensor-parallel weight whole to update it). A constraint already put in place by
     fully_shard (which also casts for mixed precision) is left alone."""
-    if module.__dict__.get("_tpu_tp_uses"):
+    record = module_record(module, create=True)
+    if record.layout_hooks:
         return
-    module.__dict__["_tpu_tp_uses"] = True
+    record.layout_hooks = True
 
     def pre(mod, args):
+        record = module_record(mod)
         placed = []
-        for name in mod.__dict__.get("_tpu_layouts", {}):
+        for name, layout in record.layouts.items():
             p = mod._parameters.get(name)
-            if p is not None and name not in mod.__dict__ and p.device.type == "tpu":
-                rec = get_layout(mod, name)
-                spec = pl.encode(rec[0], spec_of(rec[1]))
-                mod.__dict__[name] = torch.ops.torchtpu.shard(p, spec, spec)
+            if p is not None and not parameter_in_use(mod, name) and p.device.type == "tpu":
+                use_parameter(mod, name, through_layout(p, layout))
                 placed.append(name)
-        mod.__dict__["_tpu_tp_placed"] = placed
+        record.in_use = placed
 
     def post(mod, args, out):
-        for name in mod.__dict__.pop("_tpu_tp_placed", ()):
-            mod.__dict__.pop(name, None)
+        record = module_record(mod)
+        for name in record.in_use:
+            release_parameter(mod, name)
+        record.in_use = []
         return out
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
-
-
-def batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The data-parallel axes of the job's mesh (its dims named dp*), outside `mesh`."""
-    root = mesh.root()
-    mine = {a for d in mesh.dims for a in d}
-    return tuple(a for a in root.jax_mesh.axis_names if a.startswith("dp") and a not in mine)
 
 
 def _layout(t, mesh, placement, grad_placement):
@@ -157,7 +161,7 @@ def _layout(t, mesh, placement, grad_placement):
     if grad_placement is not None:
         grad = (Replicate() if isinstance(grad_placement, Partial) else grad_placement,)
     # the batch dim (0) goes over the data-parallel axes, so XLA keeps activations batch-split
-    return shard_as(t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=batch_axes(mesh))
+    return shard_as(t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=activation_batch_axes(mesh))
 
 
 def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:

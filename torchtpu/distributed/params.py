@@ -3,7 +3,7 @@
 A layout is, per tensor dim, the list of global mesh axes that dim is split over. Tensor
 parallelism writes it first (e.g. a colwise weight: dim 0 over "tp"), FSDP then adds its
 data-parallel axes (dim 0 over "tp" then "dp_shard"). The layout lives on the module that owns
-the parameter (`module._tpu_layouts[name]`), so it survives `to_empty()`, and is applied:
+the parameter (`module_record(module).layouts[name]`), so it survives `to_empty()`, and is applied:
 
 - to a tpu parameter: its array is resharded in place (same Parameter object);
 - to a CPU parameter: it becomes a tpu Parameter sharded straight from host memory;
@@ -14,7 +14,9 @@ the parameter (`module._tpu_layouts[name]`), so it survives `to_empty()`, and is
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import torch
@@ -26,24 +28,86 @@ from . import placements as pl
 from .mesh import DeviceMesh
 
 
+@dataclasses.dataclass
+class ParamLayout:
+    """How one parameter is laid out: per tensor dim, the global mesh axes it is split over."""
+
+    mesh: DeviceMesh | None  # the job's root mesh; None while no split has been decided
+    dims: list[list[str]]
+
+    @property
+    def spec(self) -> P:
+        return spec_of(self.dims)
+
+
+@dataclasses.dataclass(eq=False)
+class ModuleRecord:
+    """What the sharding layer keeps on one module, attached once as `module.__dict__["_torchtpu"]`
+    (so it survives `to_empty()` and travels with a deepcopy)."""
+
+    layouts: dict[str, ParamLayout] = dataclasses.field(default_factory=dict)  # its own parameters'
+    fsdp: Any = None  # the FSDPState of a fully_shard call on this module
+    layout_hooks: bool = False  # tensor parallelism's use-through-layout hooks are installed
+    in_use: list[str] = dataclasses.field(default_factory=list)  # put in use by those hooks, this forward
+    scan_base: type | None = None  # the class scan_layers replaced
+
+
+def module_record(module: torch.nn.Module, create: bool = False) -> ModuleRecord | None:
+    rec = module.__dict__.get("_torchtpu")
+    if rec is None and create:
+        rec = module.__dict__["_torchtpu"] = ModuleRecord()
+    return rec
+
+
 def layout_of(module: torch.nn.Module, name: str, ndim: int) -> list[list[str]]:
-    layouts = module.__dict__.setdefault("_tpu_layouts", {})
+    """The per-dim axes recorded for parameter `name` (a fresh unsplit record if none); the
+    caller extends them and stores them with `set_layout`."""
+    layouts = module_record(module, create=True).layouts
     entry = layouts.get(name)
     if entry is None:
-        entry = layouts[name] = (None, [[] for _ in range(ndim)])
-    return entry[1]
+        entry = layouts[name] = ParamLayout(None, [[] for _ in range(ndim)])
+    return entry.dims
 
 
 def set_layout(module: torch.nn.Module, name: str, mesh: DeviceMesh, entries: list[list[str]]) -> None:
-    module.__dict__.setdefault("_tpu_layouts", {})[name] = (mesh.root(), entries)
+    module_record(module, create=True).layouts[name] = ParamLayout(mesh.root(), entries)
 
 
-def get_layout(module, name):
-    return module.__dict__.get("_tpu_layouts", {}).get(name)
+def get_layout(module, name) -> ParamLayout | None:
+    rec = module_record(module)
+    return rec.layouts.get(name) if rec is not None else None
 
 
 def spec_of(entries) -> P:
     return P(*[(e[0] if len(e) == 1 else tuple(e)) if e else None for e in entries])
+
+
+# Using a parameter through its layout. While a module runs forward, the sharding layer puts in
+# use, for a parameter, a tensor computed from it (constrained to its layout, cast for mixed
+# precision): an instance attribute of the owner module of the same name, which nn.Module's
+# attribute lookup finds before the registered parameter. The forward hook that put it in use
+# releases it. FSDP, tensor parallelism and the model's parameter cast all go through these.
+
+
+def through_layout(v: torch.Tensor, layout: ParamLayout | None) -> torch.Tensor:
+    """`v` (a parameter, or a cast of it) constrained to `layout` inside programs, so that its
+    gradient is laid out (reduced) the same way; unchanged when not laid out or not on tpu."""
+    if layout is None or layout.mesh is None or v.device.type != "tpu":
+        return v
+    spec = pl.encode(layout.mesh, layout.spec)
+    return torch.ops.torchtpu.shard(v, spec, spec)
+
+
+def use_parameter(owner: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner.__dict__[name] = value
+
+
+def release_parameter(owner: torch.nn.Module, name: str) -> None:
+    owner.__dict__.pop(name, None)
+
+
+def parameter_in_use(owner: torch.nn.Module, name: str) -> bool:
+    return name in owner.__dict__
 
 
 def _root_placements(root: DeviceMesh, sharding, ndim):
@@ -56,7 +120,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
     p = module._parameters.get(name)
     if rec is None or p is None:
         return
-    root, entries = rec
+    root, entries = rec.mesh, rec.dims
     if root is None:
         return
     sharding = NamedSharding(root.jax_mesh, spec_of(entries))
@@ -78,7 +142,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
     module._parameters[name] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
 
 
-def materialize(model: torch.nn.Module, buffer_device="tpu") -> torch.nn.Module:
+def materialize(model: torch.nn.Module) -> torch.nn.Module:
     """Replace `meta` parameters and buffers by tpu tensors created in their layouts.
 
     Values are zeros until written (e.g. by `model.init_weights()`), and each storage is
@@ -101,8 +165,8 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
     from ..backend.tensor import new_empty
 
     t = new_empty(shape, dtype, 0)
-    if rec is not None and rec[0] is not None:
-        root, entries = rec
+    if rec is not None and rec.mesh is not None:
+        root, entries = rec.mesh, rec.dims
         sharding = NamedSharding(root.jax_mesh, spec_of(entries))
         t._st.dist = (root, _root_placements(root, sharding, len(shape)), sharding)
     return t
@@ -130,8 +194,5 @@ def local_bytes(tensors) -> dict:
     return out
 
 
-def is_laid_out(p) -> bool:
-    return isinstance(p, TpuTensor) and isinstance(getattr(p._st, "dist", None), tuple)
-
-
-__all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "Storage"]
+__all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "get_layout", "ParamLayout",
+           "ModuleRecord", "module_record", "through_layout", "use_parameter", "release_parameter", "Storage"]

@@ -21,11 +21,10 @@ string (so it can be part of a cache key): "<mesh id>:<entry>;<entry>;..." where
 """
 from __future__ import annotations
 
-import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from .mesh import DeviceMesh, jax_mesh_for
+from .mesh import DeviceMesh
 
 __all__ = ["spec_for", "placements_for", "sharding_for", "encode", "decode", "Shard", "Replicate", "Partial"]
 
@@ -65,7 +64,7 @@ def spec_for(mesh: DeviceMesh, placements, ndim: int, *, unconstrained=()) -> P:
 
 
 def sharding_for(mesh: DeviceMesh, placements, ndim: int) -> NamedSharding:
-    return NamedSharding(jax_mesh_for(mesh.jax_mesh), spec_for(mesh, placements, ndim))
+    return NamedSharding(mesh.jax_mesh, spec_for(mesh, placements, ndim))
 
 
 def _entry_axes(entry) -> tuple[str, ...]:
@@ -121,10 +120,9 @@ _DECODED: dict = {}
 
 def decode(s: str) -> NamedSharding:
     hit = _DECODED.get(s)
-    mesh_id, _, body = s.partition(":")
-    jax_mesh = jax_mesh_for(_MESHES[int(mesh_id)])
-    if hit is not None and hit.mesh is jax_mesh:
+    if hit is not None:
         return hit
+    mesh_id, _, body = s.partition(":")
     entries = []
     for e in body.split(";") if body else []:
         if e == "?":
@@ -134,31 +132,5 @@ def decode(s: str) -> NamedSharding:
         else:
             axes = tuple(e.split("+"))
             entries.append(axes[0] if len(axes) == 1 else axes)
-    out = _DECODED[s] = NamedSharding(jax_mesh, P(*entries))
+    out = _DECODED[s] = NamedSharding(_MESHES[int(mesh_id)], P(*entries))
     return out
-
-
-def is_sharded(a) -> bool:
-    """Whether a jax.Array lives on a mesh (NamedSharding over more than one device)."""
-    s = getattr(a, "sharding", None)
-    return isinstance(s, NamedSharding) and s.mesh.size > 1
-
-
-def mesh_of(a):
-    s = getattr(a, "sharding", None)
-    return s.mesh if isinstance(s, NamedSharding) else None
-
-
-def replicated(jax_mesh) -> NamedSharding:
-    return NamedSharding(jax_mesh, P())
-
-
-def describe(a) -> str:
-    s = getattr(a, "sharding", None)
-    if isinstance(s, NamedSharding):
-        return f"{dict(s.mesh.shape)} {s.spec}"
-    return str(s)
-
-
-def device_put(a, sharding):
-    return jax.device_put(a, sharding)

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..backend import random as tpu_random
 from ..backend.dispatch import _Tracing, array_of, tracing
 from ..backend.tensor import TpuTensor, new_base
-from .params import get_layout, spec_of
+from .params import get_layout, module_record
 
 __all__ = ["scan_layers", "unscan_layers", "is_scanned"]
 
@@ -70,21 +70,22 @@ def scan_layers(blocks: nn.Module) -> nn.Module:
         raise ValueError(f"scan_layers needs at least 2 blocks to scan, got {len(children)}")
     _check_identical(children)
     base = type(blocks)
-    blocks.__dict__["_tpu_scan_base"] = base
+    module_record(blocks, create=True).scan_base = base
     blocks.__class__ = _scanned_class(base)
     return blocks
 
 
 def unscan_layers(blocks: nn.Module) -> nn.Module:
     """Undo `scan_layers`: the blocks run one by one again."""
-    base = blocks.__dict__.pop("_tpu_scan_base", None)
-    if base is not None:
-        blocks.__class__ = base
+    record = module_record(blocks)
+    if record is not None and record.scan_base is not None:
+        blocks.__class__, record.scan_base = record.scan_base, None
     return blocks
 
 
 def is_scanned(blocks: nn.Module) -> bool:
-    return "_tpu_scan_base" in blocks.__dict__
+    record = module_record(blocks)
+    return record is not None and record.scan_base is not None
 
 
 _CLASSES: dict[type, type] = {}
@@ -119,14 +120,14 @@ def _structure(block: nn.Module):
     out = []
     for path, m in block.named_modules():
         hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
-        fsdp = m.__dict__.get("_tpu_fsdp")
+        fsdp = getattr(module_record(m), "fsdp", None)
         mp = fsdp.mp_policy if fsdp is not None else None
         out.append(("module", path, type(m), hooks, mp))
         for name, p in m._parameters.items():
             if p is None:
                 continue
             rec = get_layout(m, name)
-            layout = None if rec is None or rec[0] is None else (id(rec[0].jax_mesh), spec_of(rec[1]))
+            layout = None if rec is None or rec.mesh is None else (id(rec.mesh.jax_mesh), rec.spec)
             out.append(("param", path, name, tuple(p.shape), p.dtype, p.requires_grad, layout))
         for name, b in m._buffers.items():
             if b is not None:

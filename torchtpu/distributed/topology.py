@@ -15,12 +15,13 @@ loaded for topology descriptions only and never becomes a JAX backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import math
 import os
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -29,6 +30,9 @@ __all__ = [
     "TopologyError",
     "topology_devices",
     "topology_mesh",
+    "ChipSpec",
+    "CHIPS",
+    "chip_of",
     "chip_spec",
     "aot_compile",
     "compile_report",
@@ -47,20 +51,33 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 GiB = 1024**3
 GB = 10**9
 
-# Per chip. device_kind strings as libtpu reports them (checked with libtpu 0.0.42.1):
-# v4 -> "TPU v4", v5e -> "TPU v5 lite", v5p -> "TPU v5", v6e -> "TPU v6 lite".
-_CHIPS = {
-    # hbm_bandwidth: bytes/s per chip (Google's published figures)
-    "v4": dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB, hbm_bandwidth=1.2e12),
-    "v5e": dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=8.19e11),
-    "v5p": dict(name="v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2.765e12),
-    "v6e": dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1.64e12),
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """One TPU chip, from Google's published figures."""
+
+    name: str  # generation: "v4", "v5e", "v5p", "v6e"
+    peak_bf16_flops: float  # dense bf16 FLOP/s
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+
+
+# The one table of chips (metrics' MFU and the compile reports read it). device_kind strings as
+# libtpu reports them (checked with libtpu 0.0.42.1): v4 -> "TPU v4", v5e -> "TPU v5 lite",
+# v5p -> "TPU v5", v6e -> "TPU v6 lite".
+CHIPS = {
+    c.name: c
+    for c in (
+        ChipSpec("v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB, hbm_bandwidth=1.2e12),
+        ChipSpec("v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=8.19e11),
+        ChipSpec("v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2.765e12),
+        ChipSpec("v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1.64e12),
+    )
 }
 _KIND_ALIASES = {
     "v4": "v4",
     "v5lite": "v5e", "v5e": "v5e", "v5litepod": "v5e",
     "v5": "v5p", "v5p": "v5p",
-    "v6lite": "v6e", "v6e": "v6e", "trillium": "v6e",
+    "v6lite": "v6e", "v6e": "v6e", "v6": "v6e", "trillium": "v6e",
 }
 
 
@@ -68,20 +85,25 @@ class TopologyError(RuntimeError):
     """A TPU topology cannot be described (libtpu missing, or an invalid topology name)."""
 
 
-def chip_spec(device_kind: str) -> dict:
-    """Peak bf16 flops and HBM bytes of one chip: dict(name, peak_bf16_flops, hbm_bytes).
-
-    Accepts a device's `device_kind` ("TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4") or a
-    generation name ("v5e", "v5p", "v6e", "v4").
-    """
+def chip_of(device_kind: str) -> ChipSpec | None:
+    """The table's record for a device's `device_kind` ("TPU v5 lite", "TPU v5", "TPU v6 lite",
+    "TPU v4", spacing and case free) or a generation name ("v5e", "v5p", "v6e", "v4"); None for
+    anything else."""
     key = re.sub(r"[\s_-]+", "", str(device_kind).lower()).removeprefix("tpu")
     gen = _KIND_ALIASES.get(key)
-    if gen is None:
+    return CHIPS[gen] if gen else None
+
+
+def chip_spec(device_kind: str) -> dict:
+    """`chip_of(device_kind)` as a dict(name, peak_bf16_flops, hbm_bytes, hbm_bandwidth); an
+    unknown kind is an error."""
+    chip = chip_of(device_kind)
+    if chip is None:
         raise ValueError(
             f"unknown TPU device kind {device_kind!r}; known: 'TPU v4', 'TPU v5 lite' (v5e), 'TPU v5' (v5p), "
             "'TPU v6 lite' (v6e)"
         )
-    return dict(_CHIPS[gen])
+    return dataclasses.asdict(chip)
 
 
 def _accelerator_type(name: str) -> str:

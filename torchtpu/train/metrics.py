@@ -62,24 +62,7 @@ def model_flops_per_token(model, model_args, seq_len: int) -> tuple[int, int]:
 # Peak FLOP/s per chip
 # --------------------------------------------------------------------------------------------
 
-# bf16 dense peak per chip, TFLOP/s, from Google's published TPU specifications.
-_TPU_PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6e": 918.0}
-# jax `device.device_kind` strings (and common spellings) -> table name.
-_TPU_KIND_ALIASES = {
-    "tpu v4": "TPU v4",
-    "tpu v5 lite": "TPU v5e", "tpu v5lite": "TPU v5e", "tpu v5e": "TPU v5e", "v5e": "TPU v5e", "v5litepod": "TPU v5e",
-    "tpu v5": "TPU v5p", "tpu v5p": "TPU v5p", "v5p": "TPU v5p",
-    "tpu v6 lite": "TPU v6e", "tpu v6e": "TPU v6e", "tpu v6": "TPU v6e", "v6e": "TPU v6e", "tpu trillium": "TPU v6e",
-    "v4": "TPU v4",
-}
-
 _MEMO: dict[str, tuple[float, str]] = {}
-
-
-def tpu_table_name(device_kind: str | None) -> str | None:
-    if not device_kind:
-        return None
-    return _TPU_KIND_ALIASES.get(" ".join(device_kind.strip().lower().split()))
 
 
 def peak_flops_cache_file() -> str | None:
@@ -108,6 +91,8 @@ def _read_cache(path: str | None) -> dict:
 def _find_device(device_kind: str | None):
     import jax
 
+    from torchtpu.distributed import topology
+
     if device_kind is None:
         return jax.devices()[0]
     candidates = []
@@ -121,7 +106,7 @@ def _find_device(device_kind: str | None):
             return dev
     raise ValueError(
         f"no peak FLOP/s known for device kind {device_kind!r}: it is not a TPU in the table "
-        f"({', '.join(_TPU_PEAK_TFLOPS)}) and no local JAX device of that kind exists to measure"
+        f"({', '.join(f'TPU {c}' for c in topology.CHIPS)}) and no local JAX device of that kind exists to measure"
     )
 
 
@@ -159,7 +144,7 @@ def measure_peak_flops(device=None, size: int | None = None, repeats: int | None
 def peak_flops(device_kind: str | None = None) -> tuple[float, str]:
     """(peak FLOP/s of one chip, where the figure comes from).
 
-    TPUs: the bf16 table (v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s), keyed by jax's
+    TPUs: the chip table's bf16 peak (`distributed.topology.CHIPS`: v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s), keyed by jax's
     `device.device_kind` ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite", ...).
     Anything else (CPU, GPU, an unknown TPU): measured once by `measure_peak_flops` on a local device
     of that kind and kept in `peak_flops_cache_file()`, so later runs reuse it. `device_kind=None`
@@ -169,9 +154,11 @@ def peak_flops(device_kind: str | None = None) -> tuple[float, str]:
         import jax
 
         device_kind = jax.devices()[0].device_kind
-    table = tpu_table_name(device_kind)
-    if table:
-        return _TPU_PEAK_TFLOPS[table] * 1e12, f"table: {table}"
+    from torchtpu.distributed.topology import chip_of
+
+    chip = chip_of(device_kind)
+    if chip is not None:
+        return chip.peak_bf16_flops, f"table: TPU {chip.name}"
     dev = _find_device(device_kind)
     key = f"{dev.platform}:{dev.device_kind}"
     label = dev.platform if dev.device_kind.lower() == dev.platform else f"{dev.platform} ({dev.device_kind})"

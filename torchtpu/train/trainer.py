@@ -289,20 +289,10 @@ def _ac_settings(cfg: JobConfig) -> tuple[str, int]:
 def _memory_gib() -> float | None:
     """Device memory in use on this process's first device (GiB)."""
     import jax
-    import torch
 
-    try:
-        used = torch.tpu.memory_allocated()
-    except Exception:  # noqa: BLE001
-        used = 0
-    if not used:
-        dev = jax.local_devices()[0]
-        used = 0
-        for a in jax.live_arrays():
-            for s in a.addressable_shards:
-                if s.device == dev:
-                    used += s.data.nbytes
-    return used / 1024**3
+    from torchtpu.backend.device import device_memory_stats
+
+    return device_memory_stats(jax.local_devices()[0]).get("bytes_in_use", 0) / 1024**3
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,23 +449,11 @@ class Trainer:
     def _place(self, x):
         """A host numpy (host_batch, seq_len) array of token ids -> an int32 tpu tensor laid out over
         the dp axes (64-bit integers are emulated on TPU; see docs/DESIGN_NOTES.md)."""
-        import jax
-        import torch
+        from torchtpu.distributed.batch import place_batch
 
         from .data import token_ids_int32
 
-        import torchtpu
-        from torchtpu.distributed import distribute_tensor
-        from torchtpu.models.llama3.parallelize import batch_placements
-
-        x = token_ids_int32(x, self.model_args.vocab_size)
-        placements = batch_placements(self.mesh)
-        if jax.process_count() == 1:
-            return distribute_tensor(torch.from_numpy(x), self.mesh, placements)
-        from torchtpu.distributed.placements import sharding_for
-
-        sharding = sharding_for(self.mesh, placements, x.ndim)
-        return torchtpu.from_jax(jax.make_array_from_process_local_data(sharding, x))
+        return place_batch(token_ids_int32(x, self.model_args.vocab_size), self.mesh)
 
     def next_batch(self):
         """The next optimizer step's micro-batches: [(inputs, labels)] * grad_accum_steps on tpu."""

@@ -36,7 +36,9 @@ from ...distributed import (
     fully_shard,
     parallelize_module,
 )
+from ...distributed.batch import batch_placements  # noqa: F401  (the model's batch layout; callers import it from here)
 from ...distributed.mesh import DeviceMesh
+from ...distributed.params import release_parameter, use_parameter
 from ...distributed.scan import scan_layers as scan_blocks
 
 
@@ -155,12 +157,11 @@ def _cast_while_running(module: torch.nn.Module, dtype: torch.dtype, skip: set[i
 
     def pre(mod, args):
         for owner, name in owned:
-            # an instance attribute shadows the registered parameter for the module's own code
-            owner.__dict__[name] = owner._parameters[name].to(dtype)
+            use_parameter(owner, name, owner._parameters[name].to(dtype))
 
     def post(mod, args, out):
         for owner, name in owned:
-            owner.__dict__.pop(name, None)
+            release_parameter(owner, name)
         return out
 
     if owned:
@@ -168,8 +169,3 @@ def _cast_while_running(module: torch.nn.Module, dtype: torch.dtype, skip: set[i
         # always_call: activation checkpointing's recomputation may stop early by raising; the cast
         # copies must not outlive it
         module.register_forward_hook(post, always_call=True)
-
-
-def batch_placements(mesh: DeviceMesh):
-    """How a (batch, seq) token array is laid out: batch over the data-parallel dims."""
-    return tuple(Shard(0) if n in ("dp_replicate", "dp_shard") else Replicate() for n in mesh.mesh_dim_names)

@@ -1,0 +1,83 @@
+"""Where a batch lives: dim 0 of the token arrays and of the activations, split over the
+data-parallel axes of the mesh. The trainer's input placement, FSDP's pin on a module's input
+and its linear outputs, and tensor parallelism's activation constraints all read these rules.
+
+    tokens = place_batch(host_rows, mesh)                     # (batch, seq) over dp_replicate x dp_shard
+    pin = batch_pinner(dp_mesh); h = pin(h)                   # a sharding constraint inside programs
+    spec = P(batch_entry(mesh.jax_mesh, axes, h.shape[0]), ...)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from jax.sharding import PartitionSpec as P
+from torch.distributed.tensor import Replicate, Shard
+
+from . import placements as pl
+from .mesh import DeviceMesh
+
+__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "place_batch", "activation_batch_axes", "batch_entry",
+           "batch_pinner"]
+
+# The job mesh's dims that split the batch (HSDP: replicas x shards).
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
+
+def batch_placements(mesh: DeviceMesh) -> tuple:
+    """How a (batch, ...) token array is laid out on `mesh`: Shard(0) over its data-parallel
+    dims, replicated over the others."""
+    return tuple(Shard(0) if n in DATA_PARALLEL_DIMS else Replicate() for n in mesh.mesh_dim_names)
+
+
+def place_batch(x, mesh: DeviceMesh) -> torch.Tensor:
+    """A host numpy batch -> a tpu tensor laid out by `batch_placements(mesh)`. With one process
+    `x` is the whole batch; with several, each passes its own rows (its data-parallel share)."""
+    import jax
+
+    placements = batch_placements(mesh)
+    if jax.process_count() == 1:
+        from .dtensor import distribute_tensor
+
+        return distribute_tensor(torch.from_numpy(x), mesh, placements)
+    from ..backend.transfer import from_jax
+
+    sharding = pl.sharding_for(mesh, placements, x.ndim)
+    return from_jax(jax.make_array_from_process_local_data(sharding, x))
+
+
+def activation_batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The data-parallel axes of the job's mesh (its axes named dp*) outside `mesh` (a
+    tensor-parallel sub-mesh): they split the batch dim that a layout on `mesh` leaves free."""
+    root = mesh.root()
+    mine = {a for d in mesh.dims for a in d}
+    return tuple(a for a in root.jax_mesh.axis_names if a.startswith("dp") and a not in mine)
+
+
+def batch_entry(jax_mesh, axes: tuple[str, ...], size: int):
+    """The PartitionSpec entry that splits a batch dim of `size` over `axes` (one name, or a
+    tuple of them); None when there are no axes or `size` does not divide evenly."""
+    if not axes or size % math.prod(jax_mesh.shape[a] for a in axes):
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def batch_pinner(mesh: DeviceMesh):
+    """x -> x with its batch dim (0) constrained to all of `mesh`'s axes (a data-parallel mesh),
+    its other dims left to XLA. Tensors not on tpu, of fewer than 2 dims, or whose batch does
+    not divide evenly pass through."""
+    axes = tuple(a for d in mesh.dims for a in d)
+    specs: dict[int, str] = {}
+
+    def pin_batch(x):
+        if not (isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2):
+            return x
+        entry = batch_entry(mesh.jax_mesh, axes, x.shape[0])
+        if entry is None:
+            return x
+        s = specs.get(x.dim())
+        if s is None:
+            s = specs[x.dim()] = pl.encode(mesh, P(entry, *([P.UNCONSTRAINED] * (x.dim() - 1))))
+        return torch.ops.torchtpu.shard(x, s, s)
+
+    return pin_batch
