@@ -68,7 +68,7 @@ def param_specs(trainer) -> dict:
     for name, v in trainer.model.named_parameters():
         st = v._st
         sh = st.dist[2] if getattr(st, "dist", None) else array_of(v).sharding
-        out[name.replace("_checkpoint_wrapped_module.", "")] = (tuple(v.shape), P(*sh.spec))
+        out[name.replace("_checkpoint_wrapped_module.", "").replace(".module.", ".")] = (tuple(v.shape), P(*sh.spec))
     return out
 
 
@@ -181,13 +181,22 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
                                sharding=NamedSharding(mesh, P(batch_axes, None)))
     count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
-    compiled = aot_compile(lowered)
+    # a pure-JAX program needs no 64-bit types (torchtpu turns jax's x64 on for PyTorch's int64 and
+    # float64), and Mosaic's (Pallas TPU) index maps must be 32-bit
+    with jax.enable_x64(False):
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
+        compiled = aot_compile(lowered)
     dt = time.perf_counter() - t0
     return compile_report(compiled, mesh), dt
 
 
 # ----------------------------------------------------------------------------- report
+
+
+def _log(msg):
+    """A progress line with the machine's load (compile times depend on it)."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{msg} (load average {load} on {os.cpu_count()} CPUs)", flush=True)
 
 
 def _gib(n):
@@ -216,12 +225,15 @@ def main(argv=None):
     small_tt, small_ref = [], []
     base = None
     for n in COSTING_DEPTHS:
-        rep, _, t = torchtpu_program(unrolled(cfg), n_layers=n)
+        rep, dt, t = torchtpu_program(unrolled(cfg), n_layers=n)
+        _log(f"torchtpu, {n} layers unrolled: compiled in {dt:.0f} s")
         small_tt.append(rep)
         base = base or t
         specs = param_specs(t)
         ac_mode, _ = _ac_settings(cfg)
-        small_ref.append(reference_program(t, specs, n, False, a.pallas, ac_mode != "none")[0])
+        rep, dt = reference_program(t, specs, n, False, a.pallas, ac_mode != "none")
+        _log(f"pure JAX, {n} layers unrolled: compiled in {dt:.0f} s")
+        small_ref.append(rep)
         del t
         gc.collect()
     depth = base.model_args.n_layers
@@ -231,8 +243,10 @@ def main(argv=None):
     if not a.no_full:
         rep, dt, trainer = torchtpu_program(cfg)
         full["torchtpu"] = (rep, dt)
+        _log(f"torchtpu, {depth} layers: compiled in {dt:.0f} s")
         specs = param_specs(trainer)
         full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, _ac_settings(cfg)[0] != "none")
+        _log(f"pure JAX, {depth} layers: compiled in {full['pure JAX'][1]:.0f} s")
     dims = base.dims
     chips = dims.world_size
     peak = small_tt[0]["peak_bf16_flops_per_device"]
@@ -245,6 +259,9 @@ def main(argv=None):
                "tokens/s per chip": f"{tokens_micro / s / chips:,.0f}" if s else "n/a",
                "est. MFU": f"{100 * model_per_chip / (s * peak):.1f}%" if s else "n/a",
                "XLA FLOPs / chip": f"{e['flops_per_device']:.4g} ({e['flops_per_device'] / model_per_chip:.2f}x model)"}
+        small = (small_tt if name == "torchtpu" else small_ref)[-1]
+        row[f"HBM / chip at {COSTING_DEPTHS[-1]} layers (unrolled)"] = (
+            f"{_gib(small['hbm_bytes_needed'])} (temp {_gib(small['memory']['temp_bytes'])})")
         if name in full:
             rep, dt = full[name]
             row["HBM / chip"] = f"{_gib(rep['hbm_bytes_needed'])} (temp {_gib(rep['memory']['temp_bytes'])})"

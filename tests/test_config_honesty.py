@@ -58,6 +58,7 @@ COVERED_BY = {
     "checkpoint.exclude_from_loading": "tests/test_train_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files",
     "checkpoint.initial_load_in_hf": "tests/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss",
     "checkpoint.last_save_in_hf": "tests/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match",
+    "training.loss_chunk_size": "tests/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded",
     "tpu.scan_layers": "tests/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan",
     "comm.init_timeout_seconds": "tests/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts",
     "comm.train_timeout_seconds": "tests/test_launch.py::test_stuck_host_trips_the_watchdog",
