@@ -273,7 +273,8 @@ class Training:
     loss_chunk_size: int = _opt(2048, "Sequence positions per chunk of the loss: the output projection and "
                                 "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
                                 "logits of the whole sequence are never held. 0 computes the loss on the whole "
-                                "logits.", check=_non_negative)
+                                "logits. With tensor parallelism the loss is always computed whole (its logits are already split "
+                                "over the tp ranks; chunking them is not supported yet).", check=_non_negative)
     gc_freq: int = _opt(50, "Run Python's garbage collector every this many steps.", check=_positive)
     dataloader: DataLoader = _section(DataLoader, "Data loading for training.")
 

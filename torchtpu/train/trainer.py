@@ -428,7 +428,9 @@ class Trainer:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
             # loss_parallel): the cross entropy reduces across the tp shards, never gathering them.
             with self._loss_context():
-                loss = language_model_loss(self.model, inputs, labels, self.cfg.training.loss_chunk_size)
+                # (chunked unless tensor parallel: see [training] loss_chunk_size)
+                chunk = self.cfg.training.loss_chunk_size if self.dims.tp == 1 else 0
+                loss = language_model_loss(self.model, inputs, labels, chunk)
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
             total = d if total is None else total + d
