@@ -128,6 +128,21 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
 # ----------------------------------------------------------------------------- report
 
 
+def full_depth_and_flops(cfg, shallow_trainer):
+    """(n_layers, torchtitan's training FLOPs per token) of the job's model at its own depth (the
+    trainers that cost it were built with fewer layers)."""
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from torchtpu.train.metrics import model_flops_per_token
+    from torchtpu.train.trainer import build_model_args
+
+    args = build_model_args(cfg, shallow_trainer.tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    return args.n_layers, model_flops_per_token(model, args, cfg.training.seq_len)[1]
+
+
 def _log(msg):
     """A progress line with the machine's load (compile times depend on it)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -171,7 +186,8 @@ def main(argv=None):
         small_ref.append(rep)
         del t
         gc.collect()
-    depth = base.model_args.n_layers
+    # the costing trainers were built shallow: the job's own depth and model FLOPs come from its full args
+    depth, flops_per_token = full_depth_and_flops(cfg, base)
     est = {"torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
            "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth)}
     full = {}
@@ -186,7 +202,7 @@ def main(argv=None):
     chips = dims.world_size
     peak = small_tt[0]["peak_bf16_flops_per_device"]
     tokens_micro = dims.local_batch_size * dims.dp * dims.seq_len
-    model_per_chip = base.flops_per_token * tokens_micro / chips
+    model_per_chip = flops_per_token * tokens_micro / chips
     for name in ("torchtpu", "pure JAX"):
         e = est[name]
         s = e["estimated_step_seconds"]
