@@ -23,11 +23,11 @@ test: lint
 	$(PY) -m pytest -n 2 -p no:cacheprovider tests
 
 bench: $(STAMP)
-	$(PY) bench/eager_overhead.py
-	$(PY) bench/compile_cache.py
-	$(PY) bench/encoder_step.py
-	$(PY) bench/train_step.py
-	$(PY) bench/sharded_step.py
+	$(PY) -m bench.eager_overhead
+	$(PY) -m bench.compile_cache
+	$(PY) -m bench.encoder_step
+	$(PY) -m bench.train_step
+	$(PY) -m bench.sharded_step
 
 train: $(STAMP)
 	$(PY) -m torchtpu.train --config train_configs/debug_model.toml

@@ -3,7 +3,7 @@ flash-attention kernels (what F.scaled_dot_product_attention runs on TPU) next t
 blocked pure-JAX attention (TORCHTPU_PALLAS_ATTENTION=0), in one run: HBM temporaries, the
 FLOPs XLA counts and its estimated seconds.
 
-    python bench/attention_tpu.py --topology v5p:2x2x1 --batch 1 --heads 32 --kv-heads 8 --seq 8192
+    python -m bench.attention_tpu --topology v5p:2x2x1 --batch 1 --heads 32 --kv-heads 8 --seq 8192
 
 The defaults are one Llama 3 8B layer's attention at seq 8192 on one chip. The blocked path
 runs its query blocks in a loop whose body XLA costs once, so its FLOPs and seconds are

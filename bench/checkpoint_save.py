@@ -1,8 +1,8 @@
 """Checkpoint saving during training, side by side in one run: blocking save vs asynchronous save, and the
 training step's time while an asynchronous save is being written vs a normal step (goal <= 1.2x).
 
-    .venv/bin/python bench/checkpoint_save.py                       # debug model, FSDP over 8 XLA CPU devices
-    .venv/bin/python bench/checkpoint_save.py --seq-len 256 --local-batch-size 4 --rounds 3
+    python -m bench.checkpoint_save                       # debug model, FSDP over 8 XLA CPU devices
+    python -m bench.checkpoint_save --seq-len 256 --local-batch-size 4 --rounds 3
 
 The job is torchtpu-train's own (train_configs/debug_model.toml through Trainer): the state saved is the
 full resumable state (parameters, AdamW moments, schedule, data position), with the trainer's
@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

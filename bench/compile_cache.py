@@ -1,6 +1,6 @@
 """First-step time of a fresh process with a cold and with a warm persistent compilation cache.
 
-    .venv/bin/python bench/compile_cache.py
+    python -m bench.compile_cache
 
 Each measurement is a new Python process that builds a small transformer on tpu and runs the
 first two calls of a `torchtpu.compile`d training step (the eager warm-up call and the call

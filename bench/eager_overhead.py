@@ -1,6 +1,6 @@
 """Per-op dispatch cost of a small pointwise op, side by side in one run.
 
-    .venv/bin/python bench/eager_overhead.py
+    python -m bench.eager_overhead
 
 Compares `a + 1` on a 16-element float32 tensor for: torchtpu eager (tpu device on XLA's CPU
 backend), PyTorch eager on CPU, and a bare jitted JAX op (the floor torchtpu sits on). Steady

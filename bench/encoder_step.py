@@ -1,6 +1,6 @@
 """A compiled training step of a PyTorch TransformerEncoder: torchtpu vs PyTorch's own device.
 
-    .venv/bin/python bench/encoder_step.py                      # tpu device on XLA:CPU vs torch CPU
+    python -m bench.encoder_step                      # tpu device on XLA:CPU vs torch CPU
     TORCHTPU_PLATFORM=gpu python3 bench/encoder_step.py --torch-device cuda   # XLA:GPU vs CUDA eager
 
 Needs only torch (no torchtitan), so it runs on machines that lack the project's other pins.
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from common import lm_step, timed
+from bench.common import lm_step, timed
 
 
 def make_step(model, head, opt):
@@ -63,8 +63,8 @@ def main():
     if a.reference_only:
         print(json.dumps({"s": torch_reference(a)}))
         return
-    child = subprocess.run([sys.executable, __file__, "--reference-only"] + sys.argv[1:], capture_output=True,
-                           text=True, env=os.environ)
+    child = subprocess.run([sys.executable, "-m", "bench.encoder_step", "--reference-only"] + sys.argv[1:],
+                           capture_output=True, text=True, env=os.environ)
     if child.returncode != 0:
         raise SystemExit(f"PyTorch reference failed:\n{child.stderr[-3000:]}")
     reference_s = json.loads(child.stdout.strip().splitlines()[-1])["s"]

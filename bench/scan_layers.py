@@ -8,7 +8,7 @@ libtpu's compiler (no TPU needed), at two depths, three ways:
 - scan/select: the layer scan, block i's weights picked inside the loop (the default);
 - scan/stack: the layer scan over a stacked copy of the blocks' weights.
 
-    python bench/scan_layers.py [--topology v5p:2x2x1] [--dim 1024] [--layers 4,8] [--seq 2048]
+    python -m bench.scan_layers [--topology v5p:2x2x1] [--dim 1024] [--layers 4,8] [--seq 2048]
 
 Compile time is CPU seconds of this process (the VM is shared; wall time says little).
 """
@@ -18,11 +18,9 @@ import argparse
 import os
 import re
 import resource
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_seconds() -> float:

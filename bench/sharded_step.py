@@ -1,8 +1,8 @@
 """Sharded compiled training step: torchtpu's sharding layer vs pure JAX with the same shardings.
 
-    .venv/bin/python bench/sharded_step.py                      # CPU runs + TPU v5p:2x2x1 AOT
-    .venv/bin/python bench/sharded_step.py --steps 3 --no-aot   # CPU runs only
-    .venv/bin/python bench/sharded_step.py --no-cpu             # TPU ahead-of-time part only
+    python -m bench.sharded_step                      # CPU runs + TPU v5p:2x2x1 AOT
+    python -m bench.sharded_step --steps 3 --no-aot   # CPU runs only
+    python -m bench.sharded_step --no-cpu             # TPU ahead-of-time part only
 
 The ~100M-parameter torchtitan Llama 3 ("llama3_100m" of bench/train_step.py: dim 768, 12 layers,
 12 heads, vocab 8192), one compiled step (forward, backward, clipping, AdamW; float32), under
@@ -15,7 +15,7 @@ The ~100M-parameter torchtitan Llama 3 ("llama3_100m" of bench/train_step.py: di
 
 (a) torchtpu: torchtitan's Transformer parallelized by torchtpu.models.llama3.parallelize_llama,
     the step compiled by torchtpu.compile;
-(b) pure JAX: the model of bench/train_step.py given the SAME parameter shardings as
+(b) pure JAX: bench/jax_llama.py's model, as bench/train_step.py runs it, given the SAME parameter shardings as
     NamedShardings, the batch over dp_shard, activations pinned with with_sharding_constraint
     the way a MaxText user annotates them (batch over dp_shard; heads / ffn hidden over tp).
 
@@ -27,13 +27,11 @@ the collectives, and lists any collective that differs between the two programs.
 from __future__ import annotations
 
 import os
-import sys
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -52,21 +50,21 @@ from torchtitan.models.llama3 import Transformer  # noqa: E402
 import torchtpu  # noqa: E402
 from torchtpu.backend.dispatch import array_of  # noqa: E402
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
-from torchtpu.distributed.topology import aot_compile, compile_report, topology_devices  # noqa: E402
+from torchtpu.distributed.topology import aot_compile, chip_spec, compile_report, topology_devices  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402
 from torchtpu.models.llama3.parallelize import batch_placements  # noqa: E402
 
-from common import lm_step, timed  # noqa: E402
-from train_step import (  # noqa: E402
+from bench.common import lm_step, timed  # noqa: E402
+from bench.train_step import (  # noqa: E402
     BETAS, CONFIGS, EPS, LR, MAX_NORM, WD, jax_params_from, make_jax_loss, make_jax_step,
 )
 
 DP, TP = "dp_shard", "tp"
 TOPOLOGY = "v5p:2x2x1"
-# v5p per chip: 459e12 bf16 flop/s (DESIGN.md), HBM bandwidth 2765 GB/s (Google's v5p spec).
+# v5p per chip: bf16 peak and HBM bandwidth from torchtpu's chip table (topology.chip_spec).
 # A float32 matmul at Precision.HIGHEST runs as 6 bf16 MXU passes, at DEFAULT as 1.
-V5P_BF16 = 459e12
-V5P_HBM_BW = 2.765e12
+V5P_BF16 = chip_spec("v5p")["peak_bf16_flops"]
+V5P_HBM_BW = chip_spec("v5p")["hbm_bandwidth"]
 HIGHEST_PASSES = 6
 
 

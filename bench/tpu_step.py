@@ -1,13 +1,13 @@
 """torchtpu's trainer step vs a pure-JAX Llama 3 step, compiled ahead of time for a TPU slice.
 
-    .venv/bin/python bench/tpu_step.py --config train_configs/llama3_8b.toml --topology v5p:2x2x1
-    .venv/bin/python bench/tpu_step.py --config train_configs/llama3_8b.toml --topology v6e:2x2 --scan --pallas
+    python -m bench.tpu_step --config train_configs/llama3_8b.toml --topology v5p:2x2x1 --scan --pallas
+    python -m bench.tpu_step --config train_configs/llama3_8b.toml --topology v6e:2x2 --scan --pallas --no-full
 
 (a) torchtpu: the step `torchtpu-train --dry-run` compiles (torchtitan's Llama 3 for the config's
     flavor, parallelized by the trainer, one micro-batch, full activation recomputation as the
     config says, bf16 compute with fp32 master weights and fp32 gradient reduction, AdamW with
     clipping).
-(b) pure JAX, written the way a MaxText user would: the same model and math, parameters as a
+(b) pure JAX (bench/jax_llama.py), written the way a MaxText user would: the same model and math, parameters as a
     dict of fp32 arrays with torchtpu's own shardings (read from the trainer's model, so both
     programs lay out every tensor alike), cast to bf16 inside each layer, each layer under
     `jax.checkpoint` (full recomputation) and, with --scan, all layers under one `lax.scan`
@@ -22,15 +22,12 @@ torchtitan's model FLOPs per token and the chip's bf16 peak.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from torchtpu.distributed.topology import aot_compile, compile_report, depth_extrapolated_cost  # noqa: E402
 
-from train_step import apply_rope, rms_norm, rope_tables  # noqa: E402
+from bench import jax_llama  # noqa: E402
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -68,36 +65,15 @@ def param_specs(trainer) -> dict:
     for name, v in trainer.model.named_parameters():
         st = v._st
         sh = st.dist[2] if getattr(st, "dist", None) else array_of(v).sharding
-        out[name.replace("_checkpoint_wrapped_module.", "")] = (tuple(v.shape), P(*sh.spec))
+        out[name.replace("_checkpoint_wrapped_module.", "").replace(".module.", ".")] = (tuple(v.shape), P(*sh.spec))
     return out
 
 
 # ----------------------------------------------------------------------------- (b) pure JAX
 
-LAYER_KEYS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-              "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-              "feed_forward.w3.weight")
-
-
-def _attention(q, k, v, mesh, batch_axes, tp, pallas):
-    """Causal attention of (b, s, h, d) q and (b, s, kv, d) k/v."""
-    if not pallas:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
-
-    rep = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    spec = P(batch_axes, tp, None, None)
-    fn = jax.shard_map(lambda a, b, c: flash_attention(a, b, c, causal=True, sm_scale=1 / math.sqrt(a.shape[-1])),
-                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    out = fn(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-    return out.transpose(0, 2, 1, 3)
-
-
-def make_reference_loss(args, seq, mesh, n_layers, scan, pallas, remat):
-    head_dim = args.dim // args.n_heads
-    n_kv = args.n_kv_heads or args.n_heads
-    cos, sin = rope_tables(head_dim, seq, args.rope_theta)
+def make_reference_loss(args, seq, mesh, scan, pallas, remat):
+    """bench/jax_llama.py's Llama 3 as a MaxText user runs it on this mesh: bf16 compute, activations
+    pinned to the batch (data-parallel axes) and heads / hidden features (tp) shards."""
     axes = mesh.axis_names
     batch_axes = tuple(a for a in axes if a.startswith("dp") and mesh.shape[a] > 1) or None
     tp = "tp" if "tp" in axes and mesh.shape["tp"] > 1 else None
@@ -107,37 +83,8 @@ def make_reference_loss(args, seq, mesh, n_layers, scan, pallas, remat):
     def pin(x, kind):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, acts[kind]))
 
-    def layer(h, w):
-        w = {k: v.astype(jnp.bfloat16) for k, v in w.items()}  # mixed precision: bf16 compute
-        b, s, _ = h.shape
-        x = rms_norm(h, w["attention_norm.weight"], args.norm_eps)
-        q = pin((x @ w["attention.wq.weight"].T).reshape(b, s, args.n_heads, head_dim), "heads")
-        k = pin((x @ w["attention.wk.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
-        v = pin((x @ w["attention.wv.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
-        q = apply_rope(q.astype(jnp.float32), cos, sin).astype(jnp.bfloat16)
-        k = apply_rope(k.astype(jnp.float32), cos, sin).astype(jnp.bfloat16)
-        attn = _attention(q, k, v, mesh, batch_axes, tp, pallas).reshape(b, s, -1)
-        h = pin(h + pin(attn, "hidden") @ w["attention.wo.weight"].T, "resid")
-        x = rms_norm(h, w["ffn_norm.weight"], args.norm_eps)
-        ff = jax.nn.silu(x @ w["feed_forward.w1.weight"].T) * (x @ w["feed_forward.w3.weight"].T)
-        return pin(h + pin(ff, "hidden") @ w["feed_forward.w2.weight"].T, "resid")
-
-    if remat:
-        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-
-    def loss_fn(p, tokens, labels):
-        h = pin(p["tok_embeddings.weight"].astype(jnp.bfloat16)[tokens], "resid")
-        if scan and n_layers:
-            h, _ = jax.lax.scan(lambda c, w: (layer(c, w), None), h, p["layers"])
-        else:
-            for i in range(n_layers):
-                h = layer(h, {k: p[f"layers.{i}.{k}"] for k in LAYER_KEYS})
-        h = rms_norm(h, p["norm.weight"].astype(jnp.bfloat16), args.norm_eps)
-        logits = pin(h @ p["output.weight"].astype(jnp.bfloat16).T, "logits").astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-
-    return loss_fn
+    return jax_llama.make_loss(args, seq, pin=pin, compute_dtype=jnp.bfloat16, remat=remat, scan=scan,
+                               attention="pallas" if pallas else "xla", mesh=mesh, batch_axes=batch_axes, tp=tp)
 
 
 def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd=0.1, max_norm=1.0):
@@ -161,33 +108,45 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
                             tree, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[1], P))
 
     params = sds(shapes)
-    loss_fn = make_reference_loss(args, dims.seq_len, mesh, n_layers, scan, pallas, remat)
-
-    def step(params, m, v, count, tokens, labels):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)
-        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-        scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-        count = count + 1
-        b1, b2 = BETAS
-        m = jax.tree.map(lambda m_, g: b1 * m_ + (1 - b1) * g * scale, m, grads)
-        v = jax.tree.map(lambda v_, g: b2 * v_ + (1 - b2) * (g * scale) ** 2, v, grads)
-        c1, c2 = 1 - b1 ** count, 1 - b2 ** count
-        params = jax.tree.map(lambda p_, m_, v_: p_ * (1 - lr * wd) - lr * (m_ / c1) / (jnp.sqrt(v_ / c2) + EPS),
-                              params, m, v)
-        return params, m, v, count, loss, norm
+    loss_fn = make_reference_loss(args, dims.seq_len, mesh, scan and n_layers > 0, pallas, remat)
+    step = jax_llama.adamw_step(loss_fn, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, max_norm=max_norm)
 
     batch_axes = tuple(a for a in mesh.axis_names if a.startswith("dp") and mesh.shape[a] > 1) or None
     tok = jax.ShapeDtypeStruct((dims.local_batch_size * dims.dp, dims.seq_len), jnp.int32,
                                sharding=NamedSharding(mesh, P(batch_axes, None)))
     count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
-    compiled = aot_compile(lowered)
+    # a pure-JAX program needs no 64-bit types (torchtpu turns jax's x64 on for PyTorch's int64 and
+    # float64), and Mosaic's (Pallas TPU) index maps must be 32-bit
+    with jax.enable_x64(False):
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
+        compiled = aot_compile(lowered)
     dt = time.perf_counter() - t0
     return compile_report(compiled, mesh), dt
 
 
 # ----------------------------------------------------------------------------- report
+
+
+def full_depth_and_flops(cfg, shallow_trainer):
+    """(n_layers, torchtitan's training FLOPs per token) of the job's model at its own depth (the
+    trainers that cost it were built with fewer layers)."""
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from torchtpu.train.metrics import model_flops_per_token
+    from torchtpu.train.trainer import build_model_args
+
+    args = build_model_args(cfg, shallow_trainer.tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    return args.n_layers, model_flops_per_token(model, args, cfg.training.seq_len)[1]
+
+
+def _log(msg):
+    """A progress line with the machine's load (compile times depend on it)."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{msg} (load average {load} on {os.cpu_count()} CPUs)", flush=True)
 
 
 def _gib(n):
@@ -216,28 +175,34 @@ def main(argv=None):
     small_tt, small_ref = [], []
     base = None
     for n in COSTING_DEPTHS:
-        rep, _, t = torchtpu_program(unrolled(cfg), n_layers=n)
+        rep, dt, t = torchtpu_program(unrolled(cfg), n_layers=n)
+        _log(f"torchtpu, {n} layers unrolled: compiled in {dt:.0f} s")
         small_tt.append(rep)
         base = base or t
         specs = param_specs(t)
         ac_mode, _ = _ac_settings(cfg)
-        small_ref.append(reference_program(t, specs, n, False, a.pallas, ac_mode != "none")[0])
+        rep, dt = reference_program(t, specs, n, False, a.pallas, ac_mode != "none")
+        _log(f"pure JAX, {n} layers unrolled: compiled in {dt:.0f} s")
+        small_ref.append(rep)
         del t
         gc.collect()
-    depth = base.model_args.n_layers
+    # the costing trainers were built shallow: the job's own depth and model FLOPs come from its full args
+    depth, flops_per_token = full_depth_and_flops(cfg, base)
     est = {"torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
            "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth)}
     full = {}
     if not a.no_full:
         rep, dt, trainer = torchtpu_program(cfg)
         full["torchtpu"] = (rep, dt)
+        _log(f"torchtpu, {depth} layers: compiled in {dt:.0f} s")
         specs = param_specs(trainer)
         full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, _ac_settings(cfg)[0] != "none")
+        _log(f"pure JAX, {depth} layers: compiled in {full['pure JAX'][1]:.0f} s")
     dims = base.dims
     chips = dims.world_size
     peak = small_tt[0]["peak_bf16_flops_per_device"]
     tokens_micro = dims.local_batch_size * dims.dp * dims.seq_len
-    model_per_chip = base.flops_per_token * tokens_micro / chips
+    model_per_chip = flops_per_token * tokens_micro / chips
     for name in ("torchtpu", "pure JAX"):
         e = est[name]
         s = e["estimated_step_seconds"]
@@ -245,6 +210,9 @@ def main(argv=None):
                "tokens/s per chip": f"{tokens_micro / s / chips:,.0f}" if s else "n/a",
                "est. MFU": f"{100 * model_per_chip / (s * peak):.1f}%" if s else "n/a",
                "XLA FLOPs / chip": f"{e['flops_per_device']:.4g} ({e['flops_per_device'] / model_per_chip:.2f}x model)"}
+        small = (small_tt if name == "torchtpu" else small_ref)[-1]
+        row[f"HBM / chip at {COSTING_DEPTHS[-1]} layers (unrolled)"] = (
+            f"{_gib(small['hbm_bytes_needed'])} (temp {_gib(small['memory']['temp_bytes'])})")
         if name in full:
             rep, dt = full[name]
             row["HBM / chip"] = f"{_gib(rep['hbm_bytes_needed'])} (temp {_gib(rep['memory']['temp_bytes'])})"

@@ -1,13 +1,13 @@
 """One compiled training step of torchtitan's Llama 3, side by side in one run.
 
-    .venv/bin/python bench/train_step.py                 # debugmodel and the ~100M config
-    .venv/bin/python bench/train_step.py --configs debugmodel --steps 3
+    python -m bench.train_step                 # debugmodel and the ~100M config
+    python -m bench.train_step --configs debugmodel --steps 3
 
 For each model config, on one XLA CPU device, it reports tokens/s of:
   (a) torchtpu: torchtitan's Transformer on the tpu device, the whole step (forward, backward,
       clipping, AdamW) compiled by torchtpu.compile into one XLA program;
-  (b) pure JAX: the same model and math written directly in JAX (below), the way a MaxText
-      user would write it, with the same initial weights, jitted with donated state;
+  (b) pure JAX: the same model and math written directly in JAX (bench/jax_llama.py), the way a
+      MaxText user would write it, with the same initial weights, jitted with donated state;
   (c) PyTorch eager on the CPU;
   (d) torch.compile (inductor) on the CPU.
 The ratio torchtpu / pure JAX is the cost of the PyTorch frontend (goal: >= 0.95).
@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs, llama3_args  # noqa: E402
 
 import torchtpu  # noqa: E402
-from common import lm_step, timed  # noqa: E402
+from bench import jax_llama  # noqa: E402
+from bench.common import lm_step, timed  # noqa: E402
 
 CONFIGS = {
     "debugmodel": (llama3_args["debugmodel"], 4, 128),
@@ -46,84 +45,15 @@ def jax_params_from(model: Transformer):
     return p
 
 
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * w
-
-
-def rope_tables(head_dim, seq, theta):
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2)[: head_dim // 2] / head_dim))
-    angles = np.outer(np.arange(seq), freqs)
-    return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
-
-
-def apply_rope(x, cos, sin):
-    # pairs (2i, 2i+1) as real/imaginary parts, as torch.view_as_complex reads them
-    b, s, h, d = x.shape
-    xr = x.reshape(b, s, h, d // 2, 2)
-    re, im = xr[..., 0], xr[..., 1]
-    c, sn = cos[None, :s, None, :], sin[None, :s, None, :]
-    return jnp.stack([re * c - im * sn, re * sn + im * c], axis=-1).reshape(b, s, h, d)
-
-
 def make_jax_loss(args: TransformerModelArgs, seq: int, pin=None):
-    """The Llama 3 loss in plain JAX. `pin(x, kind)` may annotate activations (bench/sharded_step.py
-    pins "resid" (b, s, dim), "heads" (b, s, h, d), "hidden" (b, s, features) and "logits")."""
-    head_dim = args.dim // args.n_heads
-    n_kv = args.n_kv_heads or args.n_heads
-    cos, sin = rope_tables(head_dim, seq, args.rope_theta)
-    if pin is None:
-        def pin(x, kind):
-            return x
-
-    def loss_fn(p, tokens, labels):
-        h = pin(p["tok_embeddings.weight"][tokens], "resid")
-        b, s, _ = h.shape
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        for i in range(args.n_layers):
-            pre = f"layers.{i}."
-            x = rms_norm(h, p[pre + "attention_norm.weight"], args.norm_eps)
-            q = pin((x @ p[pre + "attention.wq.weight"].T).reshape(b, s, args.n_heads, head_dim), "heads")
-            k = pin((x @ p[pre + "attention.wk.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
-            v = pin((x @ p[pre + "attention.wv.weight"].T).reshape(b, s, n_kv, head_dim), "heads")
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            rep = args.n_heads // n_kv
-            k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-            scores = jnp.where(mask, scores, -jnp.inf)
-            attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, -1)
-            h = pin(h + pin(attn, "hidden") @ p[pre + "attention.wo.weight"].T, "resid")
-            x = rms_norm(h, p[pre + "ffn_norm.weight"], args.norm_eps)
-            ff = jax.nn.silu(x @ p[pre + "feed_forward.w1.weight"].T) * (x @ p[pre + "feed_forward.w3.weight"].T)
-            h = pin(h + pin(ff, "hidden") @ p[pre + "feed_forward.w2.weight"].T, "resid")
-        h = rms_norm(h, p["norm.weight"], args.norm_eps)
-        logits = pin((h @ p["output.weight"].T).astype(jnp.float32), "logits")
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-
-    return loss_fn
+    """The reference Llama 3 loss (bench/jax_llama.py) as this benchmark runs it: float32, dense
+    attention, unrolled layers. `pin(x, kind)` may annotate activations (bench/sharded_step.py)."""
+    return jax_llama.make_loss(args, seq, pin=pin)
 
 
 def make_jax_step(loss_fn):
-    def step(params, m, v, count, tokens, labels):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)
-        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-        scale = jnp.minimum(1.0, MAX_NORM / (norm + 1e-6))
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        count = count + 1
-        b1, b2 = BETAS
-        m = jax.tree.map(lambda m_, g: b1 * m_ + (1 - b1) * g, m, grads)
-        v = jax.tree.map(lambda v_, g: b2 * v_ + (1 - b2) * g * g, v, grads)
-        c1, c2 = 1 - b1 ** count, 1 - b2 ** count
-
-        def update(p_, m_, v_):
-            p_ = p_ * (1 - LR * WD)
-            return p_ - LR * (m_ / c1) / (jnp.sqrt(v_ / c2) + EPS)
-
-        params = jax.tree.map(update, params, m, v)
-        return params, m, v, count, loss
-
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3))
+    return jax.jit(jax_llama.adamw_step(loss_fn, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_norm=MAX_NORM),
+                   donate_argnums=(0, 1, 2, 3))
 
 
 # ----------------------------------------------------------------------------- torch steps

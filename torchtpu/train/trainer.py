@@ -48,6 +48,7 @@ import warnings
 
 from .config import ConfigError, JobConfig, ParallelDims, validate
 from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
+from .loss import cross_entropy_loss, language_model_loss  # noqa: F401  (cross_entropy_loss: re-exported)
 
 __all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
 
@@ -203,15 +204,6 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
     # validation sequences too.
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
     return args
-
-
-def cross_entropy_loss(logits, labels):
-    """torchtitan's loss: mean token cross entropy, computed in float32."""
-    import torch.nn.functional as F
-
-    # PyTorch wants int64 class indices; the trainer's token ids are int32 on the device
-    # (docs/DESIGN_NOTES.md), and the widening is folded away by the compiler.
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1).long())
 
 
 def _scalar(value: float, mesh=None, lazy: bool = False):
@@ -426,7 +418,9 @@ class Trainer:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
             # loss_parallel): the cross entropy reduces across the tp shards, never gathering them.
             with self._loss_context():
-                loss = cross_entropy_loss(self.model(inputs), labels)
+                # (chunked unless tensor parallel: see [training] loss_chunk_size)
+                chunk = self.cfg.training.loss_chunk_size if self.dims.tp == 1 else 0
+                loss = language_model_loss(self.model, inputs, labels, chunk)
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
             total = d if total is None else total + d

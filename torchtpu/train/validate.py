@@ -95,7 +95,7 @@ class Validator:
     def _eval_step(self, inputs, labels):
         import torch
 
-        from .trainer import cross_entropy_loss
+        from .loss import cross_entropy_loss
 
         # Llama 3 has no dropout or batch-norm, so train/eval mode would not change the forward;
         # no_grad keeps the program forward-only.
