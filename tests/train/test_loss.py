@@ -118,7 +118,7 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
     from torchtpu.train.config import load_config
     from torchtpu.train.trainer import Trainer
 
-    toml = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs",
+    toml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_configs",
                         "debug_model.toml")
     losses = {}
     for chunk in (0, 8):
