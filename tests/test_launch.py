@@ -157,8 +157,9 @@ def _training_pid(job: Job, host: int) -> int:
     raise AssertionError(f"no training process of host {host} among {_job_pids(job.mark)}")
 
 
-@pytest.mark.xfail(strict=False, reason='passed on its branch (launcher exit 50.5 s after the kill); failed once in the merged full suite under load, not yet diagnosed (issue 10)')
 def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
+    # The surviving host sees its collective fail and exits 42 at once, often before the killed host's
+    # agent has reported: the launcher must still name the killed host as the cause, not the survivor.
     job = launch(tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300"])
     try:
         job.wait_for(r"^\[host 0\] step +3 \|", 600)
@@ -170,7 +171,7 @@ def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
         text = job.text()
         assert code != 0, text[-3000:]
         assert elapsed < 60
-        assert re.search(r"host 1 .*killed by signal 9 \(SIGKILL\)", text), text[-3000:]
+        assert re.search(r"job failed: host 1 killed by signal 9 \(SIGKILL\)", text), text[-3000:]
         assert _job_pids(job.mark) == [], "processes of the job are still running"
         print(f"launcher exited {code} {elapsed:.1f} s after the kill")
     finally:
