@@ -512,7 +512,8 @@ class GlobalBatchLoader:
 
     def state_dict(self) -> dict:
         """{"global_rows": G, "streams": {row: that row's TokenBatchLoader state}} for this loader's rows."""
-        return {"global_rows": self.global_rows, "streams": {r: s.state_dict() for r, s in zip(self.rows, self.streams)}}
+        streams = {r: s.state_dict() for r, s in zip(self.rows, self.streams)}
+        return {"global_rows": self.global_rows, "streams": streams}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this loader's rows from a state holding them ("streams": a {row: state} dict or a
@@ -524,7 +525,7 @@ class GlobalBatchLoader:
                 f"{self.global_rows}; resume with the same global batch (or start the data from scratch)")
         streams = state["streams"]
         for r, s in zip(self.rows, self.streams):
-            s.load_state_dict(streams[r] if isinstance(streams, (list, tuple)) else streams[r])
+            s.load_state_dict(streams[r])
 
 
 def build_global_batch_loader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, global_rows: int,

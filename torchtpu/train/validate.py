@@ -87,7 +87,8 @@ class Validator:
             raise ConfigError(
                 f"[validation] dataset = {v.dataset!r}, dataset_path = {v.dataset_path!r}: the split holds fewer tokens "
                 f"than one validation batch needs: one of its {self.global_rows} row streams (one per sequence of the "
-                f"batch) has fewer than {v.seq_len + 1} tokens; lower validation.local_batch_size or seq_len, or give a larger validation set")
+                f"batch) has fewer than {v.seq_len + 1} tokens; lower validation.local_batch_size or seq_len, or give "
+                "a larger validation set")
         return n
 
     def should_validate(self, step: int) -> bool:
