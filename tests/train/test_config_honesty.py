@@ -210,9 +210,9 @@ def plan(cfg) -> dict:
     out["schedule"] = [round(sched.lr_lambdas[0](k), 9) for k in [*range(0, 60, 3), 150, 500, 2000, 5000, 8000, 9990]]
     tok = build_tokenizer(None)
     if isinstance(dims, C.ParallelDims):
-        out["train_data"] = _outcome(lambda: _summary(T.build_train_dataloader(cfg, tok, dims, 0, 1),
+        out["train_data"] = _outcome(lambda: _summary(T.build_train_dataloader(cfg, tok, dims),
                                                       ["local_batch_size", "seq_len"])
-                                     | {"source": T.build_train_dataloader(cfg, tok, dims, 0, 1).source.name})
+                                     | {"source": T.build_train_dataloader(cfg, tok, dims).source.name})
 
         def validator():
             v = build_validator(cfg, None, tok, dims, None, None)

@@ -309,3 +309,54 @@ def test_rank_without_documents_fails_clearly(tmp_path, tok):
     loader = build_dataloader("x", str(tmp_path / "a.txt"), tok, 8, 1, 1, 2)
     with pytest.raises(ValueError, match="rank 1 of 2 got no documents"):
         next(loader)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's global batch: one stream per row, the same rows whatever reads them
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bundled", "files"])
+def test_global_batch_rows_do_not_depend_on_the_split(tmp_path, tok, kind):
+    """Rows read by 1, 2 or 4 'processes' (any subsets) are the rows of the whole batch; row r is the
+    stream of documents r, r + G, ... (one sequence per batch), independently of any other row."""
+    from torchtpu.train.data import build_global_batch_loader
+
+    path = None
+    if kind == "files":  # 6 files >= 4 rows: rows split whole files
+        for f in range(6):
+            (tmp_path / f"{f}.txt").write_text("\n\n".join(_docs(9, prefix=f"f{f}")))
+        path = str(tmp_path)
+    args = ("bundled" if path is None else "local", path, tok, 16, 4)
+    full = _take(build_global_batch_loader(*args, seed=2), 12)
+    assert full[0][0].shape == (4, 16)
+    for split in ([[0, 1, 2, 3]], [[0, 1], [2, 3]], [[3], [1], [0, 2]]):
+        parts = [_take(build_global_batch_loader(*args, rows=rows, seed=2), 12) for rows in split]
+        for k in range(12):
+            for rows, part in zip(split, parts):
+                np.testing.assert_array_equal(part[k][0], full[k][0][sorted(rows)])
+                np.testing.assert_array_equal(part[k][1], full[k][1][sorted(rows)])
+    # row r alone is rank r of 4 of the per-rank loader, one sequence at a time
+    for r in range(4):
+        alone = _take(build_dataloader(*args[:4], 1, r, 4, seed=2), 12)
+        for k in range(12):
+            np.testing.assert_array_equal(alone[k][0][0], full[k][0][r])
+
+
+def test_global_batch_state_is_per_row_and_resumes_on_another_split(tok):
+    from torchtpu.train.data import build_global_batch_loader
+
+    one = build_global_batch_loader("bundled", None, tok, 16, 4, seed=1)
+    _take(one, 5)
+    state = json.loads(json.dumps({"global_rows": 4, "streams": [one.state_dict()["streams"][r] for r in range(4)]}))
+    want = _take(one, 6)
+    for rows in ([0, 1], [2, 3]):  # two "processes" resume the rows they now hold
+        half = build_global_batch_loader("bundled", None, tok, 16, 4, rows=rows, seed=9)  # the saved seed wins
+        half.load_state_dict(state)
+        for (x, y), (wx, wy) in zip(_take(half, 6), want):
+            np.testing.assert_array_equal(x, wx[rows])
+            np.testing.assert_array_equal(y, wy[rows])
+    with pytest.raises(ValueError, match="global batch of 4 row streams but this loader has 8"):
+        build_global_batch_loader("bundled", None, tok, 16, 8).load_state_dict(state)
+    with pytest.raises(ValueError, match="rows"):
+        build_global_batch_loader("bundled", None, tok, 16, 4, rows=[4])

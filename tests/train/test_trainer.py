@@ -77,7 +77,7 @@ def reference_losses(cfg, init, steps):
     """The same job as a plain PyTorch loop on the CPU: same model, weights, batches, optimizer, LR, clipping."""
     from torchtitan.models.llama3 import Transformer
 
-    from torchtpu.train.data import build_dataloader
+    from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.lr import build_lr_scheduler
     from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.trainer import build_model_args, cross_entropy_loss
@@ -92,8 +92,8 @@ def reference_losses(cfg, init, steps):
                             weight_decay=o.weight_decay, foreach=True)
     sched = build_lr_scheduler(opt, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
                                cfg.training.steps)
-    loader = build_dataloader(cfg.training.dataset, cfg.training.dataset_path, tok, cfg.training.seq_len,
-                              cfg.training.local_batch_size * 8, dp_rank=0, dp_world_size=1, seed=cfg.debug.seed)
+    loader = build_global_batch_loader(cfg.training.dataset, cfg.training.dataset_path, tok, cfg.training.seq_len,
+                                       cfg.training.local_batch_size * 8, seed=cfg.debug.seed)
     losses = []
     for _ in range(steps):
         x, y = next(loader)

@@ -42,7 +42,7 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
     """Plain PyTorch on the CPU: the trainer's current weights, the first `batches` held-out batches."""
     from torchtitan.models.llama3 import Transformer
 
-    from torchtpu.train.data import build_dataloader
+    from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.trainer import build_model_args, cross_entropy_loss
 
@@ -52,8 +52,8 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and all("freqs_cis" in k for k in missing)
     v = cfg.validation
-    loader = build_dataloader(v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp, 0, 1,
-                              infinite=v.steps != -1)
+    loader = build_global_batch_loader(v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp,
+                                       infinite=v.steps != -1)
     losses = []
     with torch.no_grad():
         for _ in range(batches):
@@ -78,13 +78,19 @@ def test_validation_logs_a_falling_loss_that_matches_the_cpu(tmp_path):
     assert losses[2] < losses[1] < losses[0], losses
     for h in val.values():
         assert h["validation/perplexity"] == pytest.approx(math.exp(h["validation/loss"]), rel=1e-9)
-    # the whole held-out split: every complete batch of 8 x 33 tokens from its documents
+    # the whole held-out split: every complete batch of 8 rows x 33 tokens, row r being the documents at
+    # positions r, r + 8, ... of the split in its seed-0 epoch-0 order; the row with the fewest windows decides
+    import numpy as np
+
     from torchtpu.train.data import bundled_documents
 
-    held_tokens = sum(len(t.tokenizer.encode(d, bos=True, eos=True)) for d in bundled_documents("validation"))
+    docs = bundled_documents("validation")
+    order = np.random.default_rng([0, 0]).permutation(len(docs))
+    row_tokens = [sum(len(t.tokenizer.encode(docs[order[i]], bos=True, eos=True)) for i in range(r, len(docs), 8))
+                  for r in range(8)]
     n = val[8]["validation/batches"]
-    assert len(bundled_documents("validation")) == BUNDLED_VALIDATION_DOCS
-    assert n == t.validator.num_batches == held_tokens // 33 // 8 > 1
+    assert len(docs) == BUNDLED_VALIDATION_DOCS
+    assert n == t.validator.num_batches == min(row_tokens) // 33 > 1
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     logged = {r["step"]: r["validation/loss"] for r in records if "validation/loss" in r}
     assert logged == {s: pytest.approx(val[s]["validation/loss"]) for s in (1, 4, 8)}

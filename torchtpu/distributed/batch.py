@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from . import placements as pl
 from .mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "place_batch", "activation_batch_axes", "batch_entry",
+__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "host_rows", "place_batch", "activation_batch_axes", "batch_entry",
            "batch_pinner"]
 
 # The job mesh's dims that split the batch (HSDP: replicas x shards).
@@ -30,9 +30,26 @@ def batch_placements(mesh: DeviceMesh) -> tuple:
     return tuple(Shard(0) if n in DATA_PARALLEL_DIMS else Replicate() for n in mesh.mesh_dim_names)
 
 
-def place_batch(x, mesh: DeviceMesh) -> torch.Tensor:
-    """A host numpy batch -> a tpu tensor laid out by `batch_placements(mesh)`. With one process
-    `x` is the whole batch; with several, each passes its own rows (its data-parallel share)."""
+def host_rows(mesh: DeviceMesh, global_rows: int, seq_len: int) -> tuple[int, ...]:
+    """The rows of a (global_rows, seq_len) batch laid out by `batch_placements(mesh)` that this
+    process's devices hold, in order (all of them with one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tuple(range(global_rows))
+    sharding = pl.sharding_for(mesh, batch_placements(mesh), 2)
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((global_rows, seq_len)).values():
+        rows.update(range(*index[0].indices(global_rows)))
+    return tuple(sorted(rows))
+
+
+def place_batch(x, mesh: DeviceMesh, global_rows: int | None = None) -> torch.Tensor:
+    """A host numpy (rows, ...) batch -> a tpu tensor laid out by `batch_placements(mesh)`.
+
+    With one process `x` is the whole batch. With several, `x` holds this process's rows of a
+    batch of `global_rows`, in `host_rows` order; they need not be contiguous, and under tensor
+    parallelism two processes may hold the same rows."""
     import jax
 
     placements = batch_placements(mesh)
@@ -42,8 +59,18 @@ def place_batch(x, mesh: DeviceMesh) -> torch.Tensor:
         return distribute_tensor(torch.from_numpy(x), mesh, placements)
     from ..backend.transfer import from_jax
 
+    if global_rows is None:
+        raise ValueError("place_batch: with several processes, pass global_rows (the batch's size over all of them)")
     sharding = pl.sharding_for(mesh, placements, x.ndim)
-    return from_jax(jax.make_array_from_process_local_data(sharding, x))
+    shape = (global_rows, *x.shape[1:])
+    where = {r: i for i, r in enumerate(host_rows(mesh, global_rows, x.shape[1]))}
+    if len(where) != x.shape[0]:
+        raise ValueError(f"place_batch: this process holds {len(where)} rows of the batch, not {x.shape[0]}")
+
+    def block(index):  # a device's slice of the global batch, from the rows this process read
+        return x[[where[r] for r in range(*index[0].indices(global_rows))]][(slice(None), *index[1:])]
+
+    return from_jax(jax.make_array_from_callback(shape, sharding, block))
 
 
 def activation_batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:

@@ -144,11 +144,15 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
                               shutdown_timeout=shutdown_timeout),
                 env=host_env(os.environ, devices_per_host, i), start_new_session=True))
         first_failure = None  # (host, status)
+        failures = []  # (host, status) of hosts that ended on their own with a failure, in the order seen
+        killed = set()  # hosts this launcher killed after the grace period
         deadline = None
         while True:
             _reap_orphans_only(agents)
             codes = [a.poll() for a in agents]
             for i, c in enumerate(codes):
+                if c not in (None, 0) and i not in killed and all(h != i for h, _ in failures):
+                    failures.append((i, c))
                 if c not in (None, 0) and first_failure is None:
                     first_failure = (i, c)
                     if stop["signal"] is None:
@@ -162,15 +166,16 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
             if deadline is not None and time.monotonic() > deadline:
                 print(f"{PROG}: hosts {[i for i, c in enumerate(codes) if c is None]} still running after the grace "
                       "period: killing them", file=sys.stderr, flush=True)
-                for a in agents:
+                for i, a in enumerate(agents):
                     if a.poll() is None:
+                        killed.add(i)
                         a.kill()
             time.sleep(0.2)
         if first_failure is None:
             status = EXIT_OK
             print(f"{PROG}: all {num_hosts} hosts done", flush=True)
         else:
-            host, code = first_failure
+            host, code = _cause(failures) if failures else first_failure
             if stop["signal"] is not None:
                 status = EXIT_RETRIABLE
             elif code in (EXIT_RETRIABLE, EXIT_CONFIG):
@@ -193,6 +198,13 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
         _reap()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+    """The host whose failure ended the job. The hosts that notice a dead peer (a collective fails) exit
+    42, and one of them may end before the dead host's agent does, so a host that died otherwise (a
+    signal, exit 1 or 2) is the cause ahead of any 42; among equals, the first seen."""
+    return next(((h, c) for h, c in failures if c != EXIT_RETRIABLE), failures[0])
 
 
 def _reap_orphans_only(agents: list[subprocess.Popen]) -> None:

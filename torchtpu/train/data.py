@@ -28,7 +28,13 @@ Packing: each document becomes [BOS] tokens [EOS]; documents are concatenated in
 consecutive, non-overlapping windows of seq_len + 1 tokens; a window w gives inputs w[:-1] and
 labels w[1:]. Documents that are empty or whitespace only are skipped.
 
-Sharding across data-parallel ranks (hosts), deterministic and the same on every rank:
+The trainer's global batch (build_global_batch_loader): a micro-batch of G sequences is G row
+streams, row r being the loader of "rank" r of G below (one sequence per batch). A process builds
+only the rows its devices hold, so which rows step k holds, and in which order, never depends on the
+number of processes or how the devices are split among them; a checkpoint keeps every row's
+position by row index, so a job resumes on another host count or mesh with the same G.
+
+Sharding across data-parallel ranks (or row streams), deterministic and the same on every rank:
   - local files, when there are at least dp_world_size of them: rank r reads files r, r+W, r+2W, ...
     of the sorted list and nothing else;
   - otherwise (one or few files, and the bundled corpus): documents are numbered in reading order
@@ -147,8 +153,9 @@ class _BundledSource(_Source):
         if self._order_epoch != epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self._docs))
             self._order_epoch = epoch
+        order = self._order  # this generator's own: several row streams share the source, at other epochs
         for i in range(start, len(self._docs)):
-            yield i, self._docs[self._order[i]]
+            yield i, self._docs[order[i]]
 
 
 def _has_ext(path: str, exts) -> bool:
@@ -480,6 +487,62 @@ def build_dataloader(
     """This rank's iterator of packed (inputs, labels) batches. See the module docstring."""
     source = _make_source(dataset, dataset_path, seed, dp_rank, dp_world_size)
     return TokenBatchLoader(source, tokenizer, seq_len, local_batch_size, dp_rank, dp_world_size, infinite)
+
+
+class GlobalBatchLoader:
+    """Rows `rows` of every micro-batch of `global_rows` sequences: (inputs, labels) of shape
+    (len(rows), seq_len), row i being global row rows[i]. Each row is its own stream (see the module
+    docstring), so the rows are the same whichever process reads them."""
+
+    def __init__(self, make_source, tokenizer, seq_len: int, global_rows: int, rows, infinite: bool = True):
+        rows = tuple(sorted(set(int(r) for r in rows)))
+        if not rows or rows[0] < 0 or rows[-1] >= global_rows:
+            raise ValueError(f"rows {rows} are not a non-empty subset of the {global_rows} rows of the global batch")
+        self.global_rows, self.rows, self.seq_len = global_rows, rows, seq_len
+        self.local_batch_size = len(rows)
+        self.streams = [TokenBatchLoader(make_source(r), tokenizer, seq_len, 1, r, global_rows, infinite) for r in rows]
+        self.source = self.streams[0].source
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        pairs = [next(s) for s in self.streams]  # a finite stream that runs out ends the whole batch
+        return np.concatenate([x for x, _ in pairs]), np.concatenate([y for _, y in pairs])
+
+    def state_dict(self) -> dict:
+        """{"global_rows": G, "streams": {row: that row's TokenBatchLoader state}} for this loader's rows."""
+        streams = {r: s.state_dict() for r, s in zip(self.rows, self.streams)}
+        return {"global_rows": self.global_rows, "streams": streams}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this loader's rows from a state holding them ("streams": a {row: state} dict or a
+        list indexed by row, as a checkpoint of all rows keeps it)."""
+        saved = state.get("global_rows")
+        if saved != self.global_rows:
+            raise ValueError(
+                f"data loader state is for a global batch of {saved} row streams but this loader has "
+                f"{self.global_rows}; resume with the same global batch (or start the data from scratch)")
+        streams = state["streams"]
+        for r, s in zip(self.rows, self.streams):
+            s.load_state_dict(streams[r])
+
+
+def build_global_batch_loader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, global_rows: int,
+                              rows=None, seed: int = 0, infinite: bool = True) -> GlobalBatchLoader:
+    """Rows `rows` (default: all) of a global batch of `global_rows` row streams. See the module docstring."""
+    shared = {}
+
+    def make_source(r):
+        if "bundled" in shared:  # one copy of the bundled corpus serves every row (it is not rank-dependent)
+            return shared["bundled"]
+        src = _make_source(dataset, dataset_path, seed, r, global_rows)
+        if isinstance(src, _BundledSource):
+            shared["bundled"] = src
+        return src
+
+    return GlobalBatchLoader(make_source, tokenizer, seq_len, global_rows, range(global_rows) if rows is None else rows,
+                             infinite)
 
 
 def token_ids_int32(ids, vocab_size: int):

@@ -132,21 +132,16 @@ def build_schedule(optimizer, cfg: JobConfig):
                               ls.total_steps or cfg.training.steps)
 
 
-def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, process_index: int, process_count: int):
-    """This host's loader of training micro-batches ([training] dataset, dataset_path, seq_len, batch)."""
-    from .data import build_dataloader
+def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=None):
+    """The loader of training micro-batches ([training] dataset, dataset_path, seq_len, batch): the rows
+    `rows` (default: all) of each micro-batch of local_batch_size x dp sequences, each row its own stream,
+    so every process count reads the same global batches (data.build_global_batch_loader)."""
+    from .data import build_global_batch_loader
 
-    micro = dims.local_batch_size * dims.dp  # sequences per micro-batch, all hosts
-    if micro % process_count:
-        raise ConfigError(
-            f"[training] local_batch_size = {dims.local_batch_size}: the micro-batch of "
-            f"{dims.local_batch_size} x {dims.dp} data-parallel ranks = {micro} sequences cannot be split "
-            f"evenly over {process_count} hosts")
     try:
-        return build_dataloader(
+        return build_global_batch_loader(
             cfg.training.dataset, cfg.training.dataset_path, tokenizer, cfg.training.seq_len,
-            micro // process_count, dp_rank=process_index, dp_world_size=process_count,
-            seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
+            dims.local_batch_size * dims.dp, rows, seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
                           f"{cfg.training.dataset_path!r}: {e}") from None
@@ -387,8 +382,9 @@ class Trainer:
         # -- data
         self.dataloader = None
         if not self.dry:
-            self.dataloader = build_train_dataloader(cfg, self.tokenizer, dims, jax.process_index(),
-                                                     jax.process_count())
+            micro = dims.local_batch_size * dims.dp
+            self.dataloader = build_train_dataloader(cfg, self.tokenizer, dims,
+                                                     self._host_rows(micro, cfg.training.seq_len))
             self.host_batch = self.dataloader.local_batch_size
 
         # -- held-out evaluation ([validation])
@@ -397,7 +393,7 @@ class Trainer:
             from .validate import build_validator
 
             self.validator = build_validator(cfg, self.model, self.tokenizer, dims, place=self._place,
-                                             loss_context=self._loss_context, process_index=jax.process_index(),
+                                             loss_context=self._loss_context, host_rows=self._host_rows,
                                              process_count=jax.process_count())
 
         # -- checkpoints
@@ -440,21 +436,29 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------
 
-    def _place(self, x):
-        """A host numpy (host_batch, seq_len) array of token ids -> an int32 tpu tensor laid out over
-        the dp axes (64-bit integers are emulated on TPU; see docs/DESIGN_NOTES.md)."""
+    def _host_rows(self, global_rows: int, seq_len: int) -> tuple[int, ...]:
+        """The rows of a (global_rows, seq_len) token batch that this process's devices hold."""
+        from torchtpu.distributed.batch import host_rows
+
+        return host_rows(self.mesh, global_rows, seq_len)
+
+    def _place(self, x, global_rows: int):
+        """This process's rows (self._host_rows order) of a (global_rows, seq_len) batch of token ids, a
+        host numpy array -> the global int32 tpu tensor laid out over the dp axes (64-bit integers are
+        emulated on TPU; see docs/DESIGN_NOTES.md)."""
         from torchtpu.distributed.batch import place_batch
 
         from .data import token_ids_int32
 
-        return place_batch(token_ids_int32(x, self.model_args.vocab_size), self.mesh)
+        return place_batch(token_ids_int32(x, self.model_args.vocab_size), self.mesh, global_rows)
 
     def next_batch(self):
         """The next optimizer step's micro-batches: [(inputs, labels)] * grad_accum_steps on tpu."""
         out = []
         for _ in range(self.dims.grad_accum_steps):
             inputs, labels = next(self.dataloader)
-            out.append((self._place(inputs), self._place(labels)))
+            rows = self.dataloader.global_rows
+            out.append((self._place(inputs, rows), self._place(labels, rows)))
         return out
 
     # -- checkpoint state --------------------------------------------------------------------
@@ -607,7 +611,7 @@ class Trainer:
         if "lr_scheduler" not in excluded:
             self.lr_scheduler.load_state_dict(restored["lr_scheduler"])
         if "dataloader" not in excluded:
-            self.dataloader.load_state_dict(_my_loader_state(restored["dataloader"]))
+            _load_loader_state(self.dataloader, restored["dataloader"], self.dims)
         self.step = int(restored["step"])
 
     # -- the loop ------------------------------------------------------------------------------
@@ -732,38 +736,53 @@ class Trainer:
         return dry_run(self)
 
 
-_LOADER_INTS = ("dp_rank", "dp_world_size", "seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
+_LOADER_INTS = ("seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
 
 
 def _loader_states(loader) -> dict:
-    """The data position for a checkpoint. Each host reads its own shard of the data, so a job of
-    several processes keeps every host's position ({"hosts": [...]}); the checkpoint's non-array
-    data is written by process 0, which gathers them."""
+    """The data position for a checkpoint: every row stream's, by global row (a list indexed by row),
+    whichever process reads it, so the checkpoint resumes on any host count. Process 0 writes the
+    checkpoint's non-array data, so with several processes the rows' positions are gathered to all."""
     import jax
 
     mine = loader.state_dict()
-    if jax.process_count() == 1:
-        return mine
-    import numpy as np
-    from jax.experimental import multihost_utils
+    streams = mine["streams"]
+    first = next(iter(streams.values()))
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
 
-    table = multihost_utils.process_allgather(np.array([mine[k] for k in _LOADER_INTS], dtype=np.int64))
-    return {"hosts": [dict(mine, **{k: int(v) for k, v in zip(_LOADER_INTS, row)}) for row in table]}
+        table = np.full((loader.global_rows, 1 + len(_LOADER_INTS)), -1, dtype=np.int64)
+        for r, st in streams.items():
+            table[r] = [1, *(st[k] for k in _LOADER_INTS)]
+        gathered = multihost_utils.process_allgather(table)  # (processes, rows, 1 + ints)
+        streams = {}
+        for r in range(loader.global_rows):
+            held = [row for row in gathered[:, r] if row[0] == 1]
+            if not held:
+                raise RuntimeError(f"no process holds row {r} of the global batch")  # a layout bug, not user input
+            streams[r] = dict(first, dp_rank=r, **{k: int(v) for k, v in zip(_LOADER_INTS, held[0][1:])})
+    return {"global_rows": loader.global_rows, "streams": [streams[r] for r in range(loader.global_rows)]}
 
 
-def _my_loader_state(saved: dict) -> dict:
-    """This host's entry of a checkpoint's data position (see _loader_states)."""
-    import jax
-
-    hosts = saved.get("hosts", [saved])
-    for state in hosts:
-        if int(state["dp_rank"]) == jax.process_index() and int(state["dp_world_size"]) == jax.process_count():
-            return state
-    raise ConfigError(
-        f"the checkpoint's data position was saved by {len(hosts)} host(s); this job has "
-        f"{jax.process_count()}: each host's place in its data shard cannot be carried over to another host "
-        "count. Resume with the same number of hosts, or add --checkpoint.exclude_from_loading dataloader to "
-        "restart the data stream")
+def _load_loader_state(loader, saved: dict, dims) -> None:
+    """Restore this process's rows from a checkpoint's data position (see _loader_states)."""
+    if "streams" not in saved:
+        raise ConfigError(
+            "the checkpoint's data position was written by an older torchtpu (one position per host, not per "
+            "batch row); add --checkpoint.exclude_from_loading dataloader to restart the data stream")
+    rows = int(saved["global_rows"])
+    if rows != loader.global_rows:
+        fix = (f"resume with --training.local_batch_size {rows // dims.dp} to keep the same batches"
+               if rows % dims.dp == 0 else f"resume with a data-parallel degree that divides {rows}")
+        raise ConfigError(
+            f"the checkpoint's data position is for micro-batches of {rows} sequences; this job's are "
+            f"{loader.global_rows} (training.local_batch_size {dims.local_batch_size} x {dims.dp} data-parallel "
+            f"ranks): {fix}, or add --checkpoint.exclude_from_loading dataloader to restart the data stream")
+    try:
+        loader.load_state_dict(saved)
+    except ValueError as e:
+        raise ConfigError(f"cannot continue the checkpoint's data stream: {e}") from None
 
 
 class _Profiler:

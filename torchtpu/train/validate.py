@@ -7,9 +7,11 @@
 - The data is `validation.dataset` / `validation.dataset_path`, read by the same loader as
   training (bundled corpus: its held-out split "bundled_validation", which training never reads),
   in batches of `validation.local_batch_size` sequences per data-parallel rank and
-  `validation.seq_len` tokens.
-- `validation.steps = -1` evaluates the whole split (every complete batch; with several hosts, the
-  number of batches the host with the fewest has, so no host waits for another), `steps = N` the
+  `validation.seq_len` tokens. As for training, every row of the batch is its own stream and a
+  process reads only the rows its devices hold, so the batches, and the loss, do not depend on the
+  number of processes.
+- `validation.steps = -1` evaluates the whole split (every complete batch: as many as the row
+  stream with the fewest complete windows has), `steps = N` the
   first N batches, wrapping around the split if it has fewer. Unlike torchtitan, whose infinite
   validation loader moves on between evaluations, every evaluation reads the same batches, so two
   evaluations of the run measure the model on the same data and can be compared.
@@ -29,16 +31,18 @@ from .config import ConfigError
 __all__ = ["Validator", "build_validator"]
 
 
-def build_validator(cfg, model, tokenizer, dims, place, loss_context, process_index: int = 0, process_count: int = 1):
-    """The job's Validator, or None when [validation] enable is false."""
+def build_validator(cfg, model, tokenizer, dims, place, loss_context, host_rows=None, process_count: int = 1):
+    """The job's Validator, or None when [validation] enable is false.
+
+    place(x, global_rows): this process's rows of a batch -> the global tpu tensor; host_rows(global_rows,
+    seq_len): the rows this process's devices hold (default: all, one process)."""
     if not cfg.validation.enable:
         return None
-    return Validator(cfg, model, tokenizer, dims, place, loss_context, process_index, process_count)
+    return Validator(cfg, model, tokenizer, dims, place, loss_context, host_rows, process_count)
 
 
 class Validator:
-    def __init__(self, cfg, model, tokenizer, dims, place, loss_context, process_index: int = 0,
-                 process_count: int = 1):
+    def __init__(self, cfg, model, tokenizer, dims, place, loss_context, host_rows=None, process_count: int = 1):
         import torchtpu
 
         v = cfg.validation
@@ -50,30 +54,28 @@ class Validator:
         self.place = place
         self.loss_context = loss_context
         micro = v.local_batch_size * dims.dp
-        if micro % process_count:
-            raise ConfigError(
-                f"[validation] local_batch_size = {v.local_batch_size}: the validation batch of {v.local_batch_size} "
-                f"x {dims.dp} data-parallel ranks = {micro} sequences cannot be split evenly over {process_count} hosts")
-        self.host_batch = micro // process_count
+        self.global_rows = micro
+        self.rows = host_rows(micro, v.seq_len) if host_rows is not None else tuple(range(micro))
+        self.host_batch = len(self.rows)
         self.tokens_per_batch = micro * v.seq_len
-        self.process_index, self.process_count = process_index, process_count
+        self.process_count = process_count
         self._loader()  # fail now, at start-up, on a bad dataset rather than at the first evaluation
         self.num_batches = self._count_batches() if self.steps == -1 else self.steps
         self.eval_fn = torchtpu.compile(self._eval_step)
 
     def _loader(self):
-        from .data import build_dataloader
+        from .data import build_global_batch_loader
 
         v = self.cfg.validation
         try:
-            return build_dataloader(v.dataset, v.dataset_path, self.tokenizer, v.seq_len, self.host_batch,
-                                    dp_rank=self.process_index, dp_world_size=self.process_count, seed=0,
-                                    infinite=self.steps != -1)
+            return build_global_batch_loader(v.dataset, v.dataset_path, self.tokenizer, v.seq_len, self.global_rows,
+                                             self.rows, seed=0, infinite=self.steps != -1)
         except (FileNotFoundError, ValueError, ConnectionError) as e:
             raise ConfigError(f"[validation] dataset = {v.dataset!r}, dataset_path = {v.dataset_path!r}: {e}") from None
 
     def _count_batches(self) -> int:
-        """Complete batches in one pass over this host's part of the split (the minimum over hosts)."""
+        """Complete batches in one pass over the split: the fewest any row stream has (this process's rows,
+        then the minimum over processes)."""
         n = sum(1 for _ in self._loader())
         if self.process_count > 1:
             import numpy as np
@@ -84,8 +86,9 @@ class Validator:
             v = self.cfg.validation
             raise ConfigError(
                 f"[validation] dataset = {v.dataset!r}, dataset_path = {v.dataset_path!r}: the split holds fewer tokens "
-                f"than one validation batch ({self.host_batch} sequences x {v.seq_len + 1} tokens per host); lower "
-                "validation.local_batch_size or seq_len, or give a larger validation set")
+                f"than one validation batch needs: one of its {self.global_rows} row streams (one per sequence of the "
+                f"batch) has fewer than {v.seq_len + 1} tokens; lower validation.local_batch_size or seq_len, or give "
+                "a larger validation set")
         return n
 
     def should_validate(self, step: int) -> bool:
@@ -109,7 +112,7 @@ class Validator:
         total = None
         for _ in range(self.num_batches):
             inputs, labels = next(loader)
-            loss = self.eval_fn(self.place(inputs), self.place(labels))
+            loss = self.eval_fn(self.place(inputs, self.global_rows), self.place(labels, self.global_rows))
             total = loss if total is None else total + loss
         mean = float(total.item()) / self.num_batches  # the one host read of the evaluation
         return {
