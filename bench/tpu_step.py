@@ -203,7 +203,7 @@ def main(argv=None):
     ap.add_argument("--no-full", action="store_true", help="skip the full-depth compiles (no HBM/collectives)")
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled
     from torchtpu.train.trainer import _ac_settings
 

@@ -18,7 +18,7 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu.cli import train_main
-from torchtpu.train.config import load_config
+from torchtpu.train.config_manager import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -177,7 +177,7 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     got = cpu_state(new.model)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     # asking for the whole state of a model-only save is a config error naming the fix
-    from torchtpu.train.config import ConfigError
+    from torchtpu.train.job_config import ConfigError
 
     bad = Trainer(load_config(small_argv(tmp_path / "b", "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"),
                                          "--checkpoint.no-initial_load_model_only")))

@@ -1,6 +1,6 @@
 """The training loop behind `torchtpu-train`: one compiled XLA program per optimizer step.
 
-    status = main(cfg)          # cfg from torchtpu.train.config.load_config; returns the exit status
+    status = main(cfg)          # cfg from torchtpu.train.config_manager.load_config; returns the exit status
 
 What a run does, in order:
 
@@ -46,7 +46,8 @@ import sys
 import time
 import warnings
 
-from .config import ConfigError, JobConfig, ParallelDims, validate
+from .job_config import ConfigError, JobConfig
+from .parallel_dims import ParallelDims, validate
 from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 
 __all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
