@@ -80,7 +80,8 @@ def reference_losses(cfg, init, steps):
     from torchtpu.train.data import build_dataloader
     from torchtpu.train.lr import build_lr_scheduler
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import build_model_args, cross_entropy_loss
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.trainer import cross_entropy_loss
 
     tok = build_tokenizer(None)
     args = build_model_args(cfg, tok.vocab_size)
@@ -209,7 +210,7 @@ def test_lr_schedule_reaches_the_compiled_step():
     """The learning rate is a program input: a schedule that drops it to 0 freezes the parameters."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    from torchtpu.train.trainer import build_optimizer
+    from torchtpu.train.optimizer import build_optimizer
 
     cfg = load_config(["--optimizer.lr", "0.1", "--optimizer.weight_decay", "0.0"])
     torch.manual_seed(0)

@@ -45,7 +45,8 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
 
     from torchtpu.train.data import build_dataloader
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import build_model_args, cross_entropy_loss
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.trainer import cross_entropy_loss
 
     tok = build_tokenizer(None)
     ref = Transformer(build_model_args(cfg, tok.vocab_size))

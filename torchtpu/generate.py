@@ -31,7 +31,8 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     from torchtpu.train.job_config import ConfigError
     from torchtpu.train.parallel_dims import validate
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import MESH_AXES, build_model_args
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.trainer import MESH_AXES
 
     dims = validate(cfg, len(jax.devices()))
     mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES)

@@ -45,6 +45,7 @@ __all__ = [
     "check_fields",
     "check_relations",
     "check_paths",
+    "save_resolved_config",
 ]
 
 
@@ -573,3 +574,14 @@ def help_text(prog: str = "torchtpu-train") -> str:
             text += " Allowed: " + ", ".join(_fmt(c) for c in spec.choices) + "."
         lines += _wrap(text, "      ")
     return "\n".join(lines) + "\n"
+
+
+def save_resolved_config(cfg: JobConfig) -> str | None:
+    """job.save_config_file: write the resolved configuration into dump_folder; returns its path."""
+    if not cfg.job.save_config_file:
+        return None
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(cfg.to_toml())
+    return path

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .config_manager import check_fields, check_paths, check_relations, describe_keys
 from .job_config import ConfigError, JobConfig
 
-__all__ = ["ParallelDims", "validate"]
+__all__ = ["ParallelDims", "validate", "job_devices"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,23 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
         grad_accum_steps=global_batch // micro, seq_len=tr.seq_len,
         num_slices=par.num_slices, dcn_axis=par.dcn_axis,
     )
+
+
+def job_devices(cfg: JobConfig) -> list:
+    """The devices the job runs on: the attached ones, or with [tpu] topology and a dry run the
+    compile-only devices of that TPU slice (training on a named slice needs its chips)."""
+    import jax
+
+    if not cfg.tpu.topology:
+        return jax.devices()
+    if cfg.tpu.dry_run:
+        from torchtpu.distributed.topology import topology_devices
+
+        return topology_devices(cfg.tpu.topology)
+    local = jax.devices()
+    if local[0].platform != "tpu":
+        raise ConfigError(
+            f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
+            f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
+            "here, or leave topology empty to train on the attached devices")
+    return local
