@@ -164,7 +164,7 @@ def _unknown_key_message(source: str, path: tuple[str, ...], value_text: str, cl
     return f"{prefix}: unknown key; {suggestion}valid keys in [{sec_text}]: {', '.join(valid)}"
 
 
-def _unknown_section_message(source: str, path: tuple[str, ...], cli: bool, extra: str = "") -> str:
+def _unknown_section_message(source: str, path: tuple[str, ...], extra: str = "") -> str:
     name = _section_name(path)
     if path[0] in _TORCHTITAN_ONLY_SECTIONS:
         return f"{source}: [{name}]{extra}: a torchtitan section that torchtpu does not support; remove it"
@@ -206,13 +206,13 @@ def _apply_table(cfg: JobConfig, table: dict, path: tuple[str, ...], source: str
         if spec is None:
             if not path:
                 if isinstance(value, dict):
-                    raise ConfigError(_unknown_section_message(source, here, cli=False))
+                    raise ConfigError(_unknown_section_message(source, here))
                 owners = [p for p, _ in _walk() if p[-1] == key]
                 hint = (f"; did you mean [{_section_name(owners[0][:-1])}] {key}?" if owners
                         else "; every key belongs under a [section]")
                 raise ConfigError(f"{source}: {key} = {_short(_fmt(value))}: key outside any section{hint}")
             if isinstance(value, dict) and key not in _TORCHTITAN_ONLY_KEYS.get(path, ()):
-                raise ConfigError(_unknown_section_message(source, here, cli=False))
+                raise ConfigError(_unknown_section_message(source, here))
             raise ConfigError(_unknown_key_message(source, here, f" = {_short(_fmt(value))}", cli=False))
         if spec.is_section:
             if not isinstance(value, dict):
@@ -302,7 +302,7 @@ def _resolve_cli_key(option: str, value: str | None = None) -> tuple[tuple[str, 
     for i, name in enumerate(parts[:-1]):
         spec = _specs(cls).get(name)
         if spec is None or not spec.is_section:
-            raise ConfigError(_unknown_section_message(COMMAND_LINE, parts[: i + 1], cli=True,
+            raise ConfigError(_unknown_section_message(COMMAND_LINE, parts[: i + 1],
                                                        extra=f" (from {option}{shown})"))
         cls = spec.base
     key = parts[-1]

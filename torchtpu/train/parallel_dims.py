@@ -42,10 +42,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard > 1
 
