@@ -44,7 +44,7 @@ def main() -> None:
 
     import torchtpu
     from torchtpu.train.checkpoint import CheckpointManager
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
     dump = tempfile.mkdtemp(prefix="torchtpu-bench-ckpt-")

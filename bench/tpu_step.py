@@ -162,9 +162,9 @@ def main(argv=None):
     ap.add_argument("--no-full", action="store_true", help="skip the full-depth compiles (no HBM/collectives)")
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled
-    from torchtpu.train.trainer import _ac_settings
+    from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
     print(f"# bench/tpu_step.py {a.config} on {a.topology} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"
@@ -180,7 +180,7 @@ def main(argv=None):
         small_tt.append(rep)
         base = base or t
         specs = param_specs(t)
-        ac_mode, _ = _ac_settings(cfg)
+        ac_mode, _ = ac_settings(cfg)
         rep, dt = reference_program(t, specs, n, False, a.pallas, ac_mode != "none")
         _log(f"pure JAX, {n} layers unrolled: compiled in {dt:.0f} s")
         small_ref.append(rep)
@@ -196,7 +196,7 @@ def main(argv=None):
         full["torchtpu"] = (rep, dt)
         _log(f"torchtpu, {depth} layers: compiled in {dt:.0f} s")
         specs = param_specs(trainer)
-        full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, _ac_settings(cfg)[0] != "none")
+        full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, ac_settings(cfg)[0] != "none")
         _log(f"pure JAX, {depth} layers: compiled in {full['pure JAX'][1]:.0f} s")
     dims = base.dims
     chips = dims.world_size
@@ -222,8 +222,8 @@ def main(argv=None):
             row["XLA raw est. (full program)"] = (f"{rep['estimated_step_seconds'] * 1e3:.1f} ms"
                                                   if rep["estimated_step_seconds"] else "n/a")
         rows[name] = row
-    print(f"model FLOPs / chip / micro-batch {model_per_chip:.4g}; recomputation '{_ac_settings(cfg)[0]}' expects "
-          f"{recompute_factor(_ac_settings(cfg)[0]):.2f}x; costing: {est['torchtpu']['method']}")
+    print(f"model FLOPs / chip / micro-batch {model_per_chip:.4g}; recomputation '{ac_settings(cfg)[0]}' expects "
+          f"{recompute_factor(ac_settings(cfg)[0]):.2f}x; costing: {est['torchtpu']['method']}")
     keys = list(rows["torchtpu"])
     print("| figure | torchtpu | pure JAX |\n| --- | --- | --- |")
     for k in keys:

@@ -10,7 +10,6 @@ failure (one line on stderr; the traceback only with --debug).
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import traceback
@@ -40,23 +39,6 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-class _TrainerMissing(Exception):
-    pass
-
-
-def _load_trainer():
-    try:
-        module = importlib.import_module("torchtpu.train.trainer")
-    except ModuleNotFoundError as e:
-        if e.name == "torchtpu.train.trainer":
-            raise _TrainerMissing(
-                "the training loop (torchtpu.train.trainer) is not part of this build yet; the configuration "
-                "itself is fine (see it with --job.print_config)"
-            ) from None
-        raise
-    return module.main
-
-
 def _xla_backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
@@ -84,7 +66,7 @@ def _apply_xla_env(cfg, args: list[str], as_program: bool) -> None:
     a command-line run on CPU devices re-executes itself once with the flags in the environment;
     otherwise the flags cannot apply any more and a warning says how to set them.
     """
-    from torchtpu.train.config import xla_env_updates
+    from torchtpu.train.config_manager import xla_env_updates
 
     updates = xla_env_updates(cfg)
     if not updates:
@@ -111,7 +93,9 @@ def train_main(argv: list[str] | None = None) -> int:
     as_program = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(args)
-    from torchtpu.train.config import ConfigError, HelpRequested, load_config, topology_num_devices, validate
+    from torchtpu.train.config_manager import HelpRequested, load_config
+    from torchtpu.train.job_config import ConfigError, topology_num_devices
+    from torchtpu.train.parallel_dims import validate
 
     try:
         try:
@@ -129,7 +113,8 @@ def train_main(argv: list[str] | None = None) -> int:
             # The target slice is named: check the configuration against it before any device work.
             validate(cfg, topology_num_devices(cfg.tpu.topology))
         _apply_xla_env(cfg, args, as_program)
-        run = _load_trainer()
+        from torchtpu.train.trainer import main as run
+
         # The trainer calls validate(cfg, <global device count>) once the devices are known.
         status = run(cfg)
         return status if isinstance(status, int) and not isinstance(status, bool) else 0
@@ -140,9 +125,6 @@ def train_main(argv: list[str] | None = None) -> int:
         from torchtpu.train.fault import EXIT_CONFIG, leave_job
 
         return leave_job(EXIT_CONFIG)
-    except _TrainerMissing as e:
-        print(f"{_PROG}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()

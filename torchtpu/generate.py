@@ -28,9 +28,11 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     import torchtpu  # noqa: F401
     from torchtpu.distributed import init_device_mesh, materialize
     from torchtpu.models.llama3.parallelize import parallelize_llama
-    from torchtpu.train.config import ConfigError, validate
+    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.parallel_dims import validate
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import MESH_AXES, build_model_args
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.trainer import MESH_AXES
 
     dims = validate(cfg, len(jax.devices()))
     mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES)
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0)
     a, overrides = p.parse_known_args(argv)
-    from torchtpu.train.config import ConfigError, load_config
+    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.job_config import ConfigError
 
     try:
         if a.max_new_tokens < 1:

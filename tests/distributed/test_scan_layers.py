@@ -112,7 +112,7 @@ def test_state_dict_same_with_scan_on_and_off():
 def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
     """The trainer with full recomputation and the layer scan (its default) against the plain
     PyTorch loop of tests/train/test_trainer.py; its checkpoint then resumes with the scan off."""
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
     from ..train.test_trainer import cpu_state, reference_losses, small_argv

@@ -373,7 +373,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     import signal
     import time
 
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
     dump = tmp_path / "run"

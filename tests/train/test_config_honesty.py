@@ -1,7 +1,7 @@
 """A configuration that never lies: every key of the trainer's schema either changes what the trainer
 does, or a non-default value is refused with an error naming the key.
 
-The list of keys comes from the schema itself (torchtpu.train.config), so a key added without a
+The list of keys comes from the schema itself (torchtpu.train.job_config), so a key added without a
 behaviour (or a refusal) makes test_every_key_is_accounted_for fail. Each key is in exactly one group:
 
 - PROBED: changing the key (alone, from a base configuration) changes `plan(cfg)`, what the
@@ -26,10 +26,12 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train import config as C
+from torchtpu.train import config_manager as C
+from torchtpu.train import job_config as S
+from torchtpu.train import parallel_dims as P
 
-KEYS = [".".join(path) for path, _ in C._walk()]
-SPECS = {".".join(path): spec for path, spec in C._walk()}
+KEYS = [".".join(path) for path, _ in S._walk()]
+SPECS = {".".join(path): spec for path, spec in S._walk()}
 
 NO_EFFECT_BY_DESIGN = {"compile.enable", "compile.components"}
 
@@ -189,27 +191,31 @@ def plan(cfg) -> dict:
     """What the trainer's own building blocks make of `cfg` (no model is materialized, nothing compiles)."""
     import dataclasses
 
+    from torchtpu.train import model_builder as M
     from torchtpu.train import trainer as T
+    from torchtpu.train.lr import build_schedule
+    from torchtpu.train.optimizer import build_optimizer
+    from torchtpu.train.profiling import Profiler
     from torchtpu.train.metrics import build_metrics_logger
     from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.validate import build_validator
 
     out: dict = {}
-    out["devices"] = _outcome(lambda: [d.platform for d in T.job_devices(cfg)])
-    dims = _outcome(lambda: C.validate(cfg, 8))
+    out["devices"] = _outcome(lambda: [d.platform for d in P.job_devices(cfg)])
+    dims = _outcome(lambda: P.validate(cfg, 8))
     out["dims"] = dims
-    out["model_args"] = _outcome(lambda: dataclasses.asdict(T.build_model_args(cfg, None)))
-    out["dtype"] = _outcome(lambda: str(next(T.build_meta_model(cfg, T.build_model_args(cfg, None)).parameters()).dtype))
-    out["mixed_precision"] = T.mixed_precision_dtypes(cfg)
-    out["activation_checkpoint"] = _outcome(lambda: T._ac_settings(cfg))
+    out["model_args"] = _outcome(lambda: dataclasses.asdict(M.build_model_args(cfg, None)))
+    out["dtype"] = _outcome(lambda: str(next(M.build_meta_model(cfg, M.build_model_args(cfg, None)).parameters()).dtype))
+    out["mixed_precision"] = M.mixed_precision_dtypes(cfg)
+    out["activation_checkpoint"] = _outcome(lambda: M.ac_settings(cfg))
     param = torch.nn.Parameter(torch.zeros(2).to("tpu"))
-    opt = T.build_optimizer([param], cfg)
+    opt = build_optimizer([param], cfg)
     group = opt.param_groups[0]
     out["optimizer"] = (type(opt).__name__, float(group["lr"]), group["betas"], group["eps"], group["weight_decay"])
-    sched = T.build_schedule(opt, cfg)
+    sched = build_schedule(opt, cfg)
     out["schedule"] = [round(sched.lr_lambdas[0](k), 9) for k in [*range(0, 60, 3), 150, 500, 2000, 5000, 8000, 9990]]
     tok = build_tokenizer(None)
-    if isinstance(dims, C.ParallelDims):
+    if isinstance(dims, P.ParallelDims):
         out["train_data"] = _outcome(lambda: _summary(T.build_train_dataloader(cfg, tok, dims),
                                                       ["local_batch_size", "seq_len"])
                                      | {"source": T.build_train_dataloader(cfg, tok, dims).source.name})
@@ -225,12 +231,12 @@ def plan(cfg) -> dict:
     out["checkpointer"] = ck and _summary(ck, ["folder", "interval", "keep_latest_k", "async_mode"])
     out["saves"] = [(s, T.save_due(cfg, ck, s)) for s in range(1, 13)]
     out["gc"] = [s for s in range(1, 60) if T.gc_due(cfg, s)]
-    prof = T._Profiler(cfg)
+    prof = Profiler(cfg)
     out["profiler"] = _summary(prof, ["enabled", "freq", "active", "folder", "memory", "memory_folder"])
     out["seed"] = T.resolve_seed(cfg)
     out["env"] = C.xla_env_updates(cfg, environ={})
     out["step"] = _step_probe(cfg)
-    out["saved_config"] = T.save_resolved_config(cfg)
+    out["saved_config"] = C.save_resolved_config(cfg)
     logger = build_metrics_logger(cfg, 0, 10, stdout_is_terminal=True)
     try:
         out["metrics"] = _summary(logger, ["jsonl_path", "tb_dir", "log_freq", "color", "run_name", "wandb_mode"]) | {
@@ -287,13 +293,13 @@ def test_changing_the_key_changes_what_the_trainer_does(key, tmp_path, monkeypat
 def test_unsupported_values_are_refused(key):
     value = REFUSED[key]
     section, name = key.rsplit(".", 1)
-    with pytest.raises(C.ConfigError) as info:
+    with pytest.raises(S.ConfigError) as info:
         C.load_config(["--" + key, value])
     msg = str(info.value)
     assert f"[{section}] {name} = " in msg and value in msg and "\n" not in msg, msg
     assert "not supported" in msg or "allowed:" in msg, msg
     # and the default is accepted
-    C.load_config(["--" + key, C._fmt(SPECS[key].default).strip('"')] if SPECS[key].default is not None else [])
+    C.load_config(["--" + key, S._fmt(SPECS[key].default).strip('"')] if SPECS[key].default is not None else [])
 
 
 @pytest.mark.parametrize("key", sorted(COVERED_BY))

@@ -69,7 +69,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
     """The dry run of the debug model (6 unrolled layers, full recomputation) on v5p: the
     extrapolated estimate equals XLA's figure for the whole program within 5%, and the report
     prints the estimate, tokens/s per chip, MFU, the method and the largest temporaries."""
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.dry_run import _compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config import load_config
+from torchtpu.train.config_manager import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")

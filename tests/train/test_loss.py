@@ -115,7 +115,7 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
     the same losses step after step (training on, so gradients are compared through the updates)."""
     import os
 
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
     toml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_configs",

@@ -88,7 +88,7 @@ def test_wide_types_counts_shapes_and_emulation_calls():
 
 
 def _compiled_step_text(tmp_path, *extra, n_layers=None):
-    from torchtpu.train.config import load_config
+    from torchtpu.train.config_manager import load_config
     from torchtpu.train.dry_run import _compile_step
     from torchtpu.train.trainer import Trainer
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from torchtpu import cli
-from torchtpu.train import config as C
+from torchtpu.train import config_manager as C
+from torchtpu.train import job_config as S
+from torchtpu.train import parallel_dims as P
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "train_configs"
@@ -32,7 +34,7 @@ SHIPPED = {  # file -> (devices of the slice it is written for, topology)
 
 
 def leaf_paths():
-    return [path for path, _ in C._walk()]
+    return [path for path, _ in S._walk()]
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -87,12 +89,12 @@ def procs(tmp_path_factory):
 def test_cli_help_lists_every_key_with_default(capsys):
     status, out, err = run_cli(["--help"], capsys)
     assert status == 0 and err == ""
-    for path, spec in C._walk():
+    for path, spec in S._walk():
         option = "--" + ".".join(path)
         line = next((ln for ln in out.splitlines() if ln.strip().startswith(option + " ")
                      or ln.strip().startswith(option + ",")), None)
         assert line is not None, f"{option} missing from --help"
-        default = "unset" if spec.default is None else C._fmt(spec.default)
+        default = "unset" if spec.default is None else S._fmt(spec.default)
         assert f"(default: {default})" in line
         assert spec.help  # every key has a meaning
     for flag in ("--config", "--dry-run", "--topology", "--debug"):
@@ -166,7 +168,7 @@ def test_names_and_defaults_match_torchtitan():
             d = d[name]
         return d
 
-    ours = C.JobConfig().to_dict()
+    ours = S.JobConfig().to_dict()
     for path in leaf_paths():
         value = ours
         for name in path:
@@ -187,16 +189,19 @@ def test_names_and_defaults_match_torchtitan():
 
     mine = set(leaf_paths())
     for path in titan_leaves(titan):
-        if path[0] in C._TORCHTITAN_ONLY_SECTIONS:
+        if path[0] in S._TORCHTITAN_ONLY_SECTIONS:
             continue
-        assert path in mine or path[-1] in C._TORCHTITAN_ONLY_KEYS.get(path[:-1], ()), path
+        assert path in mine or path[-1] in S._TORCHTITAN_ONLY_KEYS.get(path[:-1], ()), path
 
 
 def test_config_module_imports_only_the_standard_library():
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('c', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(spec); sys.modules['c'] = m; spec.loader.exec_module(m); "
+    # The configuration modules, imported as a bare package so that neither torchtpu/__init__.py
+    # nor torchtpu/train/__init__.py runs.
+    code = ("import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
+            "sys.modules['c'] = pkg; "
+            "[importlib.import_module('c.' + m) for m in ('job_config', 'config_manager', 'parallel_dims')]; "
             "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))")
-    out = subprocess.run([PY, "-c", code, str(REPO / "torchtpu/train/config.py")], capture_output=True,
+    out = subprocess.run([PY, "-c", code, str(REPO / "torchtpu/train")], capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == "[]"
 
@@ -222,7 +227,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert cfg.origin("optimizer", "lr") == path
     assert cfg.origin("training", "seq_len") is None
     assert cfg.job.config_file == path
-    assert C.load_config([]) == C.JobConfig()
+    assert C.load_config([]) == S.JobConfig()
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -249,7 +254,7 @@ def test_general_flags_and_value_syntax():
     assert cfg.tpu.dry_run and cfg.tpu.topology == "v5p:4x4x4" and cfg.debug.verbose
     assert cfg.debug.seed == 5 and cfg.training.seq_len == 64 and cfg.compile.components == ["model"]
     assert cfg.lr_scheduler.total_steps is None and cfg.training.gc_freq == 7
-    assert C.topology_num_devices("v5p:4x4x4") == 64 and C.topology_num_devices("v6e:16x16") == 256
+    assert S.topology_num_devices("v5p:4x4x4") == 64 and S.topology_num_devices("v6e:16x16") == 256
 
 
 def test_help_via_load_config():
@@ -288,11 +293,11 @@ def test_shipped_config_parses_and_validates(name):
     devices, topology = SHIPPED[name]
     path = CONFIGS / name
     cfg = C.load_config(["--config", str(path)])
-    dims = C.validate(cfg, devices)
+    dims = P.validate(cfg, devices)
     assert dims.world_size == devices
     assert dims.dp_replicate * dims.dp_shard * dims.tp == devices
     assert dims.global_batch_size == dims.local_batch_size * dims.dp * dims.grad_accum_steps
-    assert C.topology_num_devices(topology) == devices
+    assert S.topology_num_devices(topology) == devices
     head = path.read_text().split("\n[", 1)[0]
     assert head.startswith("#")
     if name != "debug_model.toml":
@@ -302,7 +307,7 @@ def test_shipped_config_parses_and_validates(name):
         assert cfg.training.mixed_precision_reduce == "float32"
         assert cfg.activation_checkpoint.mode in ("full", "selective")
     # and through the command line, against the named slice
-    assert C.validate(C.load_config(["--config", str(path), "--topology", topology]), devices) == dims
+    assert P.validate(C.load_config(["--config", str(path), "--topology", topology]), devices) == dims
 
 
 def test_shipped_config_details():
@@ -310,12 +315,12 @@ def test_shipped_config_details():
     assert (debug.model.name, debug.model.flavor, debug.training.dataset) == ("llama3", "debugmodel", "bundled")
     assert debug.model.hf_assets_path == "" and debug.checkpoint.enable is False
     assert debug.training.seq_len in (128, 256) and debug.metrics.log_freq == 10
-    dims = C.validate(debug, 8)
+    dims = P.validate(debug, 8)
     assert (dims.dp_shard, dims.tp, dims.grad_accum_steps) == (8, 1, 1)
-    assert C.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
-    d70 = C.validate(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
+    assert P.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
+    d70 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
     assert (d70.dp_shard, d70.tp, d70.global_batch_size, d70.grad_accum_steps) == (8, 8, 32, 4)
-    d405 = C.validate(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
+    d405 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
     assert (d405.dp_shard, d405.tp, d405.grad_accum_steps) == (64, 8, 2)
 
 
@@ -328,7 +333,7 @@ def test_validate_resolves_degrees_and_accumulation():
     cfg = C.load_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree",
                          "2", "--training.local_batch_size", "4", "--training.global_batch_size", "32",
                          "--training.seq_len", "128"])
-    dims = C.validate(cfg, 8)
+    dims = P.validate(cfg, 8)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp) == (2, 2, 2, 1, 1)
     assert dims.dp == 4 and dims.grad_accum_steps == 2 and dims.global_batch_size == 32
     assert dims.mesh_shape == (2, 2, 2) and dims.fsdp_enabled and dims.tp_enabled
@@ -337,29 +342,29 @@ def test_validate_resolves_degrees_and_accumulation():
 
 def test_validate_multislice_mesh():
     cfg = C.load_config(["--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"])
-    dims = C.validate(cfg, 16)
+    dims = P.validate(cfg, 16)
     assert dims.mesh_shape == (2, 8, 1) and dims.dcn_mesh_shape == (2, 1, 1) and dims.ici_mesh_shape == (1, 8, 1)
     cfg = C.load_config(["--parallelism.num_slices", "2", "--parallelism.dcn_axis", "dp_shard"])
-    assert C.validate(cfg, 16).ici_mesh_shape == (1, 8, 1)
-    with pytest.raises(C.ConfigError, match=r"\[parallelism\] num_slices = 2 .*dcn_axis.*multiple of num_slices"):
-        C.validate(C.load_config(["--parallelism.num_slices", "2"]), 16)
+    assert P.validate(cfg, 16).ici_mesh_shape == (1, 8, 1)
+    with pytest.raises(S.ConfigError, match=r"\[parallelism\] num_slices = 2 .*dcn_axis.*multiple of num_slices"):
+        P.validate(C.load_config(["--parallelism.num_slices", "2"]), 16)
 
 
 def test_validate_checks_paths_only_when_set(tmp_path):
     cfg = C.load_config([])
-    C.validate(cfg, 8)  # nothing set, nothing needed
+    P.validate(cfg, 8)  # nothing set, nothing needed
     cfg.model.hf_assets_path = str(tmp_path)
     cfg.training.dataset_path = str(tmp_path)
-    C.validate(cfg, 8)
+    P.validate(cfg, 8)
     cfg.training.dataset_path = "gs://bucket/c4"  # remote: not checked here
-    C.validate(cfg, 8)
+    P.validate(cfg, 8)
 
 
 def test_validate_rejects_bad_values_set_in_code():
     cfg = C.load_config([])
     cfg.training.steps = "10"
-    with pytest.raises(C.ConfigError, match=r"\[training\] steps = \"10\".*expected an integer"):
-        C.validate(cfg, 8)
+    with pytest.raises(S.ConfigError, match=r"\[training\] steps = \"10\".*expected an integer"):
+        P.validate(cfg, 8)
 
 
 def test_xla_env_updates_environment_wins():
@@ -433,13 +438,13 @@ def test_config_error_inside_trainer_maps_to_exit_2(monkeypatch, capsys):
 
     def main(cfg):
         seen["cfg"] = cfg
-        C.validate(cfg, 6)  # debug_model.toml with 4-way TP cannot use 6 devices
+        P.validate(cfg, 6)  # debug_model.toml with 4-way TP cannot use 6 devices
 
     monkeypatch.setitem(sys.modules, "torchtpu.train.trainer", types.SimpleNamespace(main=main))
     status, out, err = run_cli(["--config", DEBUG, "--parallelism.tensor_parallel_degree", "4"], capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "tensor_parallel_degree = 4 (command line)" in err and "6 devices" in err
-    assert isinstance(seen["cfg"], C.JobConfig)
+    assert isinstance(seen["cfg"], S.JobConfig)
     status, out, err = run_cli(["--config", DEBUG, "--parallelism.tensor_parallel_degree", "4", "--debug"], capsys)
     assert status == 2 and "Traceback" in err
 
@@ -461,7 +466,7 @@ def test_missing_trainer_is_a_clear_one_line_error(monkeypatch, capsys):
 
 
 def test_schema_is_dataclasses():
-    cfg = C.JobConfig()
+    cfg = S.JobConfig()
     assert dataclasses.is_dataclass(cfg) and dataclasses.is_dataclass(cfg.training.dataloader)
     assert [f.name for f in dataclasses.fields(cfg)] == [
         "job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training", "parallelism",

@@ -18,7 +18,7 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu.cli import train_main
-from torchtpu.train.config import load_config
+from torchtpu.train.config_manager import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -80,7 +80,8 @@ def reference_losses(cfg, init, steps):
     from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.lr import build_lr_scheduler
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import build_model_args, cross_entropy_loss
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.trainer import cross_entropy_loss
 
     tok = build_tokenizer(None)
     args = build_model_args(cfg, tok.vocab_size)
@@ -177,7 +178,7 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     got = cpu_state(new.model)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     # asking for the whole state of a model-only save is a config error naming the fix
-    from torchtpu.train.config import ConfigError
+    from torchtpu.train.job_config import ConfigError
 
     bad = Trainer(load_config(small_argv(tmp_path / "b", "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"),
                                          "--checkpoint.no-initial_load_model_only")))
@@ -209,7 +210,7 @@ def test_lr_schedule_reaches_the_compiled_step():
     """The learning rate is a program input: a schedule that drops it to 0 freezes the parameters."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    from torchtpu.train.trainer import build_optimizer
+    from torchtpu.train.optimizer import build_optimizer
 
     cfg = load_config(["--optimizer.lr", "0.1", "--optimizer.weight_decay", "0.0"])
     torch.manual_seed(0)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config import ConfigError, load_config
+from torchtpu.train.config_manager import load_config
+from torchtpu.train.job_config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -44,7 +45,8 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
 
     from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import build_model_args, cross_entropy_loss
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.loss import cross_entropy_loss
 
     tok = build_tokenizer(None)
     ref = Transformer(build_model_args(cfg, tok.vocab_size))

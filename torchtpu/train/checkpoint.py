@@ -35,22 +35,48 @@ deleted or overwritten: opening a folder that holds them raises `CheckpointError
 """
 from __future__ import annotations
 
-import base64
 import os
-import re
 from typing import Any
 
 import jax
 import numpy as np
 import torch
 
-from torchtpu.backend import dtypes
 from torchtpu.backend.dispatch import array_of, write
 from torchtpu.backend.tensor import TpuTensor
-from torchtpu.backend.transfer import from_jax
+
+from .checkpoint_files import (
+    ARRAYS,
+    MANIFEST,
+    STEP_PREFIX,
+    CheckpointError,
+    CorruptCheckpointError,
+    aside_path,
+    check_folder,
+    corrupt_error,
+    find_partial_saves,
+    first_line,
+    split_step_path,
+)
+from .checkpoint_manifest import (
+    FORMAT_VERSION,
+    MISSING,
+    Encoder,
+    array_nodes,
+    child,
+    children,
+    decode,
+    dtype_name,
+    guess_key,
+    jax_dtype,
+    keystr,
+    tensor_leaves,
+    torch_dtype,
+)
+
 
 __all__ = [
-    "CheckpointError",
+    "CheckpointError",  # from checkpoint_files
     "CorruptCheckpointError",
     "CheckpointManager",
     "model_state",
@@ -64,165 +90,7 @@ __all__ = [
     "canonical_name",
 ]
 
-FORMAT_VERSION = 1
-_PREFIX = "step"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-# Orbax's temporary directory for a save in progress: step_<N>.orbax-checkpoint-tmp-<id>
-_PARTIAL_DIR = re.compile(r"^step_(\d+)\.orbax-checkpoint-tmp")
-_SET_ASIDE = ".unreadable"
-_ARRAYS = "arrays"
-_MANIFEST = "manifest"
 _ASYNC_MODES = {"async": True, "async_with_pinned_mem": True, "sync": False, "disabled": False}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the path, key and fix."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files cannot be read back (truncated, damaged, or partly deleted); `.path` is
-    its step folder. Unlike a checkpoint written for another model, an older one may still be good."""
-
-    def __init__(self, message: str, path: str):
-        super().__init__(message)
-        self.path = path
-
-
-# ----------------------------------------------------------------------------- encoding
-# The manifest is a tree of tagged JSON nodes:
-#   {"dict": [[key, node], ...]}  {"list": [node, ...]}  {"tuple": [node, ...]}
-#   {"value": json scalar}        {"bytes": base64}
-#   {"array": name, "kind": "tpu"|"cpu"|"numpy"|"npscalar"|"jax", "dtype": str, "shape": [...]}
-
-
-def _keystr(path) -> str:
-    return "".join(f"[{k!r}]" for k in path) or "<root>"
-
-
-def _dtype_name(dtype) -> str:
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    return np.dtype(dtype).name
-
-
-def _jax_dtype(name: str):
-    t = getattr(torch, name, None)
-    if isinstance(t, torch.dtype):
-        return dtypes.to_jax_dtype(t)
-    return np.dtype(name)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    t = getattr(torch, name, None)
-    if not isinstance(t, torch.dtype):
-        raise CheckpointError(f"checkpoint holds dtype {name!r} that torch does not know")
-    return t
-
-
-_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-class _Encoder:
-    def __init__(self):
-        self.arrays: dict[str, Any] = {}
-
-    def _name(self, path) -> str:
-        base = _NAME_BAD.sub("_", ".".join(str(k) for k in path)) or "root"
-        name, i = base, 1
-        while name in self.arrays:
-            name = f"{base}__{i}"
-            i += 1
-        return name
-
-    def _array(self, path, value, kind, dtype, shape, extra=None) -> dict:
-        name = self._name(path)
-        self.arrays[name] = value
-        node = {"array": name, "kind": kind, "dtype": _dtype_name(dtype), "shape": list(shape)}
-        if extra:
-            node.update(extra)
-        return node
-
-    def encode(self, obj, path=()):
-        if isinstance(obj, TpuTensor):
-            a = array_of(obj)
-            return self._array(path, a, "tpu", obj.dtype, obj.shape, {"requires_grad": bool(obj.requires_grad)})
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "cpu":
-                raise CheckpointError(
-                    f"cannot checkpoint key {_keystr(path)}: tensor on device {obj.device}; "
-                    "move it to 'tpu' or 'cpu' first"
-                )
-            a = np.array(dtypes.torch_to_numpy(obj.detach()), copy=True)  # later writes must not show
-            return self._array(path, a, "cpu", obj.dtype, obj.shape, {"requires_grad": bool(obj.requires_grad)})
-        if isinstance(obj, jax.Array):
-            return self._array(path, obj, "jax", obj.dtype, obj.shape)
-        if isinstance(obj, np.ndarray):
-            return self._array(path, np.array(obj, copy=True), "numpy", obj.dtype, obj.shape)
-        if isinstance(obj, np.generic):
-            return self._array(path, np.asarray(obj), "npscalar", obj.dtype, ())
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return {"value": obj}
-        if isinstance(obj, bytes):
-            return {"bytes": base64.b64encode(obj).decode("ascii")}
-        if isinstance(obj, dict):
-            items = []
-            for k, v in obj.items():
-                if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise CheckpointError(
-                        f"cannot checkpoint key {_keystr(path + (k,))}: dict keys must be str, int, float, "
-                        f"bool or None, got {type(k).__name__}"
-                    )
-                items.append([k, self.encode(v, path + (k,))])
-            return {"dict": items}
-        if isinstance(obj, (list, tuple)):
-            tag = "tuple" if isinstance(obj, tuple) else "list"
-            return {tag: [self.encode(v, path + (i,)) for i, v in enumerate(obj)]}
-        raise CheckpointError(
-            f"cannot checkpoint key {_keystr(path)}: unsupported type {type(obj).__module__}.{type(obj).__qualname__}; "
-            "use tensors, arrays, Python scalars/strings or dicts/lists of them (e.g. call .state_dict())"
-        )
-
-
-def _get(target, key):
-    """target[key] for a dict/list/tuple target, or _MISSING."""
-    if isinstance(target, dict):
-        return target.get(key, _MISSING)
-    if isinstance(target, (list, tuple)) and isinstance(key, int) and 0 <= key < len(target):
-        return target[key]
-    return _MISSING
-
-
-_MISSING = object()
-
-
-def _array_nodes(node, path=()):
-    """(path, node) for every array node of a manifest tree."""
-    if "array" in node:
-        yield path, node
-    elif "dict" in node:
-        for k, v in node["dict"]:
-            yield from _array_nodes(v, path + (k,))
-    elif "list" in node or "tuple" in node:
-        for i, v in enumerate(node.get("list", node.get("tuple"))):
-            yield from _array_nodes(v, path + (i,))
-
-
-def _children(node) -> dict | list:
-    """The children of a manifest container node as a dict (or list), for `_get`."""
-    if "dict" in node:
-        return {k: v for k, v in node["dict"]}
-    return list(node.get("list", node.get("tuple", [])))
-
-
-def _tensor_leaves(obj, path=()):
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensor_leaves(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensor_leaves(v, path + (i,))
 
 
 # ----------------------------------------------------------------------------- manager
@@ -254,37 +122,16 @@ class CheckpointManager:
         self._mgr = None
         self._pending_step = None
         # saves that never finished (a process killed mid-save), found before Orbax removes them
-        self.partial_saves: list[str] = self._find_partial_saves()
+        self.partial_saves: list[str] = find_partial_saves(self.folder)
 
     # -- orbax manager
-
-    def _find_partial_saves(self) -> list[str]:
-        if not os.path.isdir(self.folder):
-            return []
-        return [os.path.join(self.folder, e) for e in sorted(os.listdir(self.folder))
-                if _PARTIAL_DIR.match(e) and os.path.isdir(os.path.join(self.folder, e))]
-
-    def _check_folder(self):
-        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
-            raise CheckpointError(
-                f"checkpoint folder {self.folder} is a file, not a directory; choose another checkpoint folder"
-            )
-        if not os.path.isdir(self.folder):
-            return
-        for entry in sorted(os.listdir(self.folder)):
-            full = os.path.join(self.folder, entry)
-            if _STEP_DIR.match(entry) and os.path.isdir(full) and not os.path.isdir(os.path.join(full, _MANIFEST)):
-                raise CheckpointError(
-                    f"checkpoint folder {self.folder} holds {entry}, which torchtpu did not write; it will not be "
-                    "overwritten or deleted: choose another checkpoint folder (or move that directory away)"
-                )
 
     def _manager(self, create: bool):
         if self._mgr is not None:
             return self._mgr
         import orbax.checkpoint as ocp
 
-        self._check_folder()
+        check_folder(self.folder)
         if not create and not os.path.isdir(self.folder):
             raise CheckpointError(
                 f"no checkpoint folder at {self.folder}: nothing to restore; check the checkpoint folder setting "
@@ -292,16 +139,16 @@ class CheckpointManager:
             )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.keep_latest_k or None,
-            step_prefix=_PREFIX,
+            step_prefix=STEP_PREFIX,
             create=create,
             cleanup_tmp_directories=True,
             enable_async_checkpointing=_ASYNC_MODES[self.async_mode],
         )
         try:
-            self._mgr = ocp.CheckpointManager(self.folder, options=options, item_names=(_ARRAYS, _MANIFEST))
+            self._mgr = ocp.CheckpointManager(self.folder, options=options, item_names=(ARRAYS, MANIFEST))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(
-                f"cannot open checkpoint folder {self.folder}: {_first_line(e)}; check the path and its permissions"
+                f"cannot open checkpoint folder {self.folder}: {first_line(e)}; check the path and its permissions"
             ) from e
         return self._mgr
 
@@ -318,16 +165,14 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def step_path(self, step: int) -> str:
-        return os.path.join(self.folder, f"{_PREFIX}_{int(step)}")
+        return os.path.join(self.folder, f"{STEP_PREFIX}_{int(step)}")
 
     def set_aside(self, step: int) -> str:
         """Rename the (unreadable) checkpoint `step` to step_<N>.unreadable[-k] so it is no longer
         a step of this folder: resuming skips it, and step N can be saved again. Nothing is deleted.
         Returns the new path. In a multi-host job only process 0 renames."""
         src = self.step_path(step)
-        dst, k = src + _SET_ASIDE, 1
-        while os.path.exists(dst):
-            dst, k = f"{src}{_SET_ASIDE}-{k}", k + 1
+        dst = aside_path(src)
         if self._mgr is not None:
             self._mgr.close()
             self._mgr = None
@@ -357,7 +202,7 @@ class CheckpointManager:
         mgr = self._manager(create=True)
         if step in mgr.all_steps() or step == self._pending_step:
             return False
-        enc = _Encoder()
+        enc = Encoder()
         manifest = {
             "format": FORMAT_VERSION,
             "writer": "torchtpu",
@@ -366,14 +211,14 @@ class CheckpointManager:
         }
         import orbax.checkpoint as ocp
 
-        items = {_MANIFEST: ocp.args.JsonSave(manifest)}
+        items = {MANIFEST: ocp.args.JsonSave(manifest)}
         if enc.arrays:
-            items[_ARRAYS] = ocp.args.StandardSave(enc.arrays)
+            items[ARRAYS] = ocp.args.StandardSave(enc.arrays)
         try:
             mgr.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(
-                f"saving checkpoint {self.step_path(step)} failed: {_first_line(e)}; check free disk space and "
+                f"saving checkpoint {self.step_path(step)} failed: {first_line(e)}; check free disk space and "
                 "write permission for the checkpoint folder"
             ) from e
         self._pending_step = step
@@ -389,7 +234,7 @@ class CheckpointManager:
             step = self._pending_step
             raise CheckpointError(
                 f"saving checkpoint {self.step_path(step) if step is not None else self.folder} failed: "
-                f"{_first_line(e)}; check free disk space and write permission for the checkpoint folder"
+                f"{first_line(e)}; check free disk space and write permission for the checkpoint folder"
             ) from e
         finally:
             self._pending_step = None
@@ -425,9 +270,9 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         try:
-            return mgr.restore(int(step), args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]["tree"]
+            return mgr.restore(int(step), args=ocp.args.Composite(**{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]["tree"]
         except Exception as e:  # noqa: BLE001
-            raise _corrupt(self.step_path(step), "manifest", e, steps, int(step)) from e
+            raise corrupt_error(self.step_path(step), "manifest", e, steps, int(step)) from e
 
     def restore(self, step: int | None = None, target: Any = None, subtree: tuple = (), skip: tuple = ()) -> Any:
         """Restore checkpoint `step` (default: the newest) into `target`.
@@ -462,34 +307,34 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         try:
-            manifest = mgr.restore(step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]
+            manifest = mgr.restore(step, args=ocp.args.Composite(**{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]
             tree = manifest["tree"]
         except Exception as e:  # noqa: BLE001
-            raise _corrupt(path, "manifest", e, steps, step) from e
+            raise corrupt_error(path, "manifest", e, steps, step) from e
         for k in subtree:
-            sub = _get(_children(tree), k)
-            if sub is _MISSING:
-                raise CheckpointError(f"checkpoint {path} has no part {_keystr(subtree)}: it holds "
-                                      f"{sorted(map(str, _children(tree)))}; it was written by a different program")
+            sub = child(children(tree), k)
+            if sub is MISSING:
+                raise CheckpointError(f"checkpoint {path} has no part {keystr(subtree)}: it holds "
+                                      f"{sorted(map(str, children(tree)))}; it was written by a different program")
             tree = sub
 
         # Build the abstract array tree from the manifest and the target.
         abstract = {}
         placed = {}  # array name -> target tensor (filled in place) or None
         skipped = {k for k in skip if isinstance(tree, dict) and "dict" in tree}
-        nodes = [(kp, n) for kp, n in _array_nodes(tree) if not (kp and kp[0] in skipped)]
+        nodes = [(kp, n) for kp, n in array_nodes(tree) if not (kp and kp[0] in skipped)]
         for kpath, node in nodes:
             t = target
             for k in kpath:
-                t = _get(t, k) if t is not _MISSING else _MISSING
+                t = child(t, k) if t is not MISSING else MISSING
             abstract[node["array"]] = self._abstract(path, kpath, node, t)
             placed[node["array"]] = t if isinstance(t, torch.Tensor) else None
         # Tensors the target has but the checkpoint lacks: the model or optimizer differs.
         saved = {kp for kp, _ in nodes}
-        for kpath, t in _tensor_leaves(target):
+        for kpath, t in tensor_leaves(target):
             if kpath not in saved and not (kpath and kpath[0] in skipped):
                 raise CheckpointError(
-                    f"checkpoint {path} has no key {_keystr(kpath)} that the target needs: the checkpoint was written "
+                    f"checkpoint {path} has no key {keystr(kpath)} that the target needs: the checkpoint was written "
                     "by a different model/optimizer; restore with the matching model config or use a fresh checkpoint folder"
                 )
 
@@ -499,31 +344,31 @@ class CheckpointManager:
             # names given (the manager's standard handler insists on the whole tree).
             try:
                 reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-                arrays = reader.restore(os.path.join(path, _ARRAYS), args=ocp.args.PyTreeRestore(
+                arrays = reader.restore(os.path.join(path, ARRAYS), args=ocp.args.PyTreeRestore(
                     item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                     partial_restore=True))
             except Exception as e:  # noqa: BLE001
-                raise _corrupt(path, _guess_key(e, nodes), e, steps, step) from e
+                raise corrupt_error(path, guess_key(e, nodes), e, steps, step) from e
         elif abstract:
             try:
-                arrays = mgr.restore(step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(abstract)}))[_ARRAYS]
+                arrays = mgr.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}))[ARRAYS]
             except Exception as e:  # noqa: BLE001
-                raise _corrupt(path, _guess_key(e, nodes), e, steps, step) from e
+                raise corrupt_error(path, guess_key(e, nodes), e, steps, step) from e
         if skipped:
             tree = {"dict": [[k, {"value": None} if k in skipped else v] for k, v in tree["dict"]]}
-        return _decode(tree, arrays, placed)
+        return decode(tree, arrays, placed)
 
     @staticmethod
     def _abstract(path, kpath, node, t):
         shape = tuple(node["shape"])
         kind = node["kind"]
-        jdt = _jax_dtype(node["dtype"])
+        jdt = jax_dtype(node["dtype"])
         if isinstance(t, (torch.Tensor, jax.ShapeDtypeStruct, jax.Array)):
             t_shape = tuple(t.shape)
-            t_dtype = _dtype_name(t.dtype)
+            t_dtype = dtype_name(t.dtype)
             if t_shape != shape or t_dtype != node["dtype"]:
                 raise CheckpointError(
-                    f"checkpoint {path} key {_keystr(kpath)} is {node['dtype']}{list(shape)} but the target is "
+                    f"checkpoint {path} key {keystr(kpath)} is {node['dtype']}{list(shape)} but the target is "
                     f"{t_dtype}{list(t_shape)}: the model/optimizer config differs from the one that wrote the "
                     "checkpoint; use the matching config or a fresh checkpoint folder"
                 )
@@ -537,72 +382,6 @@ class CheckpointManager:
             dev = jax.local_devices()[0]
             return jax.ShapeDtypeStruct(shape, jdt, sharding=jax.sharding.SingleDeviceSharding(dev))
         return jax.ShapeDtypeStruct(shape, jdt)  # host array (NumPy)
-
-
-def _decode(node, arrays, placed):
-    if "array" in node:
-        name = node["array"]
-        a = arrays[name]
-        t = placed.get(name)
-        kind = node["kind"]
-        if isinstance(t, TpuTensor):
-            write(t, a if isinstance(a, jax.Array) else jax.device_put(a, array_of(t).sharding))
-            return t
-        if isinstance(t, torch.Tensor):  # CPU tensor target: copy in place
-            with torch.no_grad():
-                t.copy_(dtypes.numpy_to_torch(np.asarray(a), t.dtype))
-            return t
-        if kind == "tpu":
-            if not isinstance(a, jax.Array):
-                a = jax.device_put(a, jax.local_devices()[0])
-            r = from_jax(a)
-            if node.get("requires_grad"):
-                r.requires_grad_(True)
-            return r
-        if kind == "cpu":
-            r = dtypes.numpy_to_torch(np.array(a, copy=True), _torch_dtype(node["dtype"]))
-            if node.get("requires_grad"):
-                r.requires_grad_(True)
-            return r
-        if kind == "jax":
-            return a if isinstance(a, jax.Array) else jax.numpy.asarray(a)
-        if kind == "npscalar":
-            return np.asarray(a).reshape(())[()]
-        return np.asarray(a)
-    if "value" in node:
-        return node["value"]
-    if "bytes" in node:
-        return base64.b64decode(node["bytes"])
-    if "dict" in node:
-        return {k: _decode(v, arrays, placed) for k, v in node["dict"]}
-    if "tuple" in node:
-        return tuple(_decode(v, arrays, placed) for v in node["tuple"])
-    if "list" in node:
-        return [_decode(v, arrays, placed) for v in node["list"]]
-    raise CheckpointError(f"unknown manifest node {sorted(node)}")
-
-
-def _first_line(e: BaseException, limit: int = 500) -> str:
-    text = str(e).strip().splitlines()
-    line = f"{type(e).__name__}: {text[0] if text else ''}"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _guess_key(e: BaseException, nodes) -> str:
-    text = str(e)
-    for kpath, node in nodes:
-        if re.search(rf"(?<![A-Za-z0-9_.-]){re.escape(node['array'])}(?![A-Za-z0-9_.-])", text):
-            return _keystr(kpath)
-    return "arrays"
-
-
-def _corrupt(path, key, e, steps, step) -> CheckpointError:
-    older = [s for s in steps if s < step]
-    fix = (f"restore an earlier step (restore(step={older[-1]})) or delete {path}" if older
-           else f"delete {path} and start without resuming")
-    return CorruptCheckpointError(
-        f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {_first_line(e, 240)})",
-        path)
 
 
 # ----------------------------------------------------------------------------- module and optimizer helpers
@@ -679,16 +458,9 @@ def model_only_state(module: torch.nn.Module, step: int, dtype: torch.dtype | No
     return {"model": out, "model_only": True, "step": int(step)}
 
 
-def split_step_path(path: str) -> tuple[str, int | None]:
-    """A checkpoint folder, or one of its step_N folders, as (folder, N or None)."""
-    path = os.path.abspath(os.path.expanduser(str(path))).rstrip(os.sep)
-    m = _STEP_DIR.match(os.path.basename(path))
-    return (os.path.dirname(path), int(m.group(1))) if m else (path, None)
-
-
 def is_model_only(tree: dict) -> bool:
     """Whether a manifest tree (CheckpointManager.manifest) is a model-only save."""
-    node = _children(tree).get("model_only") if "dict" in tree else None
+    node = children(tree).get("model_only") if "dict" in tree else None
     return bool(node and node.get("value"))
 
 
@@ -698,7 +470,7 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
     floating dtype (an export dtype) are cast to the module's. Nothing else is read."""
     path = manager.step_path(step)
     tree = manager.manifest(step)
-    model = _children(tree).get("model") if "dict" in tree else None
+    model = children(tree).get("model") if "dict" in tree else None
     if not model or "dict" not in model:
         raise CheckpointError(f"checkpoint {path} holds no model weights (no 'model' part); it was not written by "
                               "torchtpu-train: point to a torchtpu-train checkpoint")
@@ -716,13 +488,13 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
         t = own[canon]
         if tuple(node["shape"]) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']}{list(node['shape'])} but the model "
-                                  f"has {_dtype_name(t.dtype)}{list(t.shape)}: it was written for another model; use the "
+                                  f"has {dtype_name(t.dtype)}{list(t.shape)}: it was written for another model; use the "
                                   "[model] name/flavor that wrote it")
-        if t.is_floating_point() != _torch_dtype(node["dtype"]).is_floating_point:
+        if t.is_floating_point() != torch_dtype(node["dtype"]).is_floating_point:
             raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']} but the model's is "
-                                  f"{_dtype_name(t.dtype)}: it was written for another model")
+                                  f"{dtype_name(t.dtype)}: it was written for another model")
         sharding = array_of(t).sharding if isinstance(t, TpuTensor) else None
-        target[key] = jax.ShapeDtypeStruct(tuple(node["shape"]), _jax_dtype(node["dtype"]), sharding=sharding)
+        target[key] = jax.ShapeDtypeStruct(tuple(node["shape"]), jax_dtype(node["dtype"]), sharding=sharding)
     restored = manager.restore(step, target=target, subtree=("model",))
     with torch.no_grad():
         for canon, (key, _) in saved.items():

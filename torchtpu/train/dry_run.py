@@ -112,7 +112,7 @@ def dry_run(trainer) -> int:
     import torchtpu.distributed as td
     from torchtpu.distributed.topology import compile_report, dump_compiles_to, format_report, largest_temporaries
 
-    from .trainer import _ac_settings
+    from .model_builder import ac_settings
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError("this torchtpu build cannot compile a step ahead of time (compile_for / "
@@ -158,7 +158,7 @@ def dry_run(trainer) -> int:
     model_flops = trainer.flops_per_token * tokens
     lines.append(f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
                  "tokens, torchtitan's 6N + attention)")
-    ac_mode, _ = _ac_settings(trainer.cfg)
+    ac_mode, _ = ac_settings(trainer.cfg)
     est = step_estimate(trainer, report)
     lines.append(f"costing method          {est['method']}")
     flops = est.get("flops_per_device")

@@ -24,6 +24,8 @@ import warnings
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from .job_config import JobConfig
+
 DECAY_TYPES = ("linear", "sqrt", "cosine")
 
 
@@ -101,3 +103,10 @@ def build_lr_scheduler(
         _multiplier, warmup=warmup, stable=stable, decay=decay, decay_type=decay_type, min_lr_factor=min_lr_factor
     )
     return LambdaLR(optimizer, fn)
+
+
+def build_schedule(optimizer, cfg: JobConfig):
+    """The LambdaLR of [lr_scheduler] over lr_scheduler.total_steps (unset: training.steps)."""
+    ls = cfg.lr_scheduler
+    return build_lr_scheduler(optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
+                              ls.total_steps or cfg.training.steps)

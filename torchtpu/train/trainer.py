@@ -1,6 +1,6 @@
 """The training loop behind `torchtpu-train`: one compiled XLA program per optimizer step.
 
-    status = main(cfg)          # cfg from torchtpu.train.config.load_config; returns the exit status
+    status = main(cfg)          # cfg from torchtpu.train.config_manager.load_config; returns the exit status
 
 What a run does, in order:
 
@@ -44,22 +44,21 @@ import math
 import os
 import sys
 import time
-import warnings
 
-from .config import ConfigError, JobConfig, ParallelDims, validate
+from .config_manager import save_resolved_config
+from .console import log
 from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
-from .loss import cross_entropy_loss, language_model_loss  # noqa: F401  (cross_entropy_loss: re-exported)
+from .job_config import ConfigError, JobConfig
+from .loss import language_model_loss
+from .lr import build_schedule
+from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
+from .optimizer import build_optimizer, init_optimizer_state
+from .parallel_dims import ParallelDims, job_devices, validate
+from .profiling import Profiler
 
-__all__ = ["Trainer", "main", "build_model_args", "cross_entropy_loss", "build_optimizer"]
+__all__ = ["Trainer", "main"]
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
-
-
-def _log(msg: str) -> None:
-    import jax
-
-    if jax.process_index() == 0:
-        print(f"[torchtpu-train] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,64 +71,6 @@ def resolve_seed(cfg: JobConfig) -> int | None:
     if cfg.debug.seed is not None:
         return cfg.debug.seed
     return 0 if cfg.debug.deterministic else None
-
-
-def job_devices(cfg: JobConfig) -> list:
-    """The devices the job runs on: the attached ones, or with [tpu] topology and a dry run the
-    compile-only devices of that TPU slice (training on a named slice needs its chips)."""
-    import jax
-
-    if not cfg.tpu.topology:
-        return jax.devices()
-    if cfg.tpu.dry_run:
-        from torchtpu.distributed.topology import topology_devices
-
-        return topology_devices(cfg.tpu.topology)
-    local = jax.devices()
-    if local[0].platform != "tpu":
-        raise ConfigError(
-            f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
-            f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
-            "here, or leave topology empty to train on the attached devices")
-    return local
-
-
-def build_meta_model(cfg: JobConfig, model_args):
-    """torchtitan's Transformer on the meta device, its parameters in training.dtype, with real
-    rotary arithmetic (no complex64 table on the chip: docs/DESIGN_NOTES.md)."""
-    import torch
-    from torchtitan.models.llama3 import Transformer
-
-    from torchtpu.models.llama3.rope import use_real_rope
-
-    with torch.device("meta"):
-        model = use_real_rope(Transformer(model_args))
-    param_dtype = _torch_dtype(cfg.training.dtype)
-    if param_dtype != torch.float32:
-        # parameters only: the RoPE table (freqs_cis) keeps its float32 values
-        for mod in model.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is not None and p.is_floating_point():
-                    mod._parameters[name] = torch.nn.Parameter(p.to(param_dtype), requires_grad=p.requires_grad)
-    return model
-
-
-def mixed_precision_dtypes(cfg: JobConfig):
-    """(param_dtype, reduce_dtype) for parallelize_llama: training.mixed_precision_param/_reduce, or None
-    where they equal the parameters' own dtype (training.dtype), i.e. where there is nothing to cast."""
-    own = _torch_dtype(cfg.training.dtype)
-    param, reduce = (_torch_dtype(cfg.training.mixed_precision_param),
-                     _torch_dtype(cfg.training.mixed_precision_reduce))
-    return (None if param == own else param), (None if reduce == own else reduce)
-
-
-def build_schedule(optimizer, cfg: JobConfig):
-    """The LambdaLR of [lr_scheduler] over lr_scheduler.total_steps (unset: training.steps)."""
-    from .lr import build_lr_scheduler
-
-    ls = cfg.lr_scheduler
-    return build_lr_scheduler(optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
-                              ls.total_steps or cfg.training.steps)
 
 
 def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=None):
@@ -172,105 +113,6 @@ def gc_due(cfg: JobConfig, step: int) -> bool:
     return step % cfg.training.gc_freq == 0
 
 
-def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
-    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len (or validation.seq_len if
-    validation is on and its sequences are longer).
-
-    The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
-    be trained on (its ids would index past the embedding table) and is refused."""
-    from torchtitan.models.llama3 import llama3_args
-
-    flavor = cfg.model.flavor
-    if flavor not in llama3_args:
-        known = ", ".join(k for k in llama3_args if "_" not in k)
-        raise ConfigError(f"[model] flavor = {flavor!r}: not a torchtitan llama3 flavor; allowed: {known}")
-    args = dataclasses.replace(llama3_args[flavor])
-    if args.attn_type != "sdpa":
-        raise ConfigError(f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
-                          "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)")
-    if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
-        where = cfg.origin("model", "hf_assets_path") or "default"
-        raise ConfigError(
-            f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: the tokenizer has "
-            f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
-            f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
-            f"{tokenizer_vocab_size})")
-    # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
-    # validation sequences too.
-    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-    return args
-
-
-def _scalar(value: float, mesh=None, lazy: bool = False):
-    """A float32 scalar on tpu: replicated over `mesh` when given (so it can meet sharded tensors in
-    eager ops even after a checkpoint restore commits it), else on the default tpu device.
-    lazy=True: an unfilled tensor laid out over the mesh (for ahead-of-time compilation)."""
-    import torch
-
-    from torchtpu.distributed import Replicate, distribute_tensor, empty
-
-    if lazy:
-        return empty((), torch.float32, mesh=mesh, placements=[Replicate()] * mesh.ndim)
-    t = torch.tensor(value, dtype=torch.float32)
-    if mesh is None:
-        return t.to("tpu")
-    return distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)
-
-
-def build_optimizer(params, cfg: JobConfig, mesh=None, lazy: bool = False):
-    """AdamW/Adam from [optimizer], capturable, foreach, with the learning rate as a tpu tensor.
-
-    A Python-float learning rate would be baked into a compiled step as a constant; a tensor is
-    an input of the program, and LambdaLR updates it in place (fill_)."""
-    import torch
-
-    o = cfg.optimizer
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
-    kw = dict(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, capturable=True, foreach=True)
-    if lazy:
-        # the constructor reads lr to check it; give it the number, then the unfilled tensor
-        opt = cls(params, lr=o.lr, **kw)
-        for group in opt.param_groups:
-            group["lr"] = _scalar(o.lr, mesh, lazy=True)
-        return opt
-    return cls(params, lr=_scalar(o.lr, mesh), **kw)
-
-
-def init_optimizer_state(optimizer, mesh=None) -> None:
-    """Create Adam(W)'s state (step, exp_avg, exp_avg_sq) now, laid out like each parameter,
-    instead of lazily in the first step, so a checkpoint can be restored into it in place."""
-    import torch
-
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            st = optimizer.state[p]
-            st["step"] = _scalar(0.0, mesh)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, _DTYPES[name])
-
-
-def _ac_settings(cfg: JobConfig) -> tuple[str, int]:
-    ac = cfg.activation_checkpoint
-    if ac.mode != "selective":
-        return ac.mode, 1
-    if ac.selective_ac_option == "op":
-        warnings.warn('activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
-                      'supported by torchtpu yet; recomputing every block (mode "full") instead', stacklevel=2)
-        return "full", 1
-    return "selective", int(ac.selective_ac_option)
 
 
 def _memory_gib() -> float | None:
@@ -337,7 +179,7 @@ class Trainer:
         seed = resolve_seed(cfg)
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-            _log(f"seed {seed} (set [debug] seed to repeat this run)")
+            log(f"seed {seed} (set [debug] seed to repeat this run)")
         if cfg.debug.deterministic:
             torch.use_deterministic_algorithms(True)
         self.seed = seed
@@ -350,7 +192,7 @@ class Trainer:
 
         self.num_params, self.flops_per_token = model_flops_per_token(model, self.model_args, cfg.training.seq_len)
         mp_param, mp_reduce = mixed_precision_dtypes(cfg)
-        ac_mode, ac_every = _ac_settings(cfg)
+        ac_mode, ac_every = ac_settings(cfg)
         parallelize_llama(
             model, self.mesh,
             sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
@@ -398,7 +240,6 @@ class Trainer:
 
         # -- checkpoints
         self.checkpointer = None
-        ck = cfg.checkpoint
         if not self.dry:
             self.checkpointer = build_checkpointer(cfg)
 
@@ -497,104 +338,15 @@ class Trainer:
         folder = os.path.join(self.cfg.job.dump_folder, ck.folder, f"hf_step_{step}")
         save_model_as_hf(folder, self.model, self.model_args, getattr(torch, ck.export_dtype),
                          config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id})
-        _log(f"final weights as a Hugging Face folder: {folder}")
+        log(f"final weights as a Hugging Face folder: {folder}")
 
     def maybe_resume(self) -> bool:
-        ck = self.checkpointer
-        cfg = self.cfg.checkpoint
-        if ck is None:
-            if cfg.initial_load_path and not self.dry:
-                self._initial_load()
-            return False
-        from .checkpoint import CorruptCheckpointError, split_step_path
+        """Restore this run's newest checkpoint, or the initial one; see resume.py."""
+        from .resume import maybe_resume
 
-        for partial in ck.partial_saves:
-            _log(f"ignoring {partial}: an incomplete checkpoint (its save never finished, e.g. the job was killed "
-                 "mid-save); it is removed")
-        latest = ck.latest_step()
-        while latest is not None:
-            try:
-                return self._resume_at(ck, latest if cfg.load_step == -1 else cfg.load_step)
-            except CorruptCheckpointError as e:
-                if cfg.load_step != -1:
-                    raise  # the step the user asked for, not some other one
-                moved = ck.set_aside(split_step_path(e.path)[1])
-                latest = ck.latest_step()
-                _log(f"{e} -- set it aside as {moved}; "
-                     + (f"falling back to the previous checkpoint, step {latest}" if latest is not None
-                        else "no older checkpoint: starting this run from the beginning"))
-        if cfg.initial_load_path:
-            self._initial_load()
-        return False
+        return maybe_resume(self)
 
-    def _resume_at(self, ck, step: int) -> bool:
-        """Resume from checkpoint `step` of this run's folder (or, when it holds only the final model
-        weights, from the newest full checkpoint before it)."""
-        from .checkpoint import CheckpointError, is_model_only, load_model_weights
-
-        cfg = self.cfg.checkpoint
-        if is_model_only(ck.manifest(step)):
-            path = ck.step_path(step)
-            if step >= self.cfg.training.steps:
-                # This run already finished: its final save holds the weights only.
-                load_model_weights(ck, step, self.model)
-                self.step = step
-                _log(f"{path} is this run's final (model-only) save: nothing left to train up to training.steps = "
-                     f"{self.cfg.training.steps}; raise it to train on")
-                return True
-            full = [s for s in ck.all_steps() if s < step and not is_model_only(ck.manifest(s))]
-            if cfg.load_step != -1 or not full:
-                raise CheckpointError(
-                    f"checkpoint {path} holds only model weights (a final save with checkpoint.last_save_model_only), "
-                    "so training cannot resume from it: start a new job (another job.dump_folder) with "
-                    f"--checkpoint.initial_load_path {path} to train on from these weights"
-                    + (f", or resume the full checkpoint of step {full[-1]} (--checkpoint.load_step {full[-1]})"
-                       if full else ""))
-            _log(f"{path} holds only model weights (the final save of the previous run); resuming from the newest "
-                 f"full checkpoint, step {full[-1]}")
-            step = full[-1]
-        self._restore_full(ck, step)
-        _log(f"attempt {attempt_number()}: resumed from {ck.step_path(self.step)} (step {self.step})")
-        return True
-
-    def _initial_load(self) -> None:
-        """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state)."""
-        from .checkpoint import CheckpointManager, is_model_only, load_model_weights, split_step_path
-
-        cfg = self.cfg.checkpoint
-        where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
-        if cfg.initial_load_in_hf:
-            from .hf_checkpoint import HFCheckpointError, load_hf_into_model
-
-            try:
-                load_hf_into_model(cfg.initial_load_path, self.model, self.model_args)
-            except HFCheckpointError as e:
-                raise ConfigError(f"{where} (initial_load_in_hf): {e}") from None
-            _log(f"initial weights from the Hugging Face folder {cfg.initial_load_path}")
-            return
-        folder, step = split_step_path(cfg.initial_load_path)
-        src = CheckpointManager(folder, interval=1, async_mode="sync")
-        try:
-            if step is None:
-                step = src.latest_step()
-                if step is None:
-                    raise ConfigError(f"{where}: no checkpoint (step_N folder) in it; point it at a torchtpu-train "
-                                      "checkpoint folder or one of its step_N folders")
-            tree = src.manifest(step)
-            if cfg.initial_load_model_only:
-                load_model_weights(src, step, self.model)
-                _log(f"initial weights from {src.step_path(step)}")
-            elif is_model_only(tree):
-                raise ConfigError(f"{where}: {src.step_path(step)} holds only model weights; set "
-                                  "checkpoint.initial_load_model_only = true to start from them")
-            else:
-                self._restore_full(src, step)
-                _log(f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} "
-                     f"(step {self.step})")
-        finally:
-            src.close()
-
-    def _restore_full(self, ck, step: int) -> None:
+    def restore_full(self, ck, step: int) -> None:
         """Restore the whole training state of checkpoint `step` of `ck` in place."""
         from .checkpoint import load_model_state, load_optimizer_state
 
@@ -634,13 +386,13 @@ class Trainer:
         peak, peak_src = peak_flops(self.devices[0].device_kind)
         tokens_per_step = dims.tokens_per_step
         world = dims.world_size
-        _log(f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
-             f"{dict(zip(MESH_AXES, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
-             f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
-             f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}")
-        _log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+        log(f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
+            f"{dict(zip(MESH_AXES, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
+            f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
+            f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}")
+        log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
-        profiler = _Profiler(cfg)
+        profiler = Profiler(cfg)
         preemption = PreemptionWatch()  # SIGTERM: stop at a step boundary all processes agree on
         t_last = time.perf_counter()
         steps_since = 0
@@ -785,71 +537,6 @@ def _load_loader_state(loader, saved: dict, dims) -> None:
         raise ConfigError(f"cannot continue the checkpoint's data stream: {e}") from None
 
 
-class _Profiler:
-    """jax.profiler traces of `profiler_active` steps ending at each multiple of profile_freq."""
-
-    def __init__(self, cfg: JobConfig):
-        p = cfg.profiling
-        self.enabled = p.enable_profiling
-        self.freq = p.profile_freq
-        self.active = min(p.profiler_active, p.profile_freq)
-        self.folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
-        self.memory = p.enable_memory_snapshot
-        self.memory_folder = os.path.join(cfg.job.dump_folder, p.save_memory_snapshot_folder)
-        self.on = False
-
-    def before(self, step: int) -> None:
-        if not self.enabled or self.on:
-            return
-        end = -(-step // self.freq) * self.freq
-        if step == end - self.active + 1:
-            import jax
-
-            self.dir = os.path.join(self.folder, f"iteration_{end}")
-            os.makedirs(self.dir, exist_ok=True)
-            jax.profiler.start_trace(self.dir)
-            self.on = True
-
-    def after(self, step: int, out) -> None:
-        if self.memory and step % self.freq == 0:
-            import jax
-
-            import torchtpu
-
-            jax.block_until_ready(torchtpu.to_jax(out))
-            folder = os.path.join(self.memory_folder, f"iteration_{step}")
-            os.makedirs(folder, exist_ok=True)
-            jax.profiler.save_device_memory_profile(os.path.join(folder, "memory.prof"))
-            _log(f"device memory profile of step {step} in {folder}/memory.prof")
-        if self.on and step % self.freq == 0:
-            import jax
-
-            import torchtpu
-
-            jax.block_until_ready(torchtpu.to_jax(out))
-            jax.profiler.stop_trace()
-            self.on = False
-            _log(f"profiler trace of step(s) {step - self.active + 1}..{step} in {self.dir}")
-
-    def close(self) -> None:
-        if self.on:
-            import jax
-
-            jax.profiler.stop_trace()
-            self.on = False
-
-
-def save_resolved_config(cfg: JobConfig) -> str | None:
-    """job.save_config_file: write the resolved configuration into dump_folder; returns its path."""
-    if not cfg.job.save_config_file:
-        return None
-    os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(cfg.to_toml())
-    return path
-
-
 def main(cfg: JobConfig) -> int:
     """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
 
@@ -862,8 +549,8 @@ def main(cfg: JobConfig) -> int:
 
         initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            _log(f"attempt {attempt_number()} (torchelastic restarts allowed: "
-                 f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})")
+            log(f"attempt {attempt_number()} (torchelastic restarts allowed: "
+                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})")
         watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
     try:
         trainer = Trainer(cfg)
@@ -880,5 +567,5 @@ def main(cfg: JobConfig) -> int:
         if watchdog is not None:
             watchdog.close()
     if history:
-        _log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
+        log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
     return 0

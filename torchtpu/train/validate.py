@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 
-from .config import ConfigError
+from .job_config import ConfigError
 
 __all__ = ["Validator", "build_validator"]
 

@@ -1,0 +1,91 @@
+"""The layout of a checkpoint folder and the checks on it: which entries are checkpoints
+(`step_<N>`), saves that never finished, step folders this code did not write, setting an
+unreadable checkpoint aside, and the errors that name a damaged checkpoint.
+
+    <folder>/step_<N>/arrays      every array of the state (Orbax)
+    <folder>/step_<N>/manifest    the state's structure and Python values (JSON; checkpoint_manifest.py)
+    <folder>/step_<N>.orbax-checkpoint-tmp-...   a save in progress, or one that never finished
+    <folder>/step_<N>.unreadable  a damaged checkpoint set aside (never deleted)
+"""
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["CheckpointError", "CorruptCheckpointError", "split_step_path"]
+
+STEP_PREFIX = "step"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# Orbax's temporary directory for a save in progress: step_<N>.orbax-checkpoint-tmp-<id>
+_PARTIAL_DIR = re.compile(r"^step_(\d+)\.orbax-checkpoint-tmp")
+_SET_ASIDE = ".unreadable"
+ARRAYS = "arrays"
+MANIFEST = "manifest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path, key and fix."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files cannot be read back (truncated, damaged, or partly deleted); `.path` is
+    its step folder. Unlike a checkpoint written for another model, an older one may still be good."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+def find_partial_saves(folder: str) -> list[str]:
+    """Saves that never finished (a process killed mid-save): Orbax's temporary step folders."""
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, e) for e in sorted(os.listdir(folder))
+            if _PARTIAL_DIR.match(e) and os.path.isdir(os.path.join(folder, e))]
+
+
+def check_folder(folder: str) -> None:
+    """Refuse a checkpoint folder that is a file, or that holds step folders this code did not write."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CheckpointError(
+            f"checkpoint folder {folder} is a file, not a directory; choose another checkpoint folder"
+        )
+    if not os.path.isdir(folder):
+        return
+    for entry in sorted(os.listdir(folder)):
+        full = os.path.join(folder, entry)
+        if STEP_DIR.match(entry) and os.path.isdir(full) and not os.path.isdir(os.path.join(full, MANIFEST)):
+            raise CheckpointError(
+                f"checkpoint folder {folder} holds {entry}, which torchtpu did not write; it will not be "
+                "overwritten or deleted: choose another checkpoint folder (or move that directory away)"
+            )
+
+
+def aside_path(step_path: str) -> str:
+    """Where set_aside moves a step folder: step_<N>.unreadable, or step_<N>.unreadable-<k> if taken."""
+    dst, k = step_path + _SET_ASIDE, 1
+    while os.path.exists(dst):
+        dst, k = f"{step_path}{_SET_ASIDE}-{k}", k + 1
+    return dst
+
+
+def split_step_path(path: str) -> tuple[str, int | None]:
+    """A checkpoint folder, or one of its step_N folders, as (folder, N or None)."""
+    path = os.path.abspath(os.path.expanduser(str(path))).rstrip(os.sep)
+    m = STEP_DIR.match(os.path.basename(path))
+    return (os.path.dirname(path), int(m.group(1))) if m else (path, None)
+
+
+def first_line(e: BaseException, limit: int = 500) -> str:
+    text = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {text[0] if text else ''}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def corrupt_error(path, key, e, steps, step) -> CheckpointError:
+    older = [s for s in steps if s < step]
+    fix = (f"restore an earlier step (restore(step={older[-1]})) or delete {path}" if older
+           else f"delete {path} and start without resuming")
+    return CorruptCheckpointError(
+        f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {first_line(e, 240)})",
+        path)

@@ -1,0 +1,90 @@
+"""From the configuration to the model the trainer builds: torchtitan's Llama 3 arguments for
+[model] flavor, the model on the meta device in training.dtype, and the settings handed to
+parallelize_llama (mixed-precision dtypes, activation recomputation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from .job_config import ConfigError, JobConfig
+
+__all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac_settings", "torch_dtype"]
+
+
+def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
+    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len (or validation.seq_len if
+    validation is on and its sequences are longer).
+
+    The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
+    be trained on (its ids would index past the embedding table) and is refused."""
+    from torchtitan.models.llama3 import llama3_args
+
+    flavor = cfg.model.flavor
+    if flavor not in llama3_args:
+        known = ", ".join(k for k in llama3_args if "_" not in k)
+        raise ConfigError(f"[model] flavor = {flavor!r}: not a torchtitan llama3 flavor; allowed: {known}")
+    args = dataclasses.replace(llama3_args[flavor])
+    if args.attn_type != "sdpa":
+        raise ConfigError(f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
+                          "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)")
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
+        where = cfg.origin("model", "hf_assets_path") or "default"
+        raise ConfigError(
+            f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: the tokenizer has "
+            f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
+            f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
+            f"{tokenizer_vocab_size})")
+    # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
+    # validation sequences too.
+    args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
+    return args
+
+
+def build_meta_model(cfg: JobConfig, model_args):
+    """torchtitan's Transformer on the meta device, its parameters in training.dtype, with real
+    rotary arithmetic (no complex64 table on the chip: docs/DESIGN_NOTES.md)."""
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from torchtpu.models.llama3.rope import use_real_rope
+
+    with torch.device("meta"):
+        model = use_real_rope(Transformer(model_args))
+    param_dtype = torch_dtype(cfg.training.dtype)
+    if param_dtype != torch.float32:
+        # parameters only: the RoPE table (freqs_cis) keeps its float32 values
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    mod._parameters[name] = torch.nn.Parameter(p.to(param_dtype), requires_grad=p.requires_grad)
+    return model
+
+
+def mixed_precision_dtypes(cfg: JobConfig):
+    """(param_dtype, reduce_dtype) for parallelize_llama: training.mixed_precision_param/_reduce, or None
+    where they equal the parameters' own dtype (training.dtype), i.e. where there is nothing to cast."""
+    own = torch_dtype(cfg.training.dtype)
+    param, reduce = (torch_dtype(cfg.training.mixed_precision_param),
+                     torch_dtype(cfg.training.mixed_precision_reduce))
+    return (None if param == own else param), (None if reduce == own else reduce)
+
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def ac_settings(cfg: JobConfig) -> tuple[str, int]:
+    ac = cfg.activation_checkpoint
+    if ac.mode != "selective":
+        return ac.mode, 1
+    if ac.selective_ac_option == "op":
+        warnings.warn('activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
+                      'supported by torchtpu yet; recomputing every block (mode "full") instead', stacklevel=2)
+        return "full", 1
+    return "selective", int(ac.selective_ac_option)
