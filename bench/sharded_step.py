@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from torchtitan.models.llama3 import Transformer  # noqa: E402
 
 import torchtpu  # noqa: E402
-from torchtpu.backend.dispatch import array_of  # noqa: E402
+from torchtpu.backend.views import array_of  # noqa: E402
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
 from torchtpu.distributed.topology import aot_compile, compile_report, topology_devices  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402

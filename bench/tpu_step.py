@@ -62,7 +62,7 @@ def torchtpu_program(cfg, n_layers=None):
 
 def param_specs(trainer) -> dict:
     """torchtpu's PartitionSpec of every parameter, by torchtitan name."""
-    from torchtpu.backend.dispatch import array_of
+    from torchtpu.backend.views import array_of
 
     out = {}
     for name, v in trainer.model.named_parameters():

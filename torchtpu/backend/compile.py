@@ -72,8 +72,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import dtypes
 from . import random as tpu_random
-from .dispatch import CONFIG, HOOKS, STATE, _Tracing, array_of, write
-from .tensor import Storage, TpuTensor, new_base
+from .state import CONFIG, observing, tracing
+from .tensor import Storage, TpuTensor, new_base, storage_of
+from .views import array_of, storage_array
 
 
 class CompileStats:
@@ -306,7 +307,6 @@ class CompiledFunction:
     # -- 1. eager warm-up
     def _warmup(self, args, kwargs, flat):
         recorder = _Recorder()
-        HOOKS.read = recorder
         host: dict[int, weakref.ref] = {}
 
         def on_host(t):
@@ -315,17 +315,12 @@ class CompiledFunction:
                 host[id(t)] = weakref.ref(t)
             return dtypes.torch_to_numpy(t)
 
-        HOOKS.host = on_host
         optimizers = _OptimizerRecorder()
-        # storages created by the call that outlive it (a first .grad) are state too
-        prev_create = Storage.on_create
-        Storage.on_create = lambda st: recorder(st, None)
         try:
-            out = self.fn(*args, **kwargs)
+            # storages created by the call that outlive it (a first .grad) are state too
+            with observing(read=recorder, host=on_host, create=lambda st: recorder(st, None)):
+                out = self.fn(*args, **kwargs)
         finally:
-            HOOKS.read = None
-            HOOKS.host = None
-            Storage.on_create = prev_create
             optimizers.close()
         arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
         # a second warm-up (an optimizer first stepped later) adds to what the first found
@@ -374,39 +369,33 @@ class CompiledFunction:
                 new_flat[i] = t
             targs, tkwargs = tree_unflatten(new_flat, tree)
             created = capture.created
-            prev_create = Storage.on_create
-            Storage.on_create = capture.on_create
             prev_keys = tpu_random.TRACED
             tpu_random.TRACED = tpu_random.TracedKeys(key_data)
             prev_mt = torch.autograd.is_multithreading_enabled()
             torch._C._set_multithreading_enabled(False)
-            HOOKS.read = capture
-            HOOKS.host = host_watch
             graph_capture = _OptimizerGraphCapture(optimizers)
             try:
-                with _Tracing():
-                    out = self.fn(*targs, **tkwargs)
-                out_flat, out_tree = tree_flatten(out)
-                out_arrays = []
-                out_kinds = []
-                for o in out_flat:
-                    if isinstance(o, TpuTensor):
-                        out_arrays.append(array_of(o))
-                        out_kinds.append(("T", o.dtype, o._st.device_index))
-                    else:
-                        out_kinds.append(("V", o))
-                new_state = [_keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
-                del out, targs, tkwargs, new_flat, out_flat
-                alive = [r() for r in created]
-                alive = [st for st in alive if st is not None and st.array is not None]
+                with observing(read=capture, host=host_watch, create=capture.on_create):
+                    with tracing():
+                        out = self.fn(*targs, **tkwargs)
+                    out_flat, out_tree = tree_flatten(out)
+                    out_arrays = []
+                    out_kinds = []
+                    for o in out_flat:
+                        if isinstance(o, TpuTensor):
+                            out_arrays.append(array_of(o))
+                            out_kinds.append(("T", o.dtype, o._st.device_index))
+                        else:
+                            out_kinds.append(("V", o))
+                    new_state = [_keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
+                    del out, targs, tkwargs, new_flat, out_flat
+                    alive = [r() for r in created]
+                    alive = [st for st in alive if st is not None and st.array is not None]
             finally:
-                HOOKS.read = None
-                HOOKS.host = None
                 graph_capture.close()
                 for group, k, v in reversed(restore):
                     group[k] = v
                 torch._C._set_multithreading_enabled(prev_mt)
-                Storage.on_create = prev_create
                 n_random = tpu_random.TRACED.count
                 tpu_random.TRACED = prev_keys
                 for st, (a, v) in zip(state, saved):
@@ -430,7 +419,7 @@ class CompiledFunction:
 
     # -- 3. execution (the first one also lowers and compiles)
     def _run(self, entry, flat, inputs: _CallInputs, first_holder=None):
-        state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
+        state_arrays = _unique_arrays([st.array if st.array is not None else storage_array(st) for st in entry.state])
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
         # current values of the lifted hyperparameters and of the CPU tensors the step reads
         hyper = np.asarray(inputs.values, np.float32) if inputs.values else None
@@ -521,7 +510,6 @@ class CompiledFunction:
         for k in ("created", "out_tree", "out_kinds", "n_random"):
             setattr(entry, k, holder.get(k))
         self.last = entry
-        self.compiled_for = entry
         return entry.executable
 
     def _abstract_warmup(self, args, kwargs, flat):
@@ -546,18 +534,13 @@ class CompiledFunction:
         def body(key_data):
             prev_keys = tpu_random.TRACED
             tpu_random.TRACED = tpu_random.TracedKeys(key_data)
-            HOOKS.read = on_read
-            prev_create = Storage.on_create
-            Storage.on_create = on_create
             prev_mt = torch.autograd.is_multithreading_enabled()
             torch._C._set_multithreading_enabled(False)
             try:
-                with _Tracing():
+                with observing(read=on_read, create=on_create), tracing():
                     self.fn(*args, **kwargs)
             finally:
                 torch._C._set_multithreading_enabled(prev_mt)
-                HOOKS.read = None
-                Storage.on_create = prev_create
                 tpu_random.TRACED = prev_keys
             return None
 
@@ -795,17 +778,11 @@ def _key_change(old, new) -> str:
     return "; ".join(reasons) or "unknown"
 
 
-def array_of_storage(st):
-    from .dispatch import storage_array
-
-    return storage_array(st)
-
-
 def _storage_sharding_hint(st):
     if st.array is not None and not isinstance(st.array, jax.core.Tracer):
         return st.array
     if st.dist is not None:
-        return jax.ShapeDtypeStruct(st.shape, jax.numpy.float32, sharding=st.dist[2])
+        return jax.ShapeDtypeStruct(st.shape, jax.numpy.float32, sharding=st.dist.sharding)
     return None
 
 
@@ -822,7 +799,7 @@ def _abstract(st, mesh):
             sharding = _replicated(mesh)
         return jax.ShapeDtypeStruct(st.array.shape, st.array.dtype, sharding=sharding)
     if st.dist is not None:
-        sharding = st.dist[2]
+        sharding = st.dist.sharding
     elif mesh is not None:
         sharding = _replicated(mesh)
     else:
@@ -850,11 +827,6 @@ def _committed(a, device_index, mesh=None):
 def _keep_sharding(a, sharding):
     if a is None or not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size == 1:
         return a
-    from ..distributed.mesh import jax_mesh_for
-
-    target = jax_mesh_for(sharding.mesh)
-    if target is not sharding.mesh:
-        sharding = jax.sharding.NamedSharding(target, sharding.spec)
     return jax.lax.with_sharding_constraint(a, sharding)
 
 

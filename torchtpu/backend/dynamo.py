@@ -9,7 +9,7 @@ Pipeline:
    tpu tensors passed in (parameters and buffers included: Dynamo lifts them to graph inputs,
    so they are never baked in as constants), and the graph is run *on tpu tensors that wrap
    jax tracers*. Every node therefore goes through `TpuTensor.__torch_dispatch__` in traced
-   mode, i.e. through the same op table (`registry.LOWERINGS`, dtype rules, decompositions)
+   mode, i.e. through the same op table (`optable.LOWERINGS`, dtype rules, decompositions)
    as eager mode; there is no second op table. Outputs come back as `TpuTensor`s.
 
 Why Dynamo needs help to see tpu tensors, and why this fix:
@@ -59,7 +59,8 @@ import jax
 import torch
 
 from . import random as tpu_random
-from .dispatch import _Tracing, array_of
+from .state import tracing
+from .views import array_of
 from .tensor import NOT_DENSE, TpuTensor, memory_order, new_base
 
 # ----------------------------------------------------------------------------- counters
@@ -193,7 +194,7 @@ class _CompiledGraph:
         prev_keys = tpu_random.TRACED
         tpu_random.TRACED = keys = tpu_random.TracedKeys(key_data)
         try:
-            with _Tracing(), torch.no_grad():
+            with tracing(), torch.no_grad():
                 outs = _LayoutInterpreter(self.gm).run(*args)
         finally:
             tpu_random.TRACED = prev_keys

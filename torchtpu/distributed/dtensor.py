@@ -27,9 +27,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..backend.dispatch import array_of
-from ..backend.registry import lower
-from ..backend.tensor import TpuTensor, new_base
+from ..backend.optable import lower
+from ..backend.tensor import Layout, TpuTensor, new_base
+from ..backend.views import array_of
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
 
@@ -69,12 +69,12 @@ def _shard_post(args, out):
     if isinstance(out, TpuTensor) and out._st.dist is None:
         sharding = pl.decode(args[1])
         if all(e is not P.UNCONSTRAINED for e in sharding.spec):
-            out._st.dist = (None, None, sharding)
+            out._st.dist = Layout(None, None, sharding)
     return out
 
 
 def _register_post():
-    from ..backend.dispatch import POST
+    from ..backend.optable import POST
 
     POST[torch.ops.torchtpu.shard.default] = _shard_post
 
@@ -117,7 +117,7 @@ def _grad_placements(placements):
 
 def _remember(t, mesh, placements):
     if isinstance(t, TpuTensor) and not t._vw:
-        t._st.dist = (mesh, tuple(placements), pl.sharding_for(mesh, placements, t.dim()))
+        t._st.dist = Layout(mesh, tuple(placements), pl.sharding_for(mesh, placements, t.dim()))
 
 
 # ----------------------------------------------------------------------------- distribute_tensor

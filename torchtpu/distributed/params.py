@@ -20,8 +20,8 @@ import jax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..backend.dispatch import array_of
-from ..backend.tensor import Storage, TpuTensor
+from ..backend.views import array_of
+from ..backend.tensor import Layout, Storage, TpuTensor
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -67,7 +67,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
         if p._vw:
             raise RuntimeError(f"parameter {name!r} is a view of another tensor; it cannot be resharded in place")
         st = p._st
-        st.dist = (root, placements, sharding)
+        st.dist = Layout(root, placements, sharding)
         if st.array is not None and st.array.sharding != sharding:
             st.array = jax.device_put(st.array, sharding)
             st.version += 1
@@ -104,7 +104,7 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
     if rec is not None and rec[0] is not None:
         root, entries = rec
         sharding = NamedSharding(root.jax_mesh, spec_of(entries))
-        t._st.dist = (root, _root_placements(root, sharding, len(shape)), sharding)
+        t._st.dist = Layout(root, _root_placements(root, sharding, len(shape)), sharding)
     return t
 
 
@@ -116,7 +116,7 @@ def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTen
     shape = tuple(shape)
     t = new_empty(shape, dtype, 0)
     sharding = pl.sharding_for(mesh, placements, len(shape))
-    t._st.dist = (mesh, tuple(placements), sharding)
+    t._st.dist = Layout(mesh, tuple(placements), sharding)
     return t
 
 

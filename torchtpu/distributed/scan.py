@@ -43,7 +43,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
-from ..backend.dispatch import _Tracing, array_of, tracing
+from ..backend.state import is_tracing, tracing
+from ..backend.views import array_of
 from ..backend.tensor import TpuTensor, new_base
 from .params import get_layout, spec_of
 
@@ -102,14 +103,14 @@ class _ScannedDict:
     """ModuleDict whose values() yields, while a program is being traced, a scan of all blocks."""
 
     def values(self):
-        if tracing():
+        if is_tracing():
             return _Run(self).callables()
         return super().values()
 
 
 class _ScannedList:
     def __iter__(self):
-        if tracing():
+        if is_tracing():
             return _Run(self).callables()
         return super().__iter__()
 
@@ -264,7 +265,7 @@ class _Job:
         try:
             for (m, n), t in zip(self.slots, param_ts):
                 m._parameters[n] = t
-            with _Tracing():
+            with tracing():
                 return self.template(h_t, *args, **kwargs)
         finally:
             tpu_random.TRACED = prev_keys

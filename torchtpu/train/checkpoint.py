@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from torchtpu.backend import dtypes
-from torchtpu.backend.dispatch import array_of, write
+from torchtpu.backend.views import array_of, write
 from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.transfer import from_jax
 

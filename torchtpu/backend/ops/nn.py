@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..registry import aten, lower
+from ..registry import POST, aten, lower
 from . import attention_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -855,8 +855,6 @@ def _register_sdpa():
     global _SDPA_LIB
     _SDPA_LIB = torch.library.Library("aten", "IMPL")
     _SDPA_LIB.impl("scaled_dot_product_attention", _sdpa_autograd, "AutogradPrivateUse1")
-    from ..dispatch import POST
-
     POST[aten._scaled_dot_product_fused_attention_overrideable.default] = _matching_layout
     POST[aten._scaled_dot_product_fused_attention_overrideable_backward.default] = _grads_like_inputs
 
