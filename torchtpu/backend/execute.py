@@ -19,6 +19,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
+from . import random as tpu_random
 from .optable import LOWERINGS
 from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
 from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
@@ -283,10 +284,8 @@ def run(plan: OpPlan, func, args, kwargs):
     spec, kwspec, leaves = flatten(plan, args, kwargs)
     impl = plan.impl
     if impl is None:
-        impl = plan.impl = _impl_for(plan, func)
+        impl = plan.impl = _impl_for(func)
     if plan.random:
-        from . import random as tpu_random
-
         leaves.append(tpu_random.next_key_data(device_index_of(args, kwargs)))
     if STATE.trace_depth or not plan.jit:
         if plan.random:
@@ -316,7 +315,7 @@ def run(plan: OpPlan, func, args, kwargs):
     return exe(*leaves)
 
 
-def _impl_for(plan, func):
+def _impl_for(func):
     # cached by the caller on plan.impl (one plan per op)
     impl = implementation(func)
     if impl is None:
@@ -353,7 +352,6 @@ def device_index_of(args, kwargs):
     return 0
 
 
-
 def wrap(out, device_index):
     """Fresh tpu base tensors for the arrays in `out` (a nested list/tuple, or one array)."""
     if out is None:
@@ -365,7 +363,6 @@ def wrap(out, device_index):
     if isinstance(out, np.ndarray):
         return new_base(jnp.asarray(out), device_index)
     return out
-
 
 
 def returns(plan, args, kwargs, rets):

@@ -81,11 +81,11 @@ def dispatch(func, args, kwargs):
             if plan.post is not None:
                 out = plan.post(args, out)
         elif kind == "view":
-            out = _view(plan, func, args, kwargs)
+            out = _view(func, args, kwargs)
         elif kind == "mutating":
             out = _mutating(plan, func, args, kwargs)
         elif kind == "inplace_view":
-            out = _inplace_view(plan, func, args, kwargs)
+            out = _inplace_view(func, args, kwargs)
         elif kind == "composite":
             return func.decompose(*args, **kwargs)
         else:
@@ -134,7 +134,6 @@ def _mutating(plan: OpPlan, func, args, kwargs):
     for t, new in zip(targets, results):
         write_value(t, new, resize=func._schema.overload_name.startswith("out") or "out" in plan.arg_names)
     return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
-
 
 
 def _strip_outs(plan, args, kwargs):
@@ -201,7 +200,7 @@ def resize_tensor(t: TpuTensor, shape):
     if t._vw:
         raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
     # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead.
-    set_meta(t, aten.set_.source_Storage_storage_offset,
+    set_meta(aten.set_.source_Storage_storage_offset,
               (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))), {})
     st = t._st
     st.shape = tuple(shape)
@@ -210,7 +209,7 @@ def resize_tensor(t: TpuTensor, shape):
     st.version += 1
 
 
-def set_meta(t, func, args, kwargs):
+def set_meta(func, args, kwargs):
     """Run a metadata-changing op's meta kernel on the wrapper itself (sizes/strides only)."""
     with no_dispatch():
         meta_in_tls = torch._C._meta_in_tls_dispatch_include()
@@ -236,7 +235,7 @@ def _freeze(a):
 _VALUE_CHANGING_VIEWS = {aten._conj.default, aten.conj.default, aten._neg_view.default}
 
 
-def _view(plan: OpPlan, func, args, kwargs):
+def _view(func, args, kwargs):
     base = args[0]
     if not isinstance(base, TpuTensor):
         raise unsupported(func)
@@ -291,7 +290,7 @@ def _meta_storage_numel(t) -> int:
     return max(n * 8, 1)
 
 
-def _inplace_view(plan: OpPlan, func, args, kwargs):
+def _inplace_view(func, args, kwargs):
     t = args[0]
     name = func._schema.name.split("::")[1]
     if name == "detach_":
@@ -305,13 +304,12 @@ def _inplace_view(plan: OpPlan, func, args, kwargs):
     )
     if fop is None:
         raise unsupported(func)
-    view = _view(plan_for(fop), fop, args, kwargs)
-    set_meta(t, func, args, kwargs)
+    view = _view(fop, args, kwargs)
+    set_meta(func, args, kwargs)
     t._vw = view._vw
     t._vc = None
     t._vv = -1
     return t
-
 
 
 # The tensor type's entry points into the dispatcher (tensor.py sits below the dispatcher).

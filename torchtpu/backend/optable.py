@@ -53,7 +53,6 @@ def lower(*ops, static=(), jit: bool = True, random: bool = False):
     return register
 
 
-
 # func -> handler(args, kwargs): ops whose semantics the dispatcher's generic paths do not
 # cover (copies between devices, resize_, out= factories, fused modules...)
 CUSTOM: dict = {}

@@ -128,7 +128,6 @@ def plan_for(func) -> OpPlan:
     return p
 
 
-
 def has_composite_implicit(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 

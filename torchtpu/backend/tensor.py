@@ -6,7 +6,7 @@ strides, dtype, autograd), and the data lives in a `jax.Array`.
 Views alias through a shared `Storage`. The storage holds the array of the *base* tensor
 (always contiguous). A view records the chain of view ops that reads it from that array;
 reading applies the chain, writing scatters back through it. In-place ops on bases, which is
-what optimizers do to parameters, simply replace `storage.array`.
+what optimizers do to parameters, simply replace `storage.array` (views.py reads and writes).
 """
 from __future__ import annotations
 

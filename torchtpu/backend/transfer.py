@@ -12,7 +12,7 @@ from .fallback import to_cpu
 from .handlers import cast, resize_tensor, set_meta
 from .optable import custom
 from .state import is_tracing, note_mesh
-from .tensor import TpuTensor, new_base, place
+from .tensor import TpuTensor, new_base, place, storage_of
 from .views import array_of, write
 
 aten = torch.ops.aten
@@ -38,10 +38,10 @@ def _copy_(args, kwargs):
     if isinstance(self, TpuTensor):
         if isinstance(src, TpuTensor):
             new = array_of(src)
-            if src._st.device_index != self._st.device_index and not is_tracing():
-                new = jax.device_put(new, _device(self._st.device_index))
+            if storage_of(src).device_index != storage_of(self).device_index and not is_tracing():
+                new = jax.device_put(new, _device(storage_of(self).device_index))
         else:
-            new = cpu_to_array(src, self._st.device_index)
+            new = cpu_to_array(src, storage_of(self).device_index)
         jdt = dtypes.to_jax_dtype(self.dtype)
         if tuple(new.shape) != tuple(self.shape):
             new = jnp.broadcast_to(new, tuple(self.shape)) if is_tracing() else _broadcast(new, tuple(self.shape))
@@ -69,12 +69,12 @@ def _to_copy(args, kwargs):
         cpu = to_cpu(x)
         with no_dispatch():
             return cpu.to(dtype=dtype, device=device, copy=False) if cpu.dtype != dtype or device.type != "cpu" else cpu
-    index = x._st.device_index if device is None or device.index is None else device.index
+    index = storage_of(x).device_index if device is None or device.index is None else device.index
     a = array_of(x)
     jdt = dtypes.to_jax_dtype(dtype)
     if a.dtype != jdt:
         a = cast(a, jdt)
-    if index != x._st.device_index and not is_tracing():
+    if index != storage_of(x).device_index and not is_tracing():
         a = jax.device_put(a, _device(index))
     elif a is array_of(x) and not is_tracing():
         # A real copy: sharing the buffer would let a donated step invalidate it.
@@ -103,7 +103,7 @@ def _item(args, kwargs):
 def _resize_(args, kwargs):
     t, size = args[0], tuple(args[1])
     if tuple(t.shape) != size:
-        old = array_of(t) if t._st.array is not None else None
+        old = array_of(t) if storage_of(t).array is not None else None
         resize_tensor(t, size)
         if old is not None and old.size:
             n = min(old.size, int(np.prod(size)))
@@ -115,8 +115,8 @@ def _resize_(args, kwargs):
 @custom(aten.set_.source_Tensor)
 def _set_source_tensor(args, kwargs):
     t, src = args
-    set_meta(t, aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
-    t._st = src._st
+    set_meta(aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
+    t._st = storage_of(src)
     t._vw = src._vw
     t._vc = None
     t._vv = -1

@@ -22,7 +22,7 @@ import torch
 
 from .. import dtypes
 from ..registry import array_of, aten, bind, custom, is_tracing, lower, write_value
-from ..tensor import TpuTensor, place
+from ..tensor import TpuTensor, place, storage_of
 
 
 def _scalar(x):
@@ -44,7 +44,7 @@ def _finish(out, value):
     if value.dtype != jdt:
         value = value.astype(jdt)
     if not is_tracing() and isinstance(out, TpuTensor):
-        value = place(value, out._st.device_index)
+        value = place(value, storage_of(out).device_index)
     write_value(out, value, resize=True)
     return out
 

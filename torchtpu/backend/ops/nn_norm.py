@@ -7,7 +7,6 @@ batch variance.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import torch
 from jax import lax

@@ -18,7 +18,7 @@ import torch
 
 from .. import dtypes
 from ..registry import aten, bind, custom, lower, plan_for, run, write_value
-from ..tensor import TpuTensor
+from ..tensor import TpuTensor, storage_of
 
 
 def _sample_dtype(dt):
@@ -296,7 +296,7 @@ def _randperm_out(args, kwargs):
     n = int(b["n"])
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    index = out._st.device_index if isinstance(out, TpuTensor) else 0
+    index = storage_of(out).device_index if isinstance(out, TpuTensor) else 0
     key = jax.random.wrap_key_data(tpu_random.next_key_data(index))
     perm = _randperm_exe(n)(key)
     return _finish(out, perm)
