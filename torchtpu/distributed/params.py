@@ -21,7 +21,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..backend.views import array_of
-from ..backend.tensor import Layout, Storage, TpuTensor
+from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -66,7 +66,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
     if isinstance(p, TpuTensor):
         if p._vw:
             raise RuntimeError(f"parameter {name!r} is a view of another tensor; it cannot be resharded in place")
-        st = p._st
+        st = storage_of(p)
         st.dist = Layout(root, placements, sharding)
         if st.array is not None and st.array.sharding != sharding:
             st.array = jax.device_put(st.array, sharding)
@@ -104,7 +104,7 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
     if rec is not None and rec[0] is not None:
         root, entries = rec
         sharding = NamedSharding(root.jax_mesh, spec_of(entries))
-        t._st.dist = Layout(root, _root_placements(root, sharding, len(shape)), sharding)
+        storage_of(t).dist = Layout(root, _root_placements(root, sharding, len(shape)), sharding)
     return t
 
 
@@ -116,7 +116,7 @@ def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTen
     shape = tuple(shape)
     t = new_empty(shape, dtype, 0)
     sharding = pl.sharding_for(mesh, placements, len(shape))
-    t._st.dist = Layout(mesh, tuple(placements), sharding)
+    storage_of(t).dist = Layout(mesh, tuple(placements), sharding)
     return t
 
 
@@ -131,7 +131,7 @@ def local_bytes(tensors) -> dict:
 
 
 def is_laid_out(p) -> bool:
-    return isinstance(p, TpuTensor) and isinstance(getattr(p._st, "dist", None), tuple)
+    return isinstance(p, TpuTensor) and isinstance(getattr(storage_of(p), "dist", None), tuple)
 
 
 __all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "Storage"]

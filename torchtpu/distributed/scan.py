@@ -44,8 +44,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
 from ..backend.state import is_tracing, tracing
+from ..backend.tensor import TpuTensor, new_base, storage_of
 from ..backend.views import array_of
-from ..backend.tensor import TpuTensor, new_base
 from .params import get_layout, spec_of
 
 __all__ = ["scan_layers", "unscan_layers", "is_scanned"]
@@ -232,8 +232,8 @@ def _scan_blocks(run: _Run, h, args, kwargs):
     if tpu_random.TRACED is not None:
         key = tpu_random.TRACED.next()
     else:
-        key = tpu_random.next_key_data(h._st.device_index)
-    job = _Job(run, template, slots, len(run.children), flat, spec, key, h._st.device_index,
+        key = tpu_random.next_key_data(storage_of(h).device_index)
+    job = _Job(run, template, slots, len(run.children), flat, spec, key, storage_of(h).device_index,
                [p.dtype for p in per_block[0]])
     return _ScanFunction.apply(job, h, *params)
 
