@@ -48,7 +48,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from torchtitan.models.llama3 import Transformer  # noqa: E402
 
 import torchtpu  # noqa: E402
-from torchtpu.backend.dispatch import array_of  # noqa: E402
+from torchtpu.backend.tensor import storage_of  # noqa: E402
+from torchtpu.backend.views import array_of  # noqa: E402
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
 from torchtpu.distributed.topology import aot_compile, chip_spec, compile_report, topology_devices  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402
@@ -121,8 +122,8 @@ def torchtpu_specs(model) -> dict:
     for k, v in model.state_dict().items():
         if k == "freqs_cis":
             continue
-        st = v._st
-        sh = st.dist[2] if getattr(st, "dist", None) else array_of(v).sharding
+        st = storage_of(v)
+        sh = st.dist.sharding if st.dist is not None else array_of(v).sharding
         out[k] = P(*sh.spec)
     return out
 

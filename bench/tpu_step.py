@@ -59,12 +59,13 @@ def torchtpu_program(cfg, n_layers=None):
 
 def param_specs(trainer) -> dict:
     """torchtpu's PartitionSpec of every parameter, by torchtitan name."""
-    from torchtpu.backend.dispatch import array_of
+    from torchtpu.backend.tensor import storage_of
+    from torchtpu.backend.views import array_of
 
     out = {}
     for name, v in trainer.model.named_parameters():
-        st = v._st
-        sh = st.dist[2] if getattr(st, "dist", None) else array_of(v).sharding
+        st = storage_of(v)
+        sh = st.dist.sharding if st.dist is not None else array_of(v).sharding
         out[name.replace("_checkpoint_wrapped_module.", "").replace(".module.", ".")] = (tuple(v.shape), P(*sh.spec))
     return out
 

@@ -10,7 +10,8 @@ _configure_jax()
 import torch  # noqa: E402
 
 from .backend import device as _device  # noqa: E402
-from .backend import dispatch as _dispatch  # noqa: E402
+from .backend import handlers as _handlers  # noqa: E402,F401  (gives TpuTensor its dispatch)
+from .backend import state as _state  # noqa: E402
 from .backend import transfer as _transfer  # noqa: E402
 from .backend.ops import load_all as _load_ops  # noqa: E402
 
@@ -24,7 +25,7 @@ torch.autograd.set_multithreading_enabled(False)
 
 from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
 from .backend.tensor import TpuTensor  # noqa: E402,F401
-from .backend.checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
+from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401
 from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
@@ -45,23 +46,23 @@ def cache_stats() -> dict:
     from ._platform import XLA_COMPILES
     from .backend import compile as _compile
 
-    return dict(_dispatch.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(),
+    return dict(_state.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(),
                 **_compile.STATS.snapshot())
 
 
 def reset_cache_stats() -> None:
     from .backend import compile as _compile
 
-    _dispatch.STATS.reset()
+    _state.STATS.reset()
     _dynamo.STATS.reset()
     _compile.STATS.reset()
 
 
 def set_debug(enabled: bool = True) -> None:
     """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line."""
-    _dispatch.CONFIG.debug = bool(enabled)
+    _state.CONFIG.debug = bool(enabled)
 
 
 def set_cpu_fallback(enabled: bool = True) -> None:
     """Run ops that have no XLA lowering on the CPU (warning once per op)."""
-    _dispatch.CONFIG.cpu_fallback = bool(enabled)
+    _state.CONFIG.cpu_fallback = bool(enabled)

@@ -177,7 +177,7 @@ def test_debug_mode_names_op_and_line():
 
 
 def test_unsupported_op_error_names_overload_and_fallback_works():
-    from torchtpu.backend import dispatch
+    from torchtpu.backend import fallback
 
     lib = torch.library.Library("torchtpu_test", "DEF")
     lib.define("twice(Tensor x) -> Tensor")
@@ -196,7 +196,7 @@ def test_unsupported_op_error_names_overload_and_fallback_works():
         assert sum("CPU" in str(m.message) for m in w) == 1  # once per op
     finally:
         torchtpu.set_cpu_fallback(False)
-        dispatch._WARNED.clear()
+        fallback.WARNED.clear()
 
 
 def test_platform_and_no_libtpu_noise_on_cpu_host():

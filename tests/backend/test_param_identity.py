@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import torchtpu  # noqa: F401
 from tests.conftest import assert_close_to_cpu
-from torchtpu.backend.tensor import TpuTensor
+from torchtpu.backend.tensor import TpuTensor, storage_of
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -66,7 +66,7 @@ def test_tied_weights_keep_identity_and_train_like_cpu():
     for p, q in zip(model.parameters(), cpu.parameters()):
         _assert_close(p, q)
     # one tensor on tpu: the two module attributes share one storage
-    assert model.head.weight._st is model.embed.weight._st
+    assert storage_of(model.head.weight) is storage_of(model.embed.weight)
 
 
 def test_optimizer_built_before_the_move_trains_the_model():
@@ -219,7 +219,7 @@ def test_load_state_dict_keeps_objects_and_assign_takes_the_given_tensors():
     tpu_sd = {k: v.to("tpu") for k, v in src.state_dict().items()}
     model.load_state_dict(tpu_sd, assign=True)  # as on CUDA: the module now holds these values
     assert isinstance(model.weight, nn.Parameter) and model.weight.device.type == "tpu"
-    assert model.weight._st is tpu_sd["weight"]._st
+    assert storage_of(model.weight) is storage_of(tpu_sd["weight"])
     _assert_close(model.weight, src.weight)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = copy.deepcopy(src)

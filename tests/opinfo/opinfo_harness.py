@@ -93,9 +93,9 @@ class _IsolatedState:
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(self.grad)
         try:
-            from torchtpu.backend import dispatch
+            from torchtpu.backend import state
 
-            dispatch.STATE.trace_depth = 0
+            state.STATE.trace_depth = 0
         except Exception:
             pass
         return False

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
+from torchtpu.backend.tensor import storage_of
 from torchtpu.cli import train_main
 from torchtpu.train.config_manager import load_config
 
@@ -303,7 +304,7 @@ def test_dry_run_compiles_without_allocating(tmp_path, capsys):
         assert needle in out, out
     # parameters and optimizer state were never created on any device
     params = list(t.model.parameters())
-    assert params and all(p._st.array is None for p in params)
-    assert all(v._st.array is None for st in t.optimizer.state.values() for v in st.values()
+    assert params and all(storage_of(p).array is None for p in params)
+    assert all(storage_of(v).array is None for st in t.optimizer.state.values() for v in st.values()
                if isinstance(v, torch.Tensor))
     assert not os.path.exists(tmp_path / "metrics.jsonl")

@@ -57,23 +57,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import sys
 import time
-import warnings
 import weakref
 
 import jax
 import numpy as np
 import torch
-from torch.optim import optimizer as _optim_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import dtypes
 from . import random as tpu_random
-from .dispatch import CONFIG, HOOKS, STATE, _Tracing, array_of, write
-from .tensor import Storage, TpuTensor, new_base
+from .aot import (
+    abstract_storage, aot_compile, committed, keep_sharding, program_mesh, replicated, storage_sharding_hint,
+    unique_arrays,
+)
+from .compile_capture import (
+    HostWatch, NewOptimizer, OptimizerGraphCapture, OptimizerRecorder, StorageRecorder, TraceCapture, abstract_warmup,
+    function_numbers, key_change, lift_optimizers, move_optimizer_host_state, optimizer_device_index,
+)
+from .state import CONFIG, observing, tracing
+from .tensor import Storage, TpuTensor, new_base, storage_of
+from .views import array_of, storage_array
 
 
 class CompileStats:
@@ -157,43 +163,6 @@ def _guard_value(v):
     return v
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"{t.device.type} tensor {tuple(t.shape)} {t.dtype}"
-
-
-class _Recorder:
-    """Collects the storages an eager call reads."""
-
-    def __init__(self):
-        self.seen: dict[int, weakref.ref] = {}
-
-    def __call__(self, st, a):
-        ref = self.seen.get(id(st))
-        if ref is None or ref() is not st:  # ids of dead temporaries get reused
-            self.seen[id(st)] = weakref.ref(st)
-        return a
-
-
-class _Capture:
-    """State of one trace: which storages are inputs, which were created."""
-
-    def __init__(self, state):
-        self.state_ids = {id(st) for st in state}
-        self.created: list[weakref.ref] = []
-        self.created_ids: set[int] = set()
-        self.stray: list[Storage] = []
-
-    def on_create(self, st):
-        self.created.append(weakref.ref(st))
-        self.created_ids.add(id(st))
-
-    def __call__(self, st, a):
-        if (a is not None and not isinstance(a, jax.core.Tracer) and id(st) not in self.state_ids
-                and id(st) not in self.created_ids):
-            self.stray.append(st)
-        return a
-
-
 class _Entry:
     __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages",
                  "state_shardings", "mesh", "host")
@@ -231,7 +200,7 @@ class CompiledFunction:
         sig = []
         for x in flat:
             if isinstance(x, TpuTensor):
-                sig.append(("T", tuple(x.shape), x.dtype, x._st.device_index))
+                sig.append(("T", tuple(x.shape), x.dtype, storage_of(x).device_index))
             elif isinstance(x, torch.Tensor):
                 raise TypeError(
                     f"torchtpu.compile: argument on {x.device}; move it to the tpu device first (.to('tpu'))"
@@ -248,7 +217,7 @@ class CompiledFunction:
             if opt is None:
                 guard.append(None)
                 continue
-            device_index = _device_index_of(opt)
+            device_index = optimizer_device_index(opt)
             for group in opt.param_groups:
                 g = []
                 for k, v in group.items():
@@ -279,7 +248,7 @@ class CompiledFunction:
                 return self._warmup(args, kwargs, flat)
         while True:
             inputs = self._call_inputs()
-            key = (tree, self._signature(flat), inputs.guard, _function_numbers(self.fn))
+            key = (tree, self._signature(flat), inputs.guard, function_numbers(self.fn))
             entry = self.entries.get(key)
             if entry is not None:
                 self.last_key = key
@@ -288,12 +257,12 @@ class CompiledFunction:
                 STATS.retraces += 1
                 if _log_enabled():
                     print(f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
-                          f"{_key_change(self.last_key, key)}", file=sys.stderr)
+                          f"{key_change(self.last_key, key)}", file=sys.stderr)
             try:
                 with BUILDS.building():
                     entry, holder = self._trace(flat, tree, inputs)
                     out = self._run(entry, flat, inputs, first_holder=holder)
-            except _NewOptimizer:
+            except NewOptimizer:
                 # An optimizer that did not step in the warm-up (one stepped every k calls):
                 # this call runs eagerly, as a second warm-up that creates its state and adds
                 # it to the step's; later calls trace with its hyperparameters lifted and guarded.
@@ -305,8 +274,7 @@ class CompiledFunction:
 
     # -- 1. eager warm-up
     def _warmup(self, args, kwargs, flat):
-        recorder = _Recorder()
-        HOOKS.read = recorder
+        recorder = StorageRecorder()
         host: dict[int, weakref.ref] = {}
 
         def on_host(t):
@@ -315,19 +283,14 @@ class CompiledFunction:
                 host[id(t)] = weakref.ref(t)
             return dtypes.torch_to_numpy(t)
 
-        HOOKS.host = on_host
-        optimizers = _OptimizerRecorder()
-        # storages created by the call that outlive it (a first .grad) are state too
-        prev_create = Storage.on_create
-        Storage.on_create = lambda st: recorder(st, None)
+        optimizers = OptimizerRecorder()
         try:
-            out = self.fn(*args, **kwargs)
+            # storages created by the call that outlive it (a first .grad) are state too
+            with observing(read=recorder, host=on_host, create=lambda st: recorder(st, None)):
+                out = self.fn(*args, **kwargs)
         finally:
-            HOOKS.read = None
-            HOOKS.host = None
-            Storage.on_create = prev_create
             optimizers.close()
-        arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
+        arg_ids = {id(storage_of(x)) for x in flat if isinstance(x, TpuTensor)}
         # a second warm-up (an optimizer first stepped later) adds to what the first found
         state = list(self.state or [])
         known = {id(st) for st in state}
@@ -338,7 +301,7 @@ class CompiledFunction:
         known_opts = {id(r()) for r in self.optimizers}
         new_opts = [r for r in optimizers.refs() if id(r()) not in known_opts]
         self.optimizers = self.optimizers + new_opts
-        state.extend(_move_optimizer_host_state(new_opts))
+        state.extend(move_optimizer_host_state(new_opts))
         known_host = {id(r()) for r in self.host}
         self.host = self.host + [r for r in host.values() if r() is not None and id(r()) not in known_host]
         self.state = state
@@ -360,53 +323,47 @@ class CompiledFunction:
         def step(state_arrays, arg_arrays, key_data, hyper, host_arrays):
             self.stats.traces += 1
             STATS.traces += 1
-            capture = _Capture(state)
-            host_watch = _HostWatch(inputs.host, host_arrays)
-            restore = _lift_optimizers(optimizers, slots, hyper)
+            capture = TraceCapture(state)
+            host_watch = HostWatch(inputs.host, host_arrays)
+            restore = lift_optimizers(optimizers, slots, hyper)
             saved = [(st.array, st.version) for st in state]
             for st, a in zip(state, state_arrays):
                 st.array = a
                 st.version += 1
             new_flat = list(flat)
             for i, a in zip(tensor_pos, arg_arrays):
-                t = new_base(a, flat[i]._st.device_index, flat[i].dtype)
+                t = new_base(a, storage_of(flat[i]).device_index, flat[i].dtype)
                 t.requires_grad_(flat[i].requires_grad)
                 new_flat[i] = t
             targs, tkwargs = tree_unflatten(new_flat, tree)
             created = capture.created
-            prev_create = Storage.on_create
-            Storage.on_create = capture.on_create
             prev_keys = tpu_random.TRACED
             tpu_random.TRACED = tpu_random.TracedKeys(key_data)
             prev_mt = torch.autograd.is_multithreading_enabled()
             torch._C._set_multithreading_enabled(False)
-            HOOKS.read = capture
-            HOOKS.host = host_watch
-            graph_capture = _OptimizerGraphCapture(optimizers)
+            graph_capture = OptimizerGraphCapture(optimizers)
             try:
-                with _Tracing():
-                    out = self.fn(*targs, **tkwargs)
-                out_flat, out_tree = tree_flatten(out)
-                out_arrays = []
-                out_kinds = []
-                for o in out_flat:
-                    if isinstance(o, TpuTensor):
-                        out_arrays.append(array_of(o))
-                        out_kinds.append(("T", o.dtype, o._st.device_index))
-                    else:
-                        out_kinds.append(("V", o))
-                new_state = [_keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
-                del out, targs, tkwargs, new_flat, out_flat
-                alive = [r() for r in created]
-                alive = [st for st in alive if st is not None and st.array is not None]
+                with observing(read=capture, host=host_watch, create=capture.on_create):
+                    with tracing():
+                        out = self.fn(*targs, **tkwargs)
+                    out_flat, out_tree = tree_flatten(out)
+                    out_arrays = []
+                    out_kinds = []
+                    for o in out_flat:
+                        if isinstance(o, TpuTensor):
+                            out_arrays.append(array_of(o))
+                            out_kinds.append(("T", o.dtype, storage_of(o).device_index))
+                        else:
+                            out_kinds.append(("V", o))
+                    new_state = [keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
+                    del out, targs, tkwargs, new_flat, out_flat
+                    alive = [r() for r in created]
+                    alive = [st for st in alive if st is not None and st.array is not None]
             finally:
-                HOOKS.read = None
-                HOOKS.host = None
                 graph_capture.close()
                 for group, k, v in reversed(restore):
                     group[k] = v
                 torch._C._set_multithreading_enabled(prev_mt)
-                Storage.on_create = prev_create
                 n_random = tpu_random.TRACED.count
                 tpu_random.TRACED = prev_keys
                 for st, (a, v) in zip(state, saved):
@@ -430,7 +387,7 @@ class CompiledFunction:
 
     # -- 3. execution (the first one also lowers and compiles)
     def _run(self, entry, flat, inputs: _CallInputs, first_holder=None):
-        state_arrays = _unique_arrays([st.array if st.array is not None else array_of_storage(st) for st in entry.state])
+        state_arrays = unique_arrays([st.array if st.array is not None else storage_array(st) for st in entry.state])
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
         # current values of the lifted hyperparameters and of the CPU tensors the step reads
         hyper = np.asarray(inputs.values, np.float32) if inputs.values else None
@@ -439,15 +396,15 @@ class CompiledFunction:
             # Commit eager-made arrays to their device (or, in a program over a device mesh,
             # replicate them over the mesh): later calls feed the executable's committed
             # outputs back, and a committedness change would compile it again.
-            mesh = _program_mesh(state_arrays + arg_arrays)
-            state_arrays = [_committed(a, st.device_index, mesh) for a, st in zip(state_arrays, entry.state)]
+            mesh = program_mesh(state_arrays + arg_arrays)
+            state_arrays = [committed(a, st.device_index, mesh) for a, st in zip(state_arrays, entry.state)]
             # Parameters and optimizer state keep their layout from step to step.
             entry.state_shardings = [a.sharding for a in state_arrays]
             entry.mesh = mesh
         if entry.mesh is not None:
-            arg_arrays = [_committed(a, 0, entry.mesh) for a in arg_arrays]
+            arg_arrays = [committed(a, 0, entry.mesh) for a in arg_arrays]
         if hyper is not None or host_arrays:
-            target = (_replicated(entry.mesh) if entry.mesh is not None
+            target = (replicated(entry.mesh) if entry.mesh is not None
                       else state_arrays[0].sharding if state_arrays else jax.devices()[0])
             hyper = jax.device_put(hyper, target) if hyper is not None else None
             host_arrays = [jax.device_put(a, target) for a in host_arrays]
@@ -498,88 +455,28 @@ class CompiledFunction:
         """
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
-            self._abstract_warmup(args, kwargs, flat)
+            abstract_warmup(self, args, kwargs, flat)
         inputs = self._call_inputs()
         entry, holder = self._trace(flat, tree, inputs)
         tensors = [flat[i] for i in entry.arg_storages]
-        mesh = _program_mesh([_storage_sharding_hint(st) for st in entry.state] + [_storage_sharding_hint(t._st) for t in tensors])
-        state_sds = [_abstract(st, mesh) for st in entry.state]
-        arg_sds = [_abstract(t._st, mesh) for t in tensors]
+        mesh = program_mesh([storage_sharding_hint(st) for st in entry.state] + [storage_sharding_hint(storage_of(t)) for t in tensors])
+        state_sds = [abstract_storage(st, mesh) for st in entry.state]
+        arg_sds = [abstract_storage(storage_of(t), mesh) for t in tensors]
         key = tpu_random.key_data_for_step(tpu_random.generator(0))
-        key_sds = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh) if mesh is not None else None)
+        key_sds = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh) if mesh is not None else None)
         entry.state_shardings = [a.sharding for a in state_sds]
         entry.mesh = mesh
-        replicated = _replicated(mesh) if mesh is not None else None
-        hyper_sds = (jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=replicated)
+        whole = replicated(mesh) if mesh is not None else None
+        hyper_sds = (jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=whole)
                      if inputs.values else None)
-        host_sds = [jax.ShapeDtypeStruct(t.shape, dtypes.torch_to_numpy(t).dtype, sharding=replicated) for t in inputs.host]
+        host_sds = [jax.ShapeDtypeStruct(t.shape, dtypes.torch_to_numpy(t).dtype, sharding=whole) for t in inputs.host]
         lowered = entry.jitted.lower(state_sds, arg_sds, key_sds, hyper_sds, host_sds)
-        from ..distributed.topology import aot_compile
-
         entry.executable = aot_compile(lowered)
         entry.lowered_text = lowered.as_text()
         for k in ("created", "out_tree", "out_kinds", "n_random"):
             setattr(entry, k, holder.get(k))
         self.last = entry
-        self.compiled_for = entry
         return entry.executable
-
-    def _abstract_warmup(self, args, kwargs, flat):
-        """The eager warm-up on shapes only (inside jax.eval_shape): records the state the
-        step reads and creates, then puts every touched storage back as it was. Created
-        state (optimizer moments) is left unfilled, with the layout of the tensor it was
-        made like."""
-        recorder = _Recorder()
-        before: dict[int, tuple] = {}
-        created: list[weakref.ref] = []
-
-        def on_read(st, a):
-            recorder(st, a)
-            if id(st) not in before:
-                before[id(st)] = (st, st.array, st.version)
-            return a
-
-        def on_create(st):
-            created.append(weakref.ref(st))
-            recorder(st, None)
-
-        def body(key_data):
-            prev_keys = tpu_random.TRACED
-            tpu_random.TRACED = tpu_random.TracedKeys(key_data)
-            HOOKS.read = on_read
-            prev_create = Storage.on_create
-            Storage.on_create = on_create
-            prev_mt = torch.autograd.is_multithreading_enabled()
-            torch._C._set_multithreading_enabled(False)
-            try:
-                with _Tracing():
-                    self.fn(*args, **kwargs)
-            finally:
-                torch._C._set_multithreading_enabled(prev_mt)
-                HOOKS.read = None
-                Storage.on_create = prev_create
-                tpu_random.TRACED = prev_keys
-            return None
-
-        key = tpu_random.key_data_for_step(tpu_random.generator(0))
-        optimizers = _OptimizerRecorder()
-        try:
-            jax.eval_shape(body, jax.ShapeDtypeStruct(key.shape, key.dtype))
-        finally:
-            optimizers.close()
-            self.optimizers = optimizers.refs()
-            for st, a, v in before.values():
-                st.array, st.version = a, v
-            before.clear()
-            st = None
-            gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
-            for ref in created:
-                st = ref()
-                if st is not None:
-                    st.array = None  # never filled: zeros if it is ever read eagerly
-            st = None
-        arg_ids = {id(x._st) for x in flat if isinstance(x, TpuTensor)}
-        self.state = [st for sid, ref in recorder.seen.items() if (st := ref()) is not None and sid not in arg_ids]
 
     # -- inspection of the most recently compiled program
     def _compiled(self):
@@ -600,269 +497,6 @@ class CompiledFunction:
         """The compiled step's HLO: XLA-optimized, or as lowered (StableHLO) before XLA passes."""
         self._compiled()
         return self.last.executable.as_text() if optimized else self.last.lowered_text
-
-
-class _OptimizerRecorder:
-    """Records the optimizers whose step() runs while it is open."""
-
-    def __init__(self):
-        self.seen: dict[int, weakref.ref] = {}
-        self.handle = _optim_hooks.register_optimizer_step_pre_hook(self._on_step)
-
-    def _on_step(self, opt, args, kwargs):
-        self.seen.setdefault(id(opt), weakref.ref(opt))
-
-    def close(self):
-        self.handle.remove()
-
-    def refs(self) -> list[weakref.ref]:
-        return [r for r in self.seen.values() if r() is not None]
-
-
-def _device_index_of(opt) -> int:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if isinstance(p, TpuTensor):
-                return p._st.device_index
-    return 0
-
-
-def _move_optimizer_host_state(optimizer_refs) -> list[Storage]:
-    """Moves the CPU tensors in the state of optimizers that update tpu parameters (the step
-    counts of non-capturable optimizers) to tpu, so the compiled program reads and advances
-    them instead of freezing the value they had when it was traced. Returns their storages."""
-    moved: list[Storage] = []
-    names = set()
-    for ref in optimizer_refs:
-        opt = ref()
-        for p, st in opt.state.items():
-            if not isinstance(p, TpuTensor):
-                continue
-            for k, v in list(st.items()):
-                if isinstance(v, torch.Tensor) and not isinstance(v, TpuTensor):
-                    st[k] = v.to(p.device)
-                    moved.append(st[k]._st)
-                    names.add(f"{type(opt).__name__} state[{k!r}]")
-    if names:
-        warnings.warn(
-            f"torchtpu.compile: moved {', '.join(sorted(names))} from the CPU to tpu, where the compiled step "
-            "advances it (the optimizer runs its capturable form inside the program). Pass capturable=True "
-            "to the optimizer to keep that state on tpu from the start.",
-            stacklevel=4,
-        )
-    return moved
-
-
-def _lift_optimizers(optimizers, slots, hyper) -> list:
-    """While a step is traced: the lifted hyperparameters become tpu scalars holding the
-    program's input values, and each param group takes PyTorch's graph-capture form
-    (capturable=True, foreach=True), the form whose every number stays a tensor. Returns
-    what to put back afterwards."""
-    restore = []
-    for i, (group, k, device_index) in enumerate(slots):
-        restore.append((group, k, group[k]))
-        group[k] = new_base(hyper[i], device_index, torch.float32)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            if group.get("fused") or group.get("differentiable"):
-                continue
-            for k in ("capturable", "foreach"):
-                if k in group and group[k] is not True:
-                    restore.append((group, k, group[k]))
-                    group[k] = True
-    return restore
-
-
-class _NewOptimizer(Exception):
-    """An optimizer the warm-up did not see stepped while a step was traced."""
-
-    def __init__(self, optimizer):
-        super().__init__(type(optimizer).__name__)
-        self.optimizer = optimizer
-
-
-class _OptimizerGraphCapture:
-    """While open, `torch.compiler.is_compiling()` is true inside each optimizer.step(): the
-    flag torch.optim reads to keep step counts and tensor learning rates as tensors instead of
-    reading them to Python numbers (which would freeze them into the program)."""
-
-    def __init__(self, known):
-        import torch.compiler as tc
-
-        self.tc = tc
-        self.known = {id(o) for o in known}
-        self.prev = tc._is_compiling_flag
-        self.pre = _optim_hooks.register_optimizer_step_pre_hook(self._enter)
-        self.post = _optim_hooks.register_optimizer_step_post_hook(self._exit)
-
-    def _enter(self, opt, args, kwargs):
-        if id(opt) not in self.known:
-            raise _NewOptimizer(opt)  # before it changes anything
-        self.tc._is_compiling_flag = True
-
-    def _exit(self, opt, args, kwargs):
-        self.tc._is_compiling_flag = self.prev
-
-    def close(self):
-        self.pre.remove()
-        self.post.remove()
-        self.tc._is_compiling_flag = self.prev
-
-
-class _HostWatch:
-    """While a step is traced: CPU tensors read by tpu ops. Those the eager warm-up read are
-    program inputs (their values are sent with each call); a long-lived one it did not read, or
-    one the step modifies in place, would be frozen into the program: an error naming it."""
-
-    def __init__(self, host, host_arrays):
-        self.index = {id(t): i for i, t in enumerate(host)}
-        self.host = host
-        self.arrays = host_arrays
-        self.versions = [t._version for t in host]
-        self.unknown: list[weakref.ref] = []
-
-    def __call__(self, t):
-        i = self.index.get(id(t))
-        if i is not None and self.host[i] is t:
-            return self.arrays[i]
-        self.unknown.append(weakref.ref(t))
-        return dtypes.torch_to_numpy(t)
-
-    def check(self):
-        gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
-        frozen = [t for r in self.unknown if (t := r()) is not None]
-        if frozen:
-            raise RuntimeError(
-                "torchtpu.compile: the step read CPU tensors it did not read during its first (eager) call: "
-                f"{', '.join(_describe(t) for t in frozen[:5])}. Their values would be frozen into the program. "
-                "Move them to tpu (and pass them as arguments, or read them in the first call too)."
-            )
-        mutated = [t for t, v in zip(self.host, self.versions) if t._version != v]
-        if mutated:
-            raise RuntimeError(
-                "torchtpu.compile: the step modifies CPU tensors in place: "
-                f"{', '.join(_describe(t) for t in mutated[:5])}. The change would happen once, when the step "
-                "is traced, not on every call. Keep them on tpu."
-            )
-
-
-_NUMBER_TYPES = (int, float, bool)
-
-
-def _function_numbers(fn) -> tuple:
-    """The Python numbers `fn` reads from its closure and its module's globals (guarded)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    out = []
-    if fn.__closure__:
-        for name, cell in zip(code.co_freevars, fn.__closure__):
-            try:
-                v = cell.cell_contents
-            except ValueError:  # not bound yet
-                continue
-            if type(v) in _NUMBER_TYPES:
-                out.append((name, v))
-    g = fn.__globals__
-    for name in code.co_names:
-        v = g.get(name)
-        if type(v) in _NUMBER_TYPES:
-            out.append((name, v))
-    return tuple(out)
-
-
-def _key_change(old, new) -> str:
-    """Names what changed between two cache keys of a compiled step (for the recompile log)."""
-    if old is None:
-        return "new signature"
-    reasons = []
-    if old[0] != new[0]:
-        reasons.append("argument structure changed")
-    if old[1] != new[1]:
-        reasons.append(f"arguments changed: {old[1]} -> {new[1]}")
-    if old[2] != new[2]:
-        for i, (a, b) in enumerate(zip(old[2], new[2])):
-            if a != b and a is not None and b is not None:
-                da, db = dict(a), dict(b)
-                for k in db:
-                    if da.get(k) != db[k]:
-                        reasons.append(f"optimizer param_groups[{i}][{k!r}] changed: {da.get(k)!r} -> {db[k]!r}")
-        if not reasons:
-            reasons.append("optimizer param_groups changed")
-    if old[3] != new[3]:
-        da = dict(old[3])
-        reasons += [f"{k!r} changed: {da.get(k)!r} -> {v!r}" for k, v in new[3] if da.get(k) != v]
-    return "; ".join(reasons) or "unknown"
-
-
-def array_of_storage(st):
-    from .dispatch import storage_array
-
-    return storage_array(st)
-
-
-def _storage_sharding_hint(st):
-    if st.array is not None and not isinstance(st.array, jax.core.Tracer):
-        return st.array
-    if st.dist is not None:
-        return jax.ShapeDtypeStruct(st.shape, jax.numpy.float32, sharding=st.dist[2])
-    return None
-
-
-def _replicated(mesh):
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
-def _abstract(st, mesh):
-    from . import dtypes
-
-    if st.array is not None and not isinstance(st.array, jax.core.Tracer):
-        sharding = st.array.sharding
-        if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
-            sharding = _replicated(mesh)
-        return jax.ShapeDtypeStruct(st.array.shape, st.array.dtype, sharding=sharding)
-    if st.dist is not None:
-        sharding = st.dist[2]
-    elif mesh is not None:
-        sharding = _replicated(mesh)
-    else:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[st.device_index])
-    return jax.ShapeDtypeStruct(tuple(st.shape), dtypes.to_jax_dtype(st.dtype), sharding=sharding)
-
-
-def _program_mesh(arrays):
-    """The device mesh of a program whose inputs include arrays laid out over one (else None)."""
-    for a in arrays:
-        s = getattr(a, "sharding", None)
-        if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1:
-            return s.mesh
-    return None
-
-
-def _committed(a, device_index, mesh=None):
-    if getattr(a, "_committed", True):
-        return a
-    if mesh is not None:
-        return jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return jax.device_put(a, jax.devices()[device_index])
-
-
-def _keep_sharding(a, sharding):
-    if a is None or not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size == 1:
-        return a
-    return jax.lax.with_sharding_constraint(a, sharding)
-
-
-def _unique_arrays(arrays):
-    # The same buffer passed twice cannot be donated twice: copy duplicates.
-    seen = set()
-    out = []
-    for a in arrays:
-        if id(a) in seen:
-            a = jax.numpy.copy(a)
-        seen.add(id(a))
-        out.append(a)
-    return out
 
 
 def compile(fn=None, *, donate: bool = True):

@@ -9,7 +9,7 @@ Pipeline:
    tpu tensors passed in (parameters and buffers included: Dynamo lifts them to graph inputs,
    so they are never baked in as constants), and the graph is run *on tpu tensors that wrap
    jax tracers*. Every node therefore goes through `TpuTensor.__torch_dispatch__` in traced
-   mode, i.e. through the same op table (`registry.LOWERINGS`, dtype rules, decompositions)
+   mode, i.e. through the same op table (`optable.LOWERINGS`, dtype rules, decompositions)
    as eager mode; there is no second op table. Outputs come back as `TpuTensor`s.
 
 Why Dynamo needs help to see tpu tensors, and why this fix:
@@ -59,8 +59,9 @@ import jax
 import torch
 
 from . import random as tpu_random
-from .dispatch import _Tracing, array_of
-from .tensor import NOT_DENSE, TpuTensor, memory_order, new_base
+from .state import tracing
+from .views import array_of
+from .tensor import NOT_DENSE, TpuTensor, memory_order, new_base, storage_of
 
 # ----------------------------------------------------------------------------- counters
 
@@ -193,7 +194,7 @@ class _CompiledGraph:
         prev_keys = tpu_random.TRACED
         tpu_random.TRACED = keys = tpu_random.TracedKeys(key_data)
         try:
-            with _Tracing(), torch.no_grad():
+            with tracing(), torch.no_grad():
                 outs = _LayoutInterpreter(self.gm).run(*args)
         finally:
             tpu_random.TRACED = prev_keys
@@ -204,7 +205,7 @@ class _CompiledGraph:
         for o in outs:
             if isinstance(o, TpuTensor):
                 out_arrays.append(array_of(o))
-                spec.append(("T", o.dtype, o._st.device_index, o.stride()))
+                spec.append(("T", o.dtype, storage_of(o).device_index, o.stride()))
             elif isinstance(o, torch.Tensor):
                 raise NotImplementedError(
                     f"torchtpu: a torch.compile graph produced a tensor on {o.device}; only tpu outputs are supported"
@@ -222,7 +223,7 @@ class _CompiledGraph:
         for a in args:
             if type(a) is TpuTensor:
                 arrays.append(array_of(a))
-                kinds.append(("T", a.dtype, a._st.device_index, a.stride()))
+                kinds.append(("T", a.dtype, storage_of(a).device_index, a.stride()))
             elif isinstance(a, torch.Tensor):
                 if a.device.type != "cpu":
                     raise TypeError(f"torchtpu: torch.compile(backend='tpu') got a tensor on {a.device}")
@@ -275,8 +276,8 @@ def _with_strides(t, val):
     if order is NOT_DENSE:
         return t
     if order is not None:
-        t._st.order = order
-    return TpuTensor(t._st, (), tuple(t.shape), t.dtype, strides=tuple(strides))
+        storage_of(t).order = order
+    return TpuTensor(storage_of(t), (), tuple(t.shape), t.dtype, strides=tuple(strides))
 
 
 def _strided(array, device_index, dtype, strides):
@@ -288,8 +289,8 @@ def _strided(array, device_index, dtype, strides):
     if tuple(strides) != t.stride():
         order = memory_order(tuple(array.shape), tuple(strides))
         if order is not None and order is not NOT_DENSE:
-            t._st.order = order
-        t = TpuTensor(t._st, (), tuple(array.shape), dtype, strides=tuple(strides))
+            storage_of(t).order = order
+        t = TpuTensor(storage_of(t), (), tuple(array.shape), dtype, strides=tuple(strides))
     return t
 
 

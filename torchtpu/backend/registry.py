@@ -1,57 +1,22 @@
-"""The op table: ATen overload -> pure JAX lowering.
+"""Everything an op module (backend/ops/) uses from the rest of the backend, in one place.
 
-A lowering is a plain function with the ATen schema's argument names. Tensor arguments
-arrive as JAX arrays (concrete in eager mode, tracers when traced), everything else as the
-Python value the schema describes. It returns JAX arrays shaped like the ATen returns.
-Lowerings never see views, mutation or devices: the dispatcher handles those.
-
-    @lower(aten.add.Tensor, aten.add.Scalar)
-    def add(self, other, alpha=1):
-        ...
-
-Options:
-- static: names of `Scalar` arguments that must be Python values at trace time (for example
-  `arange`'s bounds, which decide the output shape). Every other Scalar is traced, so a
-  changing learning rate never recompiles.
-- jit=False: the op has a data-dependent output shape (nonzero, masked_select, unique...). It
-  runs op by op on concrete arrays in eager mode and cannot be part of a compiled program.
-- random=True: the lowering takes a keyword argument `key`, a JAX PRNG key drawn from the
-  device generator.
+Op modules register into the op table (`lower`, `custom`, `POST`; see optable.py) and never
+import the dispatcher's modules themselves. A bespoke handler (`custom`) works on tensors, so
+it gets the dispatcher's services from here: running an op's plan (`plan_for`, `run`),
+wrapping results (`wrap`), writing a mutated argument (`write_value`), reading values
+(`array_of`, `to_cpu`) and re-dispatching (`dispatch`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+from .execute import device_index_of, run, wrap
+from .fallback import to_cpu
+from .handlers import dispatch, write_value
+from .optable import CUSTOM, LOWERINGS, POST, Lowering, aten, custom, lower
+from .plans import bind, plan_for
+from .state import CONFIG, is_tracing
+from .views import array_of
 
-import torch
-
-aten = torch.ops.aten
-
-
-@dataclasses.dataclass(frozen=True)
-class Lowering:
-    fn: Callable
-    static: frozenset = frozenset()
-    jit: bool = True
-    random: bool = False
-
-
-LOWERINGS: dict = {}
-
-
-def lower(*ops, static=(), jit: bool = True, random: bool = False):
-    def register(fn):
-        entry = Lowering(fn, frozenset(static), jit, random)
-        for op in ops:
-            if isinstance(op, torch._ops.OpOverloadPacket):
-                for name in op.overloads():
-                    LOWERINGS.setdefault(getattr(op, name), entry)
-            else:
-                LOWERINGS[op] = entry
-        return fn
-
-    return register
-
-
-def lowering_for(func) -> Lowering | None:
-    return LOWERINGS.get(func)
+__all__ = [
+    "CONFIG", "CUSTOM", "LOWERINGS", "POST", "Lowering", "array_of", "aten", "bind", "custom", "device_index_of",
+    "dispatch", "is_tracing", "lower", "plan_for", "run", "to_cpu", "wrap", "write_value",
+]

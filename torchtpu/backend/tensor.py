@@ -6,16 +6,17 @@ strides, dtype, autograd), and the data lives in a `jax.Array`.
 Views alias through a shared `Storage`. The storage holds the array of the *base* tensor
 (always contiguous). A view records the chain of view ops that reads it from that array;
 reading applies the chain, writing scatters back through it. In-place ops on bases, which is
-what optimizers do to parameters, simply replace `storage.array`.
+what optimizers do to parameters, simply replace `storage.array` (views.py reads and writes).
 """
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import jax
 import torch
 
 from . import dtypes
+from .state import HOOKS
 
 _DEVICES: dict[int, torch.device] = {}
 
@@ -42,6 +43,15 @@ def contiguous_strides(shape) -> tuple:
     return s
 
 
+class Layout(NamedTuple):
+    """How torchtpu.distributed laid a storage out: the DeviceMesh and placements it was
+    given (None for a layout that only has a sharding), and the jax Sharding they map to."""
+
+    mesh: object
+    placements: tuple | None
+    sharding: jax.sharding.Sharding
+
+
 class Storage:
     """What a base tensor and all its views share.
 
@@ -50,7 +60,6 @@ class Storage:
     """
 
     __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "__weakref__")
-    on_create = None  # observer used while torchtpu.compile traces a step
 
     def __init__(self, array, shape, dtype, device_index):
         self.array = array
@@ -58,21 +67,14 @@ class Storage:
         self.shape = shape
         self.dtype = dtype
         self.device_index = device_index
-        self.dist = None  # (DeviceMesh, placements) given by torchtpu.distributed
+        self.dist: Layout | None = None  # given by torchtpu.distributed
         # `order` (set only when the base's strides are not row-major, so that the hot path
         # of every op pays nothing for it; read it with storage_order): how PyTorch would lay
         # the base out in memory (torch.empty_strided, a strided tensor moved with
         # .to("tpu")), see memory_order. `array` always holds the logical values; only
         # as_strided reads memory positions.
-        if Storage.on_create is not None:
-            Storage.on_create(self)
-
-
-_aten = torch.ops.aten
-_LIKE_FACTORIES = frozenset({
-    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like,
-    _aten.randint_like, _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_empty_strided, _aten.new_full,
-})
+        if HOOKS.create is not None:
+            HOOKS.create(self)
 
 
 class TpuTensor(torch.Tensor):
@@ -104,29 +106,8 @@ class TpuTensor(torch.Tensor):
     # No Python-level torch function layer: everything is handled below autograd.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if kwargs and kwargs.get("device") is not None and func.overloadpacket in _LIKE_FACTORIES:
-            device = torch.device(kwargs["device"])
-            if device.type != "tpu":
-                # `torch.zeros_like(t, device="cpu")`: the tpu tensor only gives shape, strides and
-                # dtype (its values are never read, and may be a tracer or a sharded array); the
-                # result belongs to the device the call names, as ATen does
-                from torch.utils._pytree import tree_map
-
-                def on_meta(a):
-                    if isinstance(a, TpuTensor):
-                        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-                    return a
-
-                return func(*tree_map(on_meta, args), **kwargs)
-        return _dispatch(func, args, kwargs or _NO_KWARGS)
-
-    # torch.Tensor.__repr__ formats through many small ops; format the CPU copy instead.
-    def __repr__(self, *, tensor_contents=None):
-        from .dispatch import tensor_repr
-
-        return tensor_repr(self)
+    # __torch_dispatch__ and __repr__ are given by handlers.py: the dispatcher is built on
+    # this module, so this module cannot import it.
 
     # `param.data = new` replaces a tensor's contents while keeping the object (its identity,
     # autograd hooks and grad). PyTorch's setter copies the TensorImpl's fields (sizes, dtype);
@@ -167,8 +148,6 @@ def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuT
 
 _TENSOR_DATA = torch._C.TensorBase.data
 _JAX_TO_TORCH = dtypes.JAX_TO_TORCH
-_NO_KWARGS: dict = {}
-_dispatch = None  # bound by dispatch.py (import cycle)
 
 
 def place(x, device_index: int):
@@ -217,9 +196,6 @@ def storage_order(st: Storage):
     return getattr(st, "order", None)
 
 
-def numel(shape) -> int:
-    return math.prod(shape)
-
-
-def is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
+def storage_of(t: TpuTensor) -> Storage:
+    """The storage `t` (a base or a view) reads its values from."""
+    return t._st

@@ -8,10 +8,12 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
-from .dispatch import (
-    STATE, _set_meta, array_of, cast, custom, to_cpu, tracing, write,
-)
-from .tensor import Storage, TpuTensor, new_base, place
+from .fallback import to_cpu
+from .handlers import cast, resize_tensor, set_meta
+from .optable import custom
+from .state import is_tracing, note_mesh
+from .tensor import TpuTensor, new_base, place, storage_of
+from .views import array_of, write
 
 aten = torch.ops.aten
 
@@ -22,7 +24,7 @@ def _device(index: int):
 
 def cpu_to_array(t: torch.Tensor, device_index: int):
     a = dtypes.torch_to_numpy(t.contiguous())
-    if tracing():
+    if is_tracing():
         return jnp.asarray(a)
     if _device(device_index).platform == "cpu":
         # XLA:CPU may alias the NumPy buffer: later writes to the CPU tensor must not show
@@ -36,13 +38,13 @@ def _copy_(args, kwargs):
     if isinstance(self, TpuTensor):
         if isinstance(src, TpuTensor):
             new = array_of(src)
-            if src._st.device_index != self._st.device_index and not tracing():
-                new = jax.device_put(new, _device(self._st.device_index))
+            if storage_of(src).device_index != storage_of(self).device_index and not is_tracing():
+                new = jax.device_put(new, _device(storage_of(self).device_index))
         else:
-            new = cpu_to_array(src, self._st.device_index)
+            new = cpu_to_array(src, storage_of(self).device_index)
         jdt = dtypes.to_jax_dtype(self.dtype)
         if tuple(new.shape) != tuple(self.shape):
-            new = jnp.broadcast_to(new, tuple(self.shape)) if tracing() else _broadcast(new, tuple(self.shape))
+            new = jnp.broadcast_to(new, tuple(self.shape)) if is_tracing() else _broadcast(new, tuple(self.shape))
         if new.dtype != jdt:
             new = cast(new, jdt)
         write(self, new)
@@ -67,14 +69,14 @@ def _to_copy(args, kwargs):
         cpu = to_cpu(x)
         with no_dispatch():
             return cpu.to(dtype=dtype, device=device, copy=False) if cpu.dtype != dtype or device.type != "cpu" else cpu
-    index = x._st.device_index if device is None or device.index is None else device.index
+    index = storage_of(x).device_index if device is None or device.index is None else device.index
     a = array_of(x)
     jdt = dtypes.to_jax_dtype(dtype)
     if a.dtype != jdt:
         a = cast(a, jdt)
-    if index != x._st.device_index and not tracing():
+    if index != storage_of(x).device_index and not is_tracing():
         a = jax.device_put(a, _device(index))
-    elif a is array_of(x) and not tracing():
+    elif a is array_of(x) and not is_tracing():
         # A real copy: sharing the buffer would let a donated step invalidate it.
         a = _copy_array(a)
     return new_base(a, index, dtype)
@@ -86,7 +88,7 @@ _copy_array = jax.jit(jnp.copy)
 @custom(aten._local_scalar_dense.default)
 def _item(args, kwargs):
     a = array_of(args[0])
-    if tracing():
+    if is_tracing():
         raise RuntimeError(
             "tensor.item() inside a compiled torchtpu program needs the value on the host; "
             "move the .item() call outside the compiled function (or log it asynchronously)"
@@ -99,11 +101,9 @@ def _item(args, kwargs):
 
 @custom(aten.resize_.default)
 def _resize_(args, kwargs):
-    from .dispatch import resize_tensor
-
     t, size = args[0], tuple(args[1])
     if tuple(t.shape) != size:
-        old = array_of(t) if t._st.array is not None else None
+        old = array_of(t) if storage_of(t).array is not None else None
         resize_tensor(t, size)
         if old is not None and old.size:
             n = min(old.size, int(np.prod(size)))
@@ -115,8 +115,8 @@ def _resize_(args, kwargs):
 @custom(aten.set_.source_Tensor)
 def _set_source_tensor(args, kwargs):
     t, src = args
-    _set_meta(t, aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
-    t._st = src._st
+    set_meta(aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
+    t._st = storage_of(src)
     t._vw = src._vw
     t._vc = None
     t._vv = -1
@@ -160,7 +160,5 @@ def from_jax(a: jax.Array) -> torch.Tensor:
         if len(devs) == 1:
             index = jax.devices().index(next(iter(devs)))
         elif isinstance(a.sharding, jax.sharding.NamedSharding):
-            from .dispatch import note_mesh
-
             note_mesh(a.sharding.mesh)
     return new_base(a, index)

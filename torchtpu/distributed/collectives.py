@@ -23,9 +23,10 @@ import torch
 from jax import lax
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..backend.dispatch import _Tracing, array_of, custom
-from ..backend.registry import lower
+from ..backend.optable import custom, lower
+from ..backend.state import tracing
 from ..backend.tensor import TpuTensor, new_base
+from ..backend.views import array_of
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
 
@@ -214,7 +215,7 @@ class _LocalMap(torch.autograd.Function):
             call = list(args)
             for i, a, t in zip(tensor_idx, local_arrays, tensors):
                 call[i] = new_base(a, 0, t.dtype)
-            with _Tracing(), torch.no_grad():
+            with tracing(), torch.no_grad():
                 out = func(*call)
             out = out if isinstance(out, (list, tuple)) else (out,)
             out = [o.wait() if type(o).__name__ == "AsyncCollectiveTensor" else o for o in out]

@@ -27,9 +27,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..backend.dispatch import array_of
-from ..backend.registry import lower
-from ..backend.tensor import TpuTensor, new_base
+from ..backend.optable import lower
+from ..backend.tensor import Layout, TpuTensor, new_base, storage_of
+from ..backend.views import array_of
 from . import placements as pl
 from .batch import batch_entry
 from .mesh import DeviceMesh, current_mesh
@@ -67,15 +67,15 @@ def _shard_lowering(x, spec, grad_spec):
 def _shard_post(args, out):
     # The result records its layout (also while tracing), so state made from it, such as a
     # gradient accumulated into .grad, keeps the layout in ahead-of-time programs.
-    if isinstance(out, TpuTensor) and out._st.dist is None:
+    if isinstance(out, TpuTensor) and storage_of(out).dist is None:
         sharding = pl.decode(args[1])
         if all(e is not P.UNCONSTRAINED for e in sharding.spec):
-            out._st.dist = (None, None, sharding)
+            storage_of(out).dist = Layout(None, None, sharding)
     return out
 
 
 def _register_post():
-    from ..backend.dispatch import POST
+    from ..backend.optable import POST
 
     POST[torch.ops.torchtpu.shard.default] = _shard_post
 
@@ -115,7 +115,7 @@ def _grad_placements(placements):
 
 def _remember(t, mesh, placements):
     if isinstance(t, TpuTensor) and not t._vw:
-        t._st.dist = (mesh, tuple(placements), pl.sharding_for(mesh, placements, t.dim()))
+        storage_of(t).dist = Layout(mesh, tuple(placements), pl.sharding_for(mesh, placements, t.dim()))
 
 
 # ----------------------------------------------------------------------------- distribute_tensor
@@ -178,9 +178,9 @@ def _dist_info(t):
     sharding = getattr(a, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise AttributeError("this tpu tensor is not distributed over a device mesh (use distribute_tensor)")
-    info = getattr(t._st, "dist", None)
-    if info is not None and info[0] is not None and not t._vw:
-        mesh, placements = info[0], info[1]
+    info = getattr(storage_of(t), "dist", None)
+    if info is not None and info.mesh is not None and not t._vw:
+        mesh, placements = info.mesh, info.placements
         spec = pl.spec_for(mesh, placements, t.dim())
         if _same_layout(sharding, pl.NamedSharding(mesh.jax_mesh, spec), t.dim()):
             return mesh, placements

@@ -22,8 +22,8 @@ import jax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..backend.dispatch import array_of
-from ..backend.tensor import Storage, TpuTensor
+from ..backend.views import array_of
+from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -130,8 +130,8 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
     if isinstance(p, TpuTensor):
         if p._vw:
             raise RuntimeError(f"parameter {name!r} is a view of another tensor; it cannot be resharded in place")
-        st = p._st
-        st.dist = (root, placements, sharding)
+        st = storage_of(p)
+        st.dist = Layout(root, placements, sharding)
         if st.array is not None and st.array.sharding != sharding:
             st.array = jax.device_put(st.array, sharding)
             st.version += 1
@@ -168,7 +168,7 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
     if rec is not None and rec.mesh is not None:
         root, entries = rec.mesh, rec.dims
         sharding = NamedSharding(root.jax_mesh, spec_of(entries))
-        t._st.dist = (root, _root_placements(root, sharding, len(shape)), sharding)
+        storage_of(t).dist = Layout(root, _root_placements(root, sharding, len(shape)), sharding)
     return t
 
 
@@ -180,7 +180,7 @@ def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTen
     shape = tuple(shape)
     t = new_empty(shape, dtype, 0)
     sharding = pl.sharding_for(mesh, placements, len(shape))
-    t._st.dist = (mesh, tuple(placements), sharding)
+    storage_of(t).dist = Layout(mesh, tuple(placements), sharding)
     return t
 
 

@@ -43,8 +43,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
-from ..backend.dispatch import _Tracing, array_of, tracing
-from ..backend.tensor import TpuTensor, new_base
+from ..backend.state import is_tracing, tracing
+from ..backend.tensor import TpuTensor, new_base, storage_of
+from ..backend.views import array_of
 from .params import get_layout, module_record
 
 __all__ = ["scan_layers", "unscan_layers", "is_scanned"]
@@ -103,14 +104,14 @@ class _ScannedDict:
     """ModuleDict whose values() yields, while a program is being traced, a scan of all blocks."""
 
     def values(self):
-        if tracing():
+        if is_tracing():
             return _Run(self).callables()
         return super().values()
 
 
 class _ScannedList:
     def __iter__(self):
-        if tracing():
+        if is_tracing():
             return _Run(self).callables()
         return super().__iter__()
 
@@ -232,8 +233,8 @@ def _scan_blocks(run: _Run, h, args, kwargs):
     if tpu_random.TRACED is not None:
         key = tpu_random.TRACED.next()
     else:
-        key = tpu_random.next_key_data(h._st.device_index)
-    job = _Job(run, template, slots, len(run.children), flat, spec, key, h._st.device_index,
+        key = tpu_random.next_key_data(storage_of(h).device_index)
+    job = _Job(run, template, slots, len(run.children), flat, spec, key, storage_of(h).device_index,
                [p.dtype for p in per_block[0]])
     return _ScanFunction.apply(job, h, *params)
 
@@ -265,7 +266,7 @@ class _Job:
         try:
             for (m, n), t in zip(self.slots, param_ts):
                 m._parameters[n] = t
-            with _Tracing():
+            with tracing():
                 return self.template(h_t, *args, **kwargs)
         finally:
             tpu_random.TRACED = prev_keys

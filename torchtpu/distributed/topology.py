@@ -26,6 +26,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from ..backend.aot import aot_compile, dump_compiles_to  # re-exported: compiling is a backend job
+
 __all__ = [
     "TopologyError",
     "topology_devices",
@@ -220,44 +222,6 @@ def topology_mesh(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str
 
 
 # ----------------------------------------------------------------------------- compile report
-
-_DUMP_DIR: list = [None]
-
-
-@contextlib.contextmanager
-def dump_compiles_to(folder: str):
-    """While active, `aot_compile` writes XLA's dump (optimized HLO, buffer assignment, memory
-    report) of every program it compiles into `folder`; `largest_temporaries` reads it."""
-    before = _DUMP_DIR[0]
-    _DUMP_DIR[0] = folder
-    try:
-        yield folder
-    finally:
-        _DUMP_DIR[0] = before
-
-
-def aot_compile(lowered, compiler_options: dict | None = None):
-    """`lowered.compile()` for topology devices, bypassing JAX's persistent compilation cache.
-
-    torchtpu turns the persistent cache on; JAX would write the compile-only TPU executable
-    into it and on the next run fail to load it ("PjRtCompiler must be constructed with a
-    Client"), warn and compile again. The cache is switched off for this one compilation and
-    then restored for the process's ordinary compilations.
-    """
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    if _DUMP_DIR[0] is not None:
-        # the compiler's own record of the program: optimized HLO and its buffer assignment
-        compiler_options = {**(compiler_options or {}), "xla_dump_to": _DUMP_DIR[0]}
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
-    try:
-        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        cc.reset_cache()
-
 
 
 _OP = re.compile(r"\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start)?\(")

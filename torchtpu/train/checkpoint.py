@@ -42,7 +42,7 @@ import jax
 import numpy as np
 import torch
 
-from torchtpu.backend.dispatch import array_of, write
+from torchtpu.backend.views import array_of, write
 from torchtpu.backend.tensor import TpuTensor
 
 from .checkpoint_files import (

@@ -210,7 +210,7 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
 def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
     """Fill a torchtitan Llama 3 model's parameters (tpu tensors, any sharding) in place from a
     Hugging Face folder; each parameter keeps its own sharding and dtype."""
-    from torchtpu.backend.dispatch import array_of, write
+    from torchtpu.backend.views import array_of, write
     from torchtpu.backend.tensor import TpuTensor
 
     from .checkpoint import canonical_name
@@ -298,7 +298,7 @@ def gather_to_cpu(t: torch.Tensor) -> torch.Tensor:
     import jax
 
     from torchtpu.backend import dtypes
-    from torchtpu.backend.dispatch import array_of
+    from torchtpu.backend.views import array_of
     from torchtpu.backend.tensor import TpuTensor
 
     if not isinstance(t, TpuTensor):

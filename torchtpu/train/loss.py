@@ -78,7 +78,7 @@ def chunked_cross_entropy_loss(model, inputs, labels, chunk_size: int):
     if chunk_size < 1:
         raise ValueError(f"chunked_cross_entropy_loss: chunk_size must be >= 1, got {chunk_size}; use "
                          "cross_entropy_loss for the plain loss")
-    from torchtpu.backend.checkpoint import checkpoint_module
+    from torchtpu.backend.activation_checkpoint import checkpoint_module
 
     chunk_loss = checkpoint_module(_ChunkCrossEntropy())
     h, weight, bias = _hidden_and_head(model, inputs)

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import torch
-from jax import lax
 
 from ..registry import aten, lower
 from .pointwise import cast, promote

@@ -21,28 +21,8 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from ..registry import aten, lower
-from ..tensor import TpuTensor, place
-
-
-def _dispatch():
-    from .. import dispatch
-
-    return dispatch
-
-
-def _bind(func, args, kwargs):
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            out[a.name] = None
-    return out
+from ..registry import array_of, aten, bind, custom, is_tracing, lower, write_value
+from ..tensor import TpuTensor, place, storage_of
 
 
 def _scalar(x):
@@ -50,24 +30,22 @@ def _scalar(x):
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise RuntimeError(f"expected a 0-dim tensor for a scalar bound, got shape {tuple(x.shape)}")
-        d = _dispatch()
-        if isinstance(x, d.TpuTensor):
-            v = np.asarray(d.array_of(x)).reshape(())
+        if isinstance(x, TpuTensor):
+            v = np.asarray(array_of(x)).reshape(())
         else:
-            v = d.dtypes.torch_to_numpy(x).reshape(())
+            v = dtypes.torch_to_numpy(x).reshape(())
         return v.item()
     return x
 
 
 def _finish(out, value):
     """Write `value` (computed for `out`'s dtype) into `out`, resizing it, and return `out`."""
-    d = _dispatch()
     jdt = dtypes.to_jax_dtype(out.dtype)
     if value.dtype != jdt:
         value = value.astype(jdt)
-    if not d.tracing() and isinstance(out, d.TpuTensor):
-        value = place(value, out._st.device_index)
-    d._write_any(out, value, resize=True)
+    if not is_tracing() and isinstance(out, TpuTensor):
+        value = place(value, storage_of(out).device_index)
+    write_value(out, value, resize=True)
     return out
 
 
@@ -76,11 +54,11 @@ def _out_handler(*ops):
     def register(fn):
         for op in ops:
             def h(args, kwargs, _op=op):
-                b = _bind(_op, args, kwargs)
+                b = bind(_op, args, kwargs)
                 out = b.pop("out")
                 return _finish(out, fn(b, out))
 
-            _dispatch().custom(op)(h)
+            custom(op)(h)
         return fn
 
     return register
@@ -330,7 +308,7 @@ def _bounds_as_numbers(default_op):
     to the bounds' device."""
 
     def handler(args, kwargs):
-        vals = [np.asarray(_dispatch().array_of(a)).reshape(()).item() if isinstance(a, TpuTensor)
+        vals = [np.asarray(array_of(a)).reshape(()).item() if isinstance(a, TpuTensor)
                 else a.item() if isinstance(a, torch.Tensor) else a for a in args]
         return default_op(*vals, **kwargs)
 
@@ -338,6 +316,6 @@ def _bounds_as_numbers(default_op):
 
 
 for _op in (aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor):
-    _dispatch().custom(_op)(_bounds_as_numbers(aten.linspace.default))
+    custom(_op)(_bounds_as_numbers(aten.linspace.default))
 for _op in (aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor):
-    _dispatch().custom(_op)(_bounds_as_numbers(aten.logspace.default))
+    custom(_op)(_bounds_as_numbers(aten.logspace.default))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..registry import aten, lower
+from ..registry import CONFIG, aten, lower
 
 
 def _dim(d, ndim):
@@ -68,8 +68,6 @@ def _check_bounds(self, indices):
     # Reading the indices back to the host would stall the asynchronous pipeline on every
     # x[idx], so bounds are checked in debug mode only (TORCHTPU_DEBUG=1); otherwise XLA
     # clamps out-of-range gathers and drops out-of-range scatters.
-    from ..dispatch import CONFIG
-
     if not CONFIG.debug or any(not _concrete(ix) for ix in indices if ix is not None):
         return
     for d, ix in enumerate(indices):

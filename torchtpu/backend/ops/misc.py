@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..dispatch import array_of, custom
-from ..registry import aten, lower
+from ..registry import CUSTOM, array_of, aten, custom, lower
 from ..tensor import TpuTensor
 
 # ----------------------------------------------------------------------------- comparisons
@@ -380,10 +379,8 @@ def renorm(self, p, dim, maxnorm):
 
 @custom(aten.resize_as_.default)
 def resize_as_(args, kwargs):
-    from ..dispatch import _CUSTOM
-
     template = args[1] if len(args) > 1 else kwargs["the_template"]
-    return _CUSTOM[aten.resize_.default]((args[0], list(template.shape)), {})
+    return CUSTOM[aten.resize_.default]((args[0], list(template.shape)), {})
 
 
 # ----------------------------------------------------------------------------- copy (functional)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..registry import aten, lower
+from ..registry import POST, aten, lower
 from . import attention_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -800,7 +800,7 @@ def _matching_layout(args, out):
     """The attention output's wrapper takes the strides PyTorch's meta function gives it (the
     query's layout), so graphs traced against those strides (torch.compile) view it correctly.
     Only the wrapper's strides change: the array holds the logical values either way."""
-    from ..tensor import TpuTensor
+    from ..tensor import TpuTensor, storage_of
 
     query, res = args[0], out[0]
     if query.dim() != 4 or res._vw:
@@ -815,19 +815,19 @@ def _matching_layout(args, out):
             acc *= res.shape[i]
     if tuple(strides) == tuple(res.stride()):
         return out
-    fixed = TpuTensor(res._st, (), tuple(res.shape), res.dtype, strides=tuple(strides))
+    fixed = TpuTensor(storage_of(res), (), tuple(res.shape), res.dtype, strides=tuple(strides))
     return (fixed,) + tuple(out[1:])
 
 
 def _grads_like_inputs(args, out):
     """Attention gradients take their inputs' strides (PyTorch's meta: empty_like)."""
-    from ..tensor import TpuTensor
+    from ..tensor import TpuTensor, storage_of
 
     fixed = list(out)
     for i, src in zip(range(3), args[1:4]):
         g = out[i]
         if isinstance(g, TpuTensor) and not g._vw and tuple(g.shape) == tuple(src.shape) and g.stride() != src.stride():
-            fixed[i] = TpuTensor(g._st, (), tuple(g.shape), g.dtype, strides=tuple(src.stride()))
+            fixed[i] = TpuTensor(storage_of(g), (), tuple(g.shape), g.dtype, strides=tuple(src.stride()))
     return tuple(fixed)
 
 
@@ -855,8 +855,6 @@ def _register_sdpa():
     global _SDPA_LIB
     _SDPA_LIB = torch.library.Library("aten", "IMPL")
     _SDPA_LIB.impl("scaled_dot_product_attention", _sdpa_autograd, "AutogradPrivateUse1")
-    from ..dispatch import POST
-
     POST[aten._scaled_dot_product_fused_attention_overrideable.default] = _matching_layout
     POST[aten._scaled_dot_product_fused_attention_overrideable_backward.default] = _grads_like_inputs
 

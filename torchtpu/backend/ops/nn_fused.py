@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import custom
+from ..registry import custom
 
 aten = torch.ops.aten
 

@@ -390,7 +390,7 @@ def _install_ctc_tensor_lengths():
     """ctc_loss with tensor lengths: the lengths decide shapes, so read them to the host."""
     import torch
 
-    from .. import dispatch as D
+    from .. import registry as D
 
     def lengths(v):
         if isinstance(v, torch.Tensor):

@@ -7,11 +7,11 @@ batch variance.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .. import dtypes
 from ..registry import aten, lower
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -316,19 +316,19 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
 
 
 def _install_batch_norm_handlers():
-    from .. import dispatch as D
+    from .. import registry as D
 
     fop = aten._native_batch_norm_legit_functional.default
     no_stats = aten._native_batch_norm_legit.no_stats
 
     def _empty(input, index):
         dt = torch.float32 if input.dtype in (torch.bfloat16, torch.float16) else input.dtype
-        return D.wrap(jnp.zeros((0,), D.dtypes.to_jax_dtype(dt)), index)
+        return D.wrap(jnp.zeros((0,), dtypes.to_jax_dtype(dt)), index)
 
     def _bn(args, kwargs, names):
         vals = dict(zip(names, args))
         vals.update(kwargs)
-        index = D._device_index_of(args, kwargs)
+        index = D.device_index_of(args, kwargs)
         input = vals["input"]
         rm, rv = vals.get("running_mean"), vals.get("running_var")
         training = vals.get("training", False)
@@ -342,8 +342,8 @@ def _install_batch_norm_handlers():
         out = list(D.run(D.plan_for(fop), fop,
                          [input, vals.get("weight"), vals.get("bias"), rm, rv, bool(training), momentum, eps], {}))
         if training:
-            D._write_any(rm, out[3])
-            D._write_any(rv, out[4])
+            D.write_value(rm, out[3])
+            D.write_value(rv, out[4])
             return D.wrap(tuple(out[:3]), index)
         return (D.wrap(out[0], index), _empty(input, index), _empty(input, index))
 

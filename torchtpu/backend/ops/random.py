@@ -17,13 +17,8 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from ..registry import aten, lower
-
-
-def _dispatch():
-    from .. import dispatch
-
-    return dispatch
+from ..registry import aten, bind, custom, lower, plan_for, run, write_value
+from ..tensor import TpuTensor, storage_of
 
 
 def _sample_dtype(dt):
@@ -280,30 +275,28 @@ def multinomial(self, num_samples, replacement=False, generator=None, *, key):
 def _inplace_from(functional):
     """In-place op whose functional variant has another name (normal_ -> normal_functional)."""
     def handler(args, kwargs):
-        d = _dispatch()
         self = args[0]
-        new = d.run(d.plan_for(functional), functional, args, kwargs)
-        d._write_any(self, new)
+        new = run(plan_for(functional), functional, args, kwargs)
+        write_value(self, new)
         return self
 
     return handler
 
 
-_dispatch().custom(aten.normal_.default)(_inplace_from(aten.normal_functional.default))
+custom(aten.normal_.default)(_inplace_from(aten.normal_functional.default))
 
 
 def _randperm_out(args, kwargs):
     from .. import random as tpu_random
-    from .factory import _bind, _finish
+    from .factory import _finish
 
-    d = _dispatch()
     func = aten.randperm.generator_out if len(args) > 1 or "generator" in kwargs else aten.randperm.out
-    b = _bind(func, args, kwargs)
+    b = bind(func, args, kwargs)
     out = b["out"]
     n = int(b["n"])
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    index = out._st.device_index if isinstance(out, d.TpuTensor) else 0
+    index = storage_of(out).device_index if isinstance(out, TpuTensor) else 0
     key = jax.random.wrap_key_data(tpu_random.next_key_data(index))
     perm = _randperm_exe(n)(key)
     return _finish(out, perm)
@@ -319,4 +312,4 @@ def _randperm_exe(n):
     return f
 
 
-_dispatch().custom(aten.randperm.out, aten.randperm.generator_out)(_randperm_out)
+custom(aten.randperm.out, aten.randperm.generator_out)(_randperm_out)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...backend.checkpoint import apply_activation_checkpointing
+from ...backend.activation_checkpoint import apply_activation_checkpointing
 from ...distributed import (
     ColwiseParallel,
     MixedPrecisionPolicy,

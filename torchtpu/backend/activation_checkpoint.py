@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 from jax import lax
 
-from .registry import lower
+from .optable import lower
 
 _lib = torch.library.Library("torchtpu", "DEF")
 _lib.define("optimization_barrier(Tensor[] xs) -> Tensor[]")

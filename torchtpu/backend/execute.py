@@ -1,0 +1,381 @@
+"""The executable path of an op: flatten its arguments, run its lowering, wrap the results.
+
+Arguments become (spec, leaves): leaves are the traced values (arrays of tensors, Scalar
+arguments), spec is everything static and is part of the executable's cache key. In eager
+mode each (op, spec) gets one `jax.jit` executable, which JAX specialises per input
+shapes/dtypes/shardings; while tracing (inside a compiled program, or a decomposition being
+traced) the lowering is called directly on tracers, so a whole program becomes one XLA
+computation. PyTorch's meta kernels give the output dtypes the lowering's results are cast to.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from . import dtypes
+from . import random as tpu_random
+from .optable import LOWERINGS
+from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
+from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
+from .tensor import TpuTensor, new_base
+from .views import array_of
+
+
+_T = "\x00T"  # a tpu tensor
+_C = "\x00C"  # a CPU tensor (0-dim scalars mixed with device tensors)
+
+
+class _Dyn:
+    """A traced Scalar argument of a given Python type."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __hash__(self):
+        return hash(self.kind)
+
+    def __eq__(self, other):
+        return type(other) is _Dyn and other.kind is self.kind
+
+    def __repr__(self):
+        return f"<{self.kind.__name__}>"
+
+
+_DYN = {float: _Dyn(float), int: _Dyn(int), bool: _Dyn(bool), complex: _Dyn(complex)}
+
+
+_SCALARS: dict = {}
+
+
+def _scalar_array(value, kind):
+    """A weakly-typed device scalar for a Python number, cached: converting a Python scalar
+    on every call costs more than the op itself."""
+    if STATE.trace_depth:
+        return value
+    key = (kind, value)
+    try:
+        return _SCALARS[key]
+    except KeyError:
+        pass
+    except TypeError:
+        return value
+    if len(_SCALARS) > 4096:
+        _SCALARS.clear()
+    arr = _SCALARS[key] = jnp.asarray(value)
+    return arr
+
+
+def _flat_value(a, leaves, dyn):
+    t = type(a)
+    if t is TpuTensor:
+        leaves.append(array_of(a))
+        return _T
+    if t is list or t is tuple:
+        if a and any(isinstance(x, torch.Tensor) for x in a):
+            return tuple(_flat_value(x, leaves, False) for x in a)
+        return tuple(a) if t is list else a
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, TpuTensor):
+            leaves.append(array_of(a))
+            return _T
+        leaves.append(dtypes.torch_to_numpy(a) if HOOKS.host is None else HOOKS.host(a))
+        return _C
+    if dyn and t in _DYN:
+        leaves.append(_scalar_array(a, t))
+        return _DYN[t]
+    if t is torch.SymInt or t is torch.SymFloat:
+        raise NotImplementedError("torchtpu eager ops take concrete sizes, not symbolic ones")
+    return a
+
+
+def flatten(plan: OpPlan, args, kwargs):
+    leaves = []
+    dyn_pos = plan.dyn_pos
+    spec = []
+    i = 0
+    for a in args:
+        if type(a) is TpuTensor:
+            arr = a._st.array
+            leaves.append(arr if arr is not None and not a._vw and HOOKS.read is None else array_of(a))
+            spec.append(_T)
+        else:
+            spec.append(_flat_value(a, leaves, i in dyn_pos))
+        i += 1
+    spec = tuple(spec)
+    if kwargs:
+        dyn_kw = plan.dyn_kw
+        kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw)) for k, v in kwargs.items())
+    else:
+        kwspec = ()
+    return spec, kwspec, leaves
+
+
+def _unflat_value(s, it):
+    if s is _T or s is _C:
+        return next(it)
+    if type(s) is _Dyn:
+        return next(it)
+    if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+        return [_unflat_value(x, it) for x in s]
+    return s
+
+
+def unflatten(spec, kwspec, leaves):
+    it = iter(leaves)
+    args = [_unflat_value(s, it) for s in spec]
+    kwargs = {k: _unflat_value(s, it) for k, s in kwspec}
+    return args, kwargs
+
+
+# ----------------------------------------------------------------------------- meta (expected outputs)
+
+
+def _meta_value(s, leaf):
+    if s is _T or s is _C:
+        return torch.empty(tuple(leaf.shape), dtype=dtypes.to_torch_dtype(leaf.dtype), device="meta")
+    if type(s) is _Dyn:
+        return s.kind(1)
+    return s
+
+
+def _meta_args(spec, kwspec, leaves):
+    it = iter(leaves)
+
+    def conv(s):
+        if s is _T or s is _C or type(s) is _Dyn:
+            return _meta_value(s, next(it))
+        if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+            return [conv(x) for x in s]
+        return s
+
+    args = [conv(s) for s in spec]
+    kwargs = {k: conv(s) for k, s in kwspec}
+    return args, kwargs
+
+
+def expected_outputs(func, spec, kwspec, leaves):
+    """Run `func` on meta tensors: PyTorch's own answer for output shapes and dtypes."""
+    margs, mkwargs = _meta_args(spec, kwspec, leaves)
+    try:
+        with no_dispatch():
+            return func(*margs, **mkwargs)
+    except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
+        if _is_user_error(e):
+            raise
+        return None
+    except Exception:
+        return None
+
+
+def _is_user_error(e) -> bool:
+    msg = str(e)
+    if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
+        return False
+    if "data-dependent" in msg or "DynamicOutputShape" in type(e).__name__ or "dynamic" in msg.lower():
+        return False
+    if isinstance(e, NotImplementedError):
+        return False
+    return isinstance(e, (RuntimeError, IndexError, ValueError))
+
+
+def conform(out, expected):
+    """Cast lowering outputs to the dtypes PyTorch produces (shape mismatches are bugs)."""
+    if expected is None:
+        return out
+    if isinstance(expected, torch.Tensor):
+        if out is None:
+            return out
+        if isinstance(out, (tuple, list)):  # mutating lowering: (return, new values of mutated args)
+            return type(out)([conform(out[0], expected), *out[1:]])
+        jdt = dtypes.TORCH_TO_JAX.get(expected.dtype)
+        if jdt is not None and out.dtype != jdt:
+            out = out.astype(jdt)
+        if tuple(out.shape) != tuple(expected.shape):
+            raise RuntimeError(
+                f"torchtpu internal error: lowering produced shape {tuple(out.shape)}, "
+                f"PyTorch expects {tuple(expected.shape)}"
+            )
+        return out
+    if isinstance(expected, (tuple, list)) and isinstance(out, (tuple, list)) and len(out) == len(expected):
+        return type(out)(conform(o, e) for o, e in zip(out, expected))
+    return out
+
+
+# ----------------------------------------------------------------------------- running lowerings
+
+
+def _wrap_tracers(x, device_index):
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return new_base(x, device_index)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap_tracers(v, device_index) for v in x)
+    return x
+
+
+def _unwrap(x):
+    if isinstance(x, TpuTensor):
+        return array_of(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return jnp.asarray(dtypes.torch_to_numpy(x))
+    return x
+
+
+def _decomposition(func):
+    return decomposition_table().get(func)
+
+
+def implementation(func):
+    """A function (args, kwargs) -> JAX outputs, for traced use. None if the op has none."""
+    low = LOWERINGS.get(func)
+    if low is not None:
+        return lambda args, kwargs: low.fn(*args, **kwargs)
+    decomp = _decomposition(func)
+    if decomp is None:
+        decomp = _composite_implicit(func)
+    if decomp is None:
+        return None
+
+    def via_decomposition(args, kwargs):
+        with tracing():
+            targs = _wrap_tracers(args, 0)
+            tkwargs = {k: _wrap_tracers(v, 0) for k, v in kwargs.items()}
+            out = decomp(*targs, **tkwargs)
+            return _unwrap(out)
+
+    return via_decomposition
+
+
+def _composite_implicit(func):
+    if has_composite_implicit(func):
+        return lambda *a, **k: func.decompose(*a, **k)
+    return None
+
+
+def _trace_body(func, impl, spec, kwspec, random, *leaves):
+    """What runs inside jax.jit for one op: lowering + PyTorch's dtype rules."""
+    STATS.misses += 1
+    if LOG_RECOMPILES:
+        shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
+        print(f"[torchtpu] compiling {func} for shapes {shapes}", file=sys.stderr)
+    if random:
+        key_leaf = leaves[-1]
+        leaves = leaves[:-1]
+    args, kwargs = unflatten(spec, kwspec, leaves)
+    expected = expected_outputs(func, spec, kwspec, leaves)
+    if random:
+        kwargs["key"] = jax.random.wrap_key_data(key_leaf)
+    with tracing():
+        out = impl(args, kwargs)
+    return conform(out, expected)
+
+
+def run(plan: OpPlan, func, args, kwargs):
+    """Compute the functional outputs of `func` as JAX arrays."""
+    spec, kwspec, leaves = flatten(plan, args, kwargs)
+    impl = plan.impl
+    if impl is None:
+        impl = plan.impl = _impl_for(func)
+    if plan.random:
+        leaves.append(tpu_random.next_key_data(device_index_of(args, kwargs)))
+    if STATE.trace_depth or not plan.jit:
+        if plan.random:
+            kwargs = dict(kwargs)
+            args, kwargs = unflatten(spec, kwspec, leaves[:-1])
+            kwargs["key"] = jax.random.wrap_key_data(leaves[-1])
+        else:
+            args, kwargs = unflatten(spec, kwspec, leaves)
+        if not plan.jit and not STATE.trace_depth:
+            expected = None
+        else:
+            expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
+        return conform(impl(args, kwargs), expected)
+    key = (spec, kwspec)
+    exes = plan.executables
+    try:
+        exe = exes[key]
+    except KeyError:
+        try:
+            hash(key)
+        except TypeError:
+            raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}")
+        exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
+    STATS.calls += 1
+    if CONFIG.sync_dispatch:
+        return jax.block_until_ready(exe(*leaves))
+    return exe(*leaves)
+
+
+def _impl_for(func):
+    # cached by the caller on plan.impl (one plan per op)
+    impl = implementation(func)
+    if impl is None:
+        raise unsupported(func)
+    return impl
+
+
+class UnsupportedOp(NotImplementedError):
+    pass
+
+
+def unsupported(func):
+    """The error for an op with no lowering and no decomposition."""
+    return UnsupportedOp(
+        f"torchtpu has no lowering for the ATen operator '{func}' (schema: {func._schema}). "
+        "Set TORCHTPU_CPU_FALLBACK=1 to run it on the CPU instead, or report it at the torchtpu issue tracker."
+    )
+
+
+def device_index_of(args, kwargs):
+    """The tpu device index an op runs on: its first tpu tensor's, or its `device` argument's."""
+    for a in args:
+        if isinstance(a, TpuTensor):
+            return a._st.device_index
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, TpuTensor):
+                    return x._st.device_index
+    for v in kwargs.values():
+        if isinstance(v, TpuTensor):
+            return v._st.device_index
+        if isinstance(v, torch.device) and v.type == "tpu":
+            return v.index or 0
+    return 0
+
+
+def wrap(out, device_index):
+    """Fresh tpu base tensors for the arrays in `out` (a nested list/tuple, or one array)."""
+    if out is None:
+        return None
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap(o, device_index) for o in out)
+    if isinstance(out, (jax.Array, jax.core.Tracer)):
+        return new_base(out, device_index)
+    if isinstance(out, np.ndarray):
+        return new_base(jnp.asarray(out), device_index)
+    return out
+
+
+def returns(plan, args, kwargs, rets):
+    """What a mutating op returns: its aliased arguments, and fresh tensors for `rets`."""
+    outs = []
+    for k, alias in enumerate(plan.returns_alias):
+        if alias is not None:
+            outs.append(argument(plan, args, kwargs, alias))
+        else:
+            outs.append(wrap(rets[k], device_index_of(args, kwargs)))
+    if not outs:
+        return None
+    if len(outs) == 1 and len(plan.func._schema.returns) == 1:
+        return outs[0]
+    return tuple(outs)
+

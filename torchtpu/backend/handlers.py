@@ -1,0 +1,317 @@
+"""The dispatcher: every ATen call on tpu tensors arrives at `dispatch`, which handles it by
+the kind of its plan (plans.py): functional ops run (execute.py) and wrap fresh tensors,
+views add a step to the view chain, mutating ops compute new values functionally and write
+them back through the storage (views.py), custom ops go to their handler (optable.custom).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
+from torch.utils._mode_utils import no_dispatch
+
+from . import dtypes
+from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
+from .fallback import check_finite, cpu_fallback, tensor_repr
+from .optable import CUSTOM, LOWERINGS
+from .plans import OpPlan, argument, bind, plan_for
+from .state import CONFIG, STATE
+from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
+from .views import STORAGE_RELATIVE, array_of, write
+
+aten = torch.ops.aten
+
+# ----------------------------------------------------------------------------- entry point
+
+_LIKE_FACTORIES = frozenset({
+    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like,
+    aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_empty_strided, aten.new_full,
+})
+_NO_KWARGS: dict = {}
+
+
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    if kwargs and kwargs.get("device") is not None and func.overloadpacket in _LIKE_FACTORIES:
+        device = torch.device(kwargs["device"])
+        if device.type != "tpu":
+            # `torch.zeros_like(t, device="cpu")`: the tpu tensor only gives shape, strides and
+            # dtype (its values are never read, and may be a tracer or a sharded array); the
+            # result belongs to the device the call names, as ATen does
+            from torch.utils._pytree import tree_map
+
+            def on_meta(a):
+                if isinstance(a, TpuTensor):
+                    return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+                return a
+
+            return func(*tree_map(on_meta, args), **kwargs)
+    return dispatch(func, args, kwargs or _NO_KWARGS)
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def dispatch(func, args, kwargs):
+    try:
+        plan = func._tpu_plan
+    except AttributeError:
+        plan = func._tpu_plan = plan_for(func)
+    try:
+        kind = plan.kind
+        if kind == "functional":
+            out = run(plan, func, args, kwargs)
+            if plan.like and not STATE.trace_depth:
+                out = _keep_layout(args[0], out)
+            if type(out) is _ArrayImpl:
+                a0 = args[0] if args else None
+                out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else device_index_of(args, kwargs))
+            else:
+                if plan.int_returns:  # SymInt returns left jit as arrays
+                    out = list(out)
+                    for i in plan.int_returns:
+                        out[i] = int(out[i]) if not isinstance(out[i], jax.core.Tracer) else out[i]
+                    out = tuple(out)
+                out = wrap(out, device_index_of(args, kwargs))
+            if plan.like and type(args[0]) is TpuTensor and args[0]._st.dist is not None and type(out) is TpuTensor:
+                out._st.dist = args[0]._st.dist
+            if plan.post is not None:
+                out = plan.post(args, out)
+        elif kind == "view":
+            out = _view(func, args, kwargs)
+        elif kind == "mutating":
+            out = _mutating(plan, func, args, kwargs)
+        elif kind == "inplace_view":
+            out = _inplace_view(func, args, kwargs)
+        elif kind == "composite":
+            return func.decompose(*args, **kwargs)
+        else:
+            out = CUSTOM[func](args, kwargs)
+    except UnsupportedOp:
+        if CONFIG.cpu_fallback:
+            return cpu_fallback(func, args, kwargs)
+        raise
+    if CONFIG.debug and not STATE.trace_depth:
+        check_finite(func, out)
+    return out
+
+
+def _keep_layout(src, out):
+    if type(src) is TpuTensor and type(out) is _ArrayImpl:
+        sharding = array_of(src).sharding
+        if len(sharding.device_set) > 1 and out.sharding != sharding:
+            return jax.device_put(out, sharding)
+    return out
+
+
+def _mutating(plan: OpPlan, func, args, kwargs):
+    targets = []  # (tensor, is_list)
+    for i in plan.mutated:
+        targets.append(argument(plan, args, kwargs, i))
+    if plan.lowering is not None:
+        # Lowering returns (returns..., new values of mutated args in schema order).
+        out = run(plan, func, args, kwargs)
+        n_ret = len(plan.returns_alias)
+        new_values = list(out[n_ret:]) if isinstance(out, (tuple, list)) else []
+        rets = out[:n_ret] if isinstance(out, (tuple, list)) else [out]
+        for t, new in zip(targets, new_values):
+            write_value(t, new)
+        return returns(plan, args, kwargs, rets)
+    if plan.functional is None:
+        raise unsupported(func)
+    fplan = plan_for(plan.functional)
+    fargs, fkwargs = _strip_outs(plan, args, kwargs)
+    result = run(fplan, plan.functional, fargs, fkwargs)
+    results = result if isinstance(result, (tuple, list)) else [result]
+    if len(targets) == 1 and isinstance(targets[0], (list, tuple)):
+        # _foreach_X_: one list argument mutated by a functional returning a list
+        for t, new in zip(targets[0], results):
+            write_value(t, new)
+        return returns(plan, args, kwargs, [])
+    for t, new in zip(targets, results):
+        write_value(t, new, resize=func._schema.overload_name.startswith("out") or "out" in plan.arg_names)
+    return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
+
+
+def _strip_outs(plan, args, kwargs):
+    """Arguments for the functional variant: no out= tensors, and every positional argument
+    spelled out (an in-place overload's default, like bernoulli_'s p=0.5, may be required
+    by its functional twin)."""
+    schema_args = plan.func._schema.arguments
+    outs = {schema_args[i].name for i in plan.mutated if schema_args[i].kwarg_only}
+    positional = [a.name for a in schema_args if not a.kwarg_only]
+    if len(args) < len(positional):
+        bound = bind(plan.func, args, kwargs)
+        args = [bound[name] for name in positional]
+        kwargs = {k: v for k, v in kwargs.items() if k not in positional}
+    return args, {k: v for k, v in kwargs.items() if k not in outs}
+
+
+def write_value(t, new, resize=False):
+    """Write an op's result `new` into its mutated argument `t`: through `t`'s views, cast to
+    `t`'s dtype (raising where PyTorch would), resized for out= arguments (`resize`), or
+    copied back into a CPU tensor."""
+    if t is None:
+        return
+    if not isinstance(t, TpuTensor):
+        if isinstance(t, torch.Tensor):
+            # A CPU tensor mutated by a tpu op (for example a CPU `out=`): copy back.
+            with no_dispatch():
+                t.copy_(dtypes.numpy_to_torch(np.asarray(new), t.dtype))
+            return
+        return
+    want = tuple(t.shape)
+    if tuple(new.shape) != want:
+        if resize:
+            resize_tensor(t, tuple(new.shape))
+        else:
+            new = jnp.broadcast_to(new, want)
+    jdt = dtypes.to_jax_dtype(t.dtype)
+    if new.dtype != jdt:
+        src = dtypes.to_torch_dtype(new.dtype)
+        if not torch.can_cast(src, t.dtype) and not STATE.trace_depth and not getattr(t, "_tt_allow_cast", False):
+            raise RuntimeError(f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(t.dtype)}")
+        new = cast(new, jdt)
+    write(t, new)
+
+
+def _pretty(dt):
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.complex64: "ComplexFloat"}.get(dt, str(dt))
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_fn(dtype):
+    return jax.jit(lambda a: a.astype(dtype))
+
+
+def cast(a, jdt):
+    if STATE.trace_depth or isinstance(a, jax.core.Tracer):
+        return a.astype(jdt)
+    return _cast_fn(jdt)(a)
+
+
+def resize_tensor(t: TpuTensor, shape):
+    """Resize `t` in place (for out= arguments): new metadata, fresh storage."""
+    if t._vw:
+        raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
+    # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead.
+    set_meta(aten.set_.source_Storage_storage_offset,
+              (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))), {})
+    st = t._st
+    st.shape = tuple(shape)
+    st.array = None
+    st.order = None
+    st.version += 1
+
+
+def set_meta(func, args, kwargs):
+    """Run a metadata-changing op's meta kernel on the wrapper itself (sizes/strides only)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+# ----------------------------------------------------------------------------- views
+
+_VIEW_META: dict = {}
+
+
+def _freeze(a):
+    if isinstance(a, list):
+        return tuple(a)
+    return a
+
+
+# Views with the base's exact geometry whose values still differ (the conjugate view).
+_VALUE_CHANGING_VIEWS = {aten._conj.default, aten.conj.default, aten._neg_view.default}
+
+
+def _view(func, args, kwargs):
+    base = args[0]
+    if not isinstance(base, TpuTensor):
+        raise unsupported(func)
+    if kwargs:
+        # keyword arguments become positional statics, with the defaults in between
+        statics = tuple(_freeze(v) for v in list(bind(func, args, kwargs).values())[1:])
+    else:
+        statics = tuple(_freeze(a) for a in args[1:])
+    key = (func, tuple(base.shape), base.stride(), base.storage_offset(), base.dtype, statics)
+    meta = _VIEW_META.get(key)
+    if meta is None:
+        if func not in LOWERINGS:
+            raise unsupported(func)
+        m = torch.empty_strided(
+            (_meta_storage_numel(base),), (1,), dtype=base.dtype, device="meta"
+        ).as_strided(tuple(base.shape), base.stride(), base.storage_offset())
+        with no_dispatch():
+            out = func(m, *statics)
+        if isinstance(out, (list, tuple)):
+            meta = [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
+        else:
+            meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+        _VIEW_META[key] = meta
+    st = base._st
+    if (type(meta) is tuple and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
+            and func not in _VALUE_CHANGING_VIEWS):
+        # alias, detach, same-shape view/expand...: the same elements of the same storage,
+        # so no extra view step (parameters stay bases, and optimizer updates stay cheap)
+        return TpuTensor(st, base._vw, meta[0], meta[3], strides=meta[1], offset=meta[2])
+    if isinstance(meta, list):
+        return [
+            TpuTensor(st, base._vw + ((func, statics, i),), s, d, strides=stride, offset=off)
+            for i, (s, stride, off, d) in enumerate(meta)
+        ]
+    s, stride, off, d = meta
+    step = (func, statics, None)
+    if func in STORAGE_RELATIVE and storage_order(st) is not None:
+        if st.order is NOT_DENSE:
+            raise NotImplementedError(
+                f"torchtpu: as_strided on a tensor made with strides {tuple(base.stride())} that leave gaps or "
+                "overlap; make it with contiguous strides (torch.empty) or call .contiguous() first")
+        step = step + (st.order,)
+    return TpuTensor(st, base._vw + (step,), s, d, strides=stride, offset=off)
+
+
+def _meta_storage_numel(t) -> int:
+    """Elements of the meta storage a view's metadata is computed on: the base's, with room
+    for dtype views (view.dtype) that change the element size."""
+    n = 1
+    for d in t._st.shape:
+        n *= d
+    return max(n * 8, 1)
+
+
+def _inplace_view(func, args, kwargs):
+    t = args[0]
+    name = func._schema.name.split("::")[1]
+    if name == "detach_":
+        return t
+    packet = getattr(aten, name.rstrip("_"))
+    names = [a.name for a in func._schema.arguments]
+    fop = next(
+        (getattr(packet, o) for o in packet.overloads()
+         if [a.name for a in getattr(packet, o)._schema.arguments] == names),
+        None,
+    )
+    if fop is None:
+        raise unsupported(func)
+    view = _view(fop, args, kwargs)
+    set_meta(func, args, kwargs)
+    t._vw = view._vw
+    t._vc = None
+    t._vv = -1
+    return t
+
+
+# The tensor type's entry points into the dispatcher (tensor.py sits below the dispatcher).
+TpuTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
+TpuTensor.__repr__ = tensor_repr

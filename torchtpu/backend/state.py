@@ -1,0 +1,112 @@
+"""The dispatcher's process state: configuration, counters, and whether ops are being traced.
+
+Everything that changes how an op runs without being one of its arguments lives here, so
+that the dispatcher, torchtpu.compile, AOT compilation and the torch.compile backend read and
+set it in one way:
+
+- `CONFIG`: debug mode, CPU fallback, synchronous dispatch (see `note_mesh`);
+- `STATS`: the eager executable cache counters;
+- `tracing()`: the context in which ops call their lowerings directly on tracers (inside a
+  compiled program or a traced decomposition) instead of launching one executable each;
+- `observing()`: observers of storage reads and creations and of CPU tensors read by tpu ops,
+  which torchtpu.compile installs to find a step's state (None when unused, which keeps the
+  eager hot path free of them).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.trace_depth = 0
+
+
+STATE = _State()
+
+
+class CacheStats:
+    """Eager executable cache counters. A miss is a trace + compile of a new signature."""
+
+    def __init__(self):
+        self.hits = 0
+        self.misses = 0
+        self.calls = 0
+
+    def snapshot(self) -> dict:
+        return {"hits": self.calls - self.misses, "misses": self.misses, "calls": self.calls}
+
+    def reset(self):
+        self.hits = self.misses = self.calls = 0
+
+
+STATS = CacheStats()
+LOG_RECOMPILES = bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
+
+
+class Config:
+    debug = bool(os.environ.get("TORCHTPU_DEBUG"))
+    cpu_fallback = bool(os.environ.get("TORCHTPU_CPU_FALLBACK"))
+    # XLA:CPU runs the collectives of programs over several host devices with a rendezvous
+    # that can deadlock when many such programs are in flight at once (async dispatch). Once
+    # a device mesh exists on the CPU platform, eager ops therefore wait for their results.
+    sync_dispatch = False
+    mesh_active = False  # a device mesh exists: in-place writes keep mesh layouts
+
+
+CONFIG = Config()
+
+
+def note_mesh(jax_mesh) -> None:
+    """Arrays laid out over `jax_mesh` exist from now on (see Config)."""
+    if jax_mesh.size > 1:
+        CONFIG.mesh_active = True
+        if jax_mesh.devices.flat[0].platform == "cpu":
+            CONFIG.sync_dispatch = True
+
+
+class Hooks:
+    """Observers used by torchtpu.compile; set them with `observing()`."""
+
+    read = None  # callable(storage, array) -> array: a storage read by an op
+    host = None  # callable(cpu tensor) -> array: a CPU tensor read by a tpu op
+    create = None  # callable(storage): a storage was made
+
+
+HOOKS = Hooks()
+
+
+def is_tracing() -> bool:
+    """Whether ops run on tracers now (inside a compiled program or a traced decomposition)."""
+    return STATE.trace_depth > 0
+
+
+@contextlib.contextmanager
+def observing(read=None, host=None, create=None):
+    """Install storage observers (see Hooks) for the duration of the block."""
+    prev = HOOKS.read, HOOKS.host, HOOKS.create
+    HOOKS.read, HOOKS.host, HOOKS.create = read, host, create
+    try:
+        yield
+    finally:
+        HOOKS.read, HOOKS.host, HOOKS.create = prev
+
+
+class _TraceDepth:
+    # a class, not a generator: entered by every traced decomposition
+    def __enter__(self):
+        STATE.trace_depth += 1
+
+    def __exit__(self, *exc):
+        STATE.trace_depth -= 1
+
+
+_TRACE_DEPTH = _TraceDepth()
+
+
+def tracing():
+    """A context in which ops call their lowerings directly: their array arguments are
+    tracers of an enclosing JAX trace."""
+    return _TRACE_DEPTH

@@ -1,0 +1,153 @@
+"""Reading and writing a tensor's values through its storage and view chain.
+
+A base tensor's values are its storage's array. A view's values are read by applying its
+chain of view steps to that array, and written by scattering through the same chain. A view
+step is (op, static args, output index[, memory order]); reading applies each op's lowering.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
+
+from . import dtypes
+from .optable import LOWERINGS
+from .state import CONFIG, HOOKS, STATE
+from .tensor import Storage, TpuTensor
+
+aten = torch.ops.aten
+
+
+def _zeros_fn(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+_ZEROS = jax.jit(_zeros_fn, static_argnums=(0, 1))
+
+
+def storage_array(st: Storage):
+    """The array of `st` (zeros, made now, for memory never written)."""
+    a = st.array
+    if HOOKS.read is not None:
+        a = HOOKS.read(st, a)
+    if a is None:
+        jdt = dtypes.to_jax_dtype(st.dtype)
+        if STATE.trace_depth:
+            a = jnp.zeros(st.shape, jdt)
+        elif st.dist is not None:
+            a = jnp.zeros(st.shape, jdt, device=st.dist.sharding)  # made in place, never whole on one device
+            st.array = a
+        else:
+            with jax.default_device(jax.devices()[st.device_index]):
+                a = _ZEROS(st.shape, jdt)
+            st.array = a
+    return a
+
+
+def array_of(t: TpuTensor):
+    """The JAX array holding `t`'s current values."""
+    st = t._st
+    vw = t._vw
+    if not vw:
+        a = st.array
+        return a if a is not None and HOOKS.read is None else storage_array(st)
+    if t._vv == st.version and t._vc is not None and HOOKS.read is None:
+        return t._vc
+    base = storage_array(st)
+    a = run_chain(vw, base)
+    if not STATE.trace_depth:
+        t._vc = a
+        t._vv = st.version
+    return a
+
+
+def write(t: TpuTensor, new) -> None:
+    """Make `new` (shaped and typed like `t`) the value of `t`, through any view."""
+    st = t._st
+    if not t._vw:
+        if st.dist is not None or CONFIG.mesh_active:
+            new = _keep_dist_layout(st, new)
+        st.array = new
+    else:
+        st.array = scatter_chain(t._vw, storage_array(st), new)
+    st.version += 1
+
+
+def _keep_dist_layout(st, new):
+    # A write into a tensor laid out over a mesh keeps its layout (as DTensor's in-place ops
+    # do): parameters initialised in place stay sharded.
+    old = st.array
+    if type(new) is _ArrayImpl:
+        if type(old) is _ArrayImpl:
+            sharding = old.sharding
+            if not isinstance(sharding, jax.sharding.NamedSharding):
+                return new
+        elif st.dist is not None:
+            sharding = st.dist.sharding
+        else:
+            return new
+        if new.sharding != sharding:
+            new = jax.device_put(new, sharding)
+    return new
+
+
+# ----------------------------------------------------------------------------- view chains
+# A view step is (op, static args, output index). Reading applies each op's lowering.
+
+
+def _apply_step(step, a):
+    func, statics, index = step[0], step[1], step[2]
+    out = LOWERINGS[func].fn(a, *statics)
+    return out if index is None else out[index]
+
+
+def _chain_fn(chain, base):
+    a = base
+    for step in chain:
+        # as_strided addresses the storage itself, whatever views came before it; a 4th
+        # entry puts a base with non-row-major strides in memory order first
+        if step[0] in STORAGE_RELATIVE:
+            a = _apply_step(step, base if len(step) == 3 else jnp.transpose(base, step[3]))
+        else:
+            a = _apply_step(step, a)
+    return a
+
+
+STORAGE_RELATIVE = {aten.as_strided.default}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_chain(chain):
+    return jax.jit(functools.partial(_chain_fn, chain))
+
+
+def run_chain(chain, base):
+    if STATE.trace_depth:
+        return _chain_fn(chain, base)
+    out = _jitted_chain(chain)(base)
+    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
+
+
+def _scatter_fn(chain, base, new):
+    index = jnp.arange(base.size, dtype=jnp.int64).reshape(base.shape)
+    target = _chain_fn(chain, index)
+    new = jnp.broadcast_to(new.astype(base.dtype), target.shape)
+    flat = base.reshape(-1).at[target.reshape(-1)].set(new.reshape(-1))
+    return flat.reshape(base.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_scatter(chain):
+    return jax.jit(functools.partial(_scatter_fn, chain), donate_argnums=())
+
+
+def scatter_chain(chain, base, new):
+    if STATE.trace_depth:
+        return _scatter_fn(chain, base, new)
+    out = _jitted_scatter(chain)(base, new)
+    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
+
+
