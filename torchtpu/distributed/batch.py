@@ -4,11 +4,11 @@ and its linear outputs, and tensor parallelism's activation constraints all read
 
     tokens = place_batch(host_rows, mesh)                     # (batch, seq) over dp_replicate x dp_shard
     pin = batch_pinner(dp_mesh); h = pin(h)                   # a sharding constraint inside programs
-    spec = P(batch_entry(mesh.jax_mesh, axes, h.shape[0]), ...)
+    spec = P(placements.batch_entry(mesh.jax_mesh, axes, h.shape[0]), ...)    # (placements.py)
 """
 from __future__ import annotations
 
-import math
+
 
 import torch
 from jax.sharding import PartitionSpec as P
@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from . import placements as pl
 from .mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "host_rows", "place_batch", "activation_batch_axes", "batch_entry",
+__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "host_rows", "place_batch", "activation_batch_axes",
            "batch_pinner"]
 
 # The job mesh's dims that split the batch (HSDP: replicas x shards).
@@ -81,14 +81,6 @@ def activation_batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(a for a in root.jax_mesh.axis_names if a.startswith("dp") and a not in mine)
 
 
-def batch_entry(jax_mesh, axes: tuple[str, ...], size: int):
-    """The PartitionSpec entry that splits a batch dim of `size` over `axes` (one name, or a
-    tuple of them); None when there are no axes or `size` does not divide evenly."""
-    if not axes or size % math.prod(jax_mesh.shape[a] for a in axes):
-        return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def batch_pinner(mesh: DeviceMesh):
     """x -> x with its batch dim (0) constrained to all of `mesh`'s axes (a data-parallel mesh),
     its other dims left to XLA. Tensors not on tpu, of fewer than 2 dims, or whose batch does
@@ -99,7 +91,7 @@ def batch_pinner(mesh: DeviceMesh):
     def pin_batch(x):
         if not (isinstance(x, torch.Tensor) and x.device.type == "tpu" and x.dim() >= 2):
             return x
-        entry = batch_entry(mesh.jax_mesh, axes, x.shape[0])
+        entry = pl.batch_entry(mesh.jax_mesh, axes, x.shape[0])
         if entry is None:
             return x
         s = specs.get(x.dim())

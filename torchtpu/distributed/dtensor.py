@@ -31,7 +31,6 @@ from ..backend.optable import lower
 from ..backend.tensor import Layout, TpuTensor, new_base, storage_of
 from ..backend.views import array_of
 from . import placements as pl
-from .batch import batch_entry
 from .mesh import DeviceMesh, current_mesh
 
 __all__ = ["distribute_tensor", "local_shards", "shard_as"]
@@ -94,7 +93,7 @@ def shard_as(t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=N
 
     def make(pls):
         spec = pl.spec_for(mesh, pls, ndim, unconstrained=unconstrained)
-        entry = batch_entry(mesh.jax_mesh, batch_axes, t.shape[0]) if ndim else None
+        entry = pl.batch_entry(mesh.jax_mesh, batch_axes, t.shape[0]) if ndim else None
         if entry is not None and spec[0] in (None, P.UNCONSTRAINED):
             spec = P(entry, *tuple(spec)[1:])
         return pl.encode(mesh, spec)

@@ -21,12 +21,14 @@ string (so it can be part of a cache key): "<mesh id>:<entry>;<entry>;..." where
 """
 from __future__ import annotations
 
+import math
+
 from jax.sharding import NamedSharding, PartitionSpec as P
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .mesh import DeviceMesh
 
-__all__ = ["spec_for", "placements_for", "sharding_for", "encode", "decode", "Shard", "Replicate", "Partial"]
+__all__ = ["spec_for", "placements_for", "sharding_for", "encode", "decode", "batch_entry", "Shard", "Replicate", "Partial"]
 
 
 def _norm_dim(d: int, ndim: int, what) -> int:
@@ -134,3 +136,11 @@ def decode(s: str) -> NamedSharding:
             entries.append(axes[0] if len(axes) == 1 else axes)
     out = _DECODED[s] = NamedSharding(_MESHES[int(mesh_id)], P(*entries))
     return out
+
+
+def batch_entry(jax_mesh, axes: tuple[str, ...], size: int):
+    """The PartitionSpec entry that splits a batch dim of `size` over `axes` (one name, or a
+    tuple of them); None when there are no axes or `size` does not divide evenly."""
+    if not axes or size % math.prod(jax_mesh.shape[a] for a in axes):
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)

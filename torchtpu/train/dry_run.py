@@ -75,8 +75,6 @@ def step_estimate(trainer, report: dict) -> dict:
     If that fails, the full program's own XLA figures are used, flagged when it has loops."""
     from torchtpu.distributed.topology import compile_report, depth_extrapolated_cost
 
-    from .trainer import Trainer
-
     depth = trainer.model_args.n_layers
     loops = report.get("while_loops") or []
     if depth <= COSTING_DEPTHS[1] and not loops:
@@ -87,7 +85,7 @@ def step_estimate(trainer, report: dict) -> dict:
         small = []
         cfg = unrolled(trainer.cfg)
         for n in COSTING_DEPTHS:
-            t = Trainer(cfg, n_layers=n)
+            t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
             small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
             del t
         return depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth)
