@@ -85,3 +85,28 @@ _.persistent_cache_stats
 
 # pytest reads module-level marks.
 _.pytestmark
+
+# Installed on TpuTensor by backend.handlers (PyTorch calls them).
+_.__torch_dispatch__
+_.__repr__
+
+# PyTorch API parameters torchtpu accepts and does not need: with one controller every process holds the
+# global value (src_data_rank), collectives are XLA's and synchronous (async_op), local_map's inputs are
+# always redistributed to its placements and its gradients' layout is left to XLA (redistribute_inputs,
+# in_grad_placements), a gradient keeps its tensor's dtype (backward_dtype). None of them changes a value.
+_.src_data_rank
+_.async_op
+_.backward_dtype
+_.in_grad_placements
+_.redistribute_inputs
+# torch DeviceMesh methods kept for code written against PyTorch's DeviceMesh.
+_.get_group
+_.get_local_rank
+
+# Read by name: ChipSpec fields (topology.chip_spec returns them as a dict), a config key refused when
+# changed (profiler_warmup), attributes the config-honesty test reads through strings.
+_.hbm_bytes
+_.hbm_bandwidth
+_.profiler_warmup
+_.wandb_mode
+_.host_batch

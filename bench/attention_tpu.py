@@ -9,6 +9,7 @@ The defaults are one Llama 3 8B layer's attention at seq 8192 on one chip. The b
 runs its query blocks in a loop whose body XLA costs once, so its FLOPs and seconds are
 undercounts; the kernels declare theirs (attention_tpu.kernel_costs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,22 @@ def compile_attention(args):
 
     def step(q, k, v, g):
         out, lse = nn_ops._sdpa_overrideable(q, k, v, None, 0.0, True)[:2]
-        grads = nn_ops._sdpa_overrideable_backward(g, q, k, v, None, [True] * 3, out, lse, None, None, S, S, 0.0,
-                                                   True, None, None)
+        grads = nn_ops._sdpa_overrideable_backward(
+            g, q, k, v, None, [True] * 3, out, lse, None, None, S, S, 0.0, True, None, None
+        )
         return grads[:3]
 
     t0 = time.perf_counter()
     compiled = topo.aot_compile(jax.jit(step).lower(q, kv, kv, q))
     secs = time.perf_counter() - t0
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    return {"temp": mem.temp_size_in_bytes, "flops": cost.get("flops", -1), "est_s": cost.get("optimal_seconds", -1),
-            "kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'), "compile_s": secs}
+    return {
+        "temp": mem.temp_size_in_bytes,
+        "flops": cost.get("flops", -1),
+        "est_s": cost.get("optimal_seconds", -1),
+        "kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+        "compile_s": secs,
+    }
 
 
 def main():
@@ -58,12 +65,16 @@ def main():
     for name, flag in (("pallas", "1"), ("blocked", "0")):
         os.environ["TORCHTPU_PALLAS_ATTENTION"] = flag  # read when the step is traced
         rows[name] = compile_attention(args)
-    print(f"attention fwd+bwd, B{args.batch} H{args.heads}/{args.kv_heads} S{args.seq} D{args.head_dim} bf16 causal, "
-          f"one {args.topology} chip")
+    print(
+        f"attention fwd+bwd, B{args.batch} H{args.heads}/{args.kv_heads} S{args.seq} D{args.head_dim} bf16 causal, "
+        f"one {args.topology} chip"
+    )
     print(f"{'':10}{'temporaries':>14}{'XLA FLOPs':>12}{'XLA est. s':>12}{'kernels':>9}{'compile s':>11}")
     for name, r in rows.items():
-        print(f"{name:10}{r['temp'] / 2**20:>10.0f} MiB{r['flops']:>12.3e}{r['est_s']:>12.2e}{r['kernels']:>9}"
-              f"{r['compile_s']:>11.0f}")
+        print(
+            f"{name:10}{r['temp'] / 2**20:>10.0f} MiB{r['flops']:>12.3e}{r['est_s']:>12.2e}{r['kernels']:>9}"
+            f"{r['compile_s']:>11.0f}"
+        )
     print(f"temporaries pallas/blocked: {rows['pallas']['temp'] / rows['blocked']['temp']:.2f}x")
 
 

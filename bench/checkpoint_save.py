@@ -17,6 +17,7 @@ Reported:
   step during save      median (and max) time of the steps that ran while the asynchronous save was
                         still being written; ratio = that / normal step
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,23 @@ def main() -> None:
     from torchtpu.train.trainer import Trainer
 
     dump = tempfile.mkdtemp(prefix="torchtpu-bench-ckpt-")
-    cfg = load_config(["--config", args.config, "--job.dump_folder", dump, "--training.seq_len", str(args.seq_len),
-                       "--training.local_batch_size", str(args.local_batch_size), "--validation.no-enable",
-                       "--training.steps", "100000", "--debug.seed", "0"])
+    cfg = load_config(
+        [
+            "--config",
+            args.config,
+            "--job.dump_folder",
+            dump,
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            str(args.local_batch_size),
+            "--validation.no-enable",
+            "--training.steps",
+            "100000",
+            "--debug.seed",
+            "0",
+        ]
+    )
     t = Trainer(cfg)
 
     def step() -> float:
@@ -63,8 +78,14 @@ def main() -> None:
 
     for _ in range(3):  # eager warm-up, compile, one more
         step()
-    state_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-        lambda x: torchtpu.to_jax(x) if hasattr(x, "device") and x.device.type == "tpu" else None, t.state())))
+    state_bytes = sum(
+        a.nbytes
+        for a in jax.tree_util.tree_leaves(
+            jax.tree_util.tree_map(
+                lambda x: torchtpu.to_jax(x) if hasattr(x, "device") and x.device.type == "tpu" else None, t.state()
+            )
+        )
+    )
 
     blocking = CheckpointManager(os.path.join(dump, "blocking"), interval=1, async_mode="disabled")
     background = CheckpointManager(os.path.join(dump, "async"), interval=1, async_mode="async")
@@ -89,16 +110,22 @@ def main() -> None:
 
     med = statistics.median
     n = med(normal)
-    print(f"config {os.path.relpath(args.config, REPO)}, seq_len {args.seq_len}, local batch {args.local_batch_size}, "
-          f"{len(t.devices)} {t.devices[0].platform} devices, state {state_bytes / 2**20:.1f} MiB, "
-          f"{args.rounds} saves of each kind")
+    print(
+        f"config {os.path.relpath(args.config, REPO)}, seq_len {args.seq_len}, local batch {args.local_batch_size}, "
+        f"{len(t.devices)} {t.devices[0].platform} devices, state {state_bytes / 2**20:.1f} MiB, "
+        f"{args.rounds} saves of each kind"
+    )
     print(f"normal step            {n * 1e3:8.1f} ms (median of {len(normal)})")
     print(f"blocking save          {med(block_save) * 1e3:8.1f} ms  ({med(block_save) / n:.1f} steps)")
-    print(f"async save, blocking   {med(async_block) * 1e3:8.1f} ms  ({med(async_block) / n:.2f} steps; "
-          f"{med(block_save) / med(async_block):.1f}x less than a blocking save)")
+    print(
+        f"async save, blocking   {med(async_block) * 1e3:8.1f} ms  ({med(async_block) / n:.2f} steps; "
+        f"{med(block_save) / med(async_block):.1f}x less than a blocking save)"
+    )
     print(f"async save, total      {med(async_total) * 1e3:8.1f} ms")
-    print(f"step during async save {med(during) * 1e3:8.1f} ms median, {max(during) * 1e3:.1f} ms max over "
-          f"{len(during)} steps: {med(during) / n:.2f}x a normal step (goal <= 1.2x)")
+    print(
+        f"step during async save {med(during) * 1e3:8.1f} ms median, {max(during) * 1e3:.1f} ms max over "
+        f"{len(during)} steps: {med(during) / n:.2f}x a normal step (goal <= 1.2x)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Pieces shared by the benchmarks: the timing loop and the PyTorch language-model step."""
+
 from __future__ import annotations
 
 import statistics

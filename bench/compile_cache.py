@@ -7,6 +7,7 @@ first two calls of a `torchtpu.compile`d training step (the eager warm-up call a
 that traces and compiles the whole step), timed from just before the first call. The cold run
 uses an empty cache folder; the warm run reuses it.
 """
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ backend), PyTorch eager on CPU, and a bare jitted JAX op (the floor torchtpu sit
 state: every executable is compiled before timing. Reports microseconds per op (median of
 several rounds) and the ratio of torchtpu over bare JAX.
 """
+
 from __future__ import annotations
 
 import os

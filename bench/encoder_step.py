@@ -10,6 +10,7 @@ The PyTorch reference runs in a child process that never imports torchtpu: regis
 PrivateUse1 backend makes it PyTorch's accelerator, after which CUDA backward trips an
 autograd-engine assert (pytorch/pytorch#161129).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def make_step(model, head, opt):
 
 def build(a):
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(a.dim, a.dim // 64, 4 * a.dim, dropout=0.0, batch_first=True,
-                                             norm_first=True)
+    layer = torch.nn.TransformerEncoderLayer(
+        a.dim, a.dim // 64, 4 * a.dim, dropout=0.0, batch_first=True, norm_first=True
+    )
     base = torch.nn.TransformerEncoder(layer, a.layers, enable_nested_tensor=False)
     base_head = torch.nn.Linear(a.dim, a.vocab)
     x = torch.randn(a.batch, a.seq, a.dim)
@@ -63,8 +65,12 @@ def main():
     if a.reference_only:
         print(json.dumps({"s": torch_reference(a)}))
         return
-    child = subprocess.run([sys.executable, "-m", "bench.encoder_step", "--reference-only"] + sys.argv[1:],
-                           capture_output=True, text=True, env=os.environ)
+    child = subprocess.run(
+        [sys.executable, "-m", "bench.encoder_step", "--reference-only"] + sys.argv[1:],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
     if child.returncode != 0:
         raise SystemExit(f"PyTorch reference failed:\n{child.stderr[-3000:]}")
     reference_s = json.loads(child.stdout.strip().splitlines()[-1])["s"]
@@ -78,7 +84,9 @@ def main():
     step = torchtpu.compile(make_step(model, head, opt))
     xt, yt = x.to("tpu"), y.to("tpu")
     rows = {
-        f"torchtpu compiled ({torchtpu.platform()})": timed(lambda: step(xt, yt), lambda l: l.item(), warmup=3, steps=a.steps),
+        f"torchtpu compiled ({torchtpu.platform()})": timed(
+            lambda: step(xt, yt), lambda l: l.item(), warmup=3, steps=a.steps
+        ),
         f"PyTorch eager ({a.torch_device})": reference_s,
     }
     nparams = sum(p.numel() for p in base.parameters()) + sum(p.numel() for p in base_head.parameters())

@@ -12,6 +12,7 @@ the blocks' weights stacked under "layers" and run by one `lax.scan`); options:
 - `pin(x, kind)`: sharding annotations of activations ("resid" (b, s, dim), "heads"
   (b, s, h, d), "hidden" (b, s, features), "logits").
 """
+
 from __future__ import annotations
 
 import math
@@ -23,9 +24,17 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = ["LAYER_KEYS", "rms_norm", "rope_tables", "apply_rope", "make_loss", "adamw_step"]
 
-LAYER_KEYS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-              "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-              "feed_forward.w3.weight")
+LAYER_KEYS = (
+    "attention_norm.weight",
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "ffn_norm.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.w3.weight",
+)
 
 
 def rms_norm(x, w, eps):
@@ -69,14 +78,30 @@ def _attention(q, k, v, kind, mesh, batch_axes, tp):
     from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
 
     spec = P(batch_axes, tp, None, None)
-    fn = jax.shard_map(lambda a, b, c: flash_attention(a, b, c, causal=True, sm_scale=1 / math.sqrt(head_dim)),
-                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    fn = jax.shard_map(
+        lambda a, b, c: flash_attention(a, b, c, causal=True, sm_scale=1 / math.sqrt(head_dim)),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        check_vma=False,
+    )
     out = fn(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     return out.transpose(0, 2, 1, 3)
 
 
-def make_loss(args, seq: int, *, pin=None, compute_dtype=None, remat: bool = False, scan: bool = False,
-              attention: str = "dense", mesh=None, batch_axes=None, tp=None):
+def make_loss(
+    args,
+    seq: int,
+    *,
+    pin=None,
+    compute_dtype=None,
+    remat: bool = False,
+    scan: bool = False,
+    attention: str = "dense",
+    mesh=None,
+    batch_axes=None,
+    tp=None,
+):
     """loss_fn(params, tokens, labels): mean token cross entropy (float32 logits) of Llama 3 with
     torchtitan's `args` (dim, n_layers, n_heads, n_kv_heads, norm_eps, rope_theta).
     `batch_axes` / `tp`: the mesh axes the batch and the heads are split over (Pallas only)."""
@@ -84,6 +109,7 @@ def make_loss(args, seq: int, *, pin=None, compute_dtype=None, remat: bool = Fal
     n_kv = args.n_kv_heads or args.n_heads
     cos, sin = rope_tables(head_dim, seq, args.rope_theta)
     if pin is None:
+
         def pin(x, kind):
             return x
 
@@ -122,14 +148,6 @@ def make_loss(args, seq: int, *, pin=None, compute_dtype=None, remat: bool = Fal
     return loss_fn
 
 
-def stack_layers(params: dict, n_layers: int) -> dict:
-    """Per-layer parameters ("layers.{i}.{key}") -> the same with the blocks' weights stacked
-    under "layers" (what make_loss(scan=True) reads)."""
-    out = {k: v for k, v in params.items() if not k.startswith("layers.")}
-    out["layers"] = {k: jnp.stack([params[f"layers.{i}.{k}"] for i in range(n_layers)]) for k in LAYER_KEYS}
-    return out
-
-
 def adamw_step(loss_fn, *, lr, betas, eps, weight_decay, max_norm):
     """step(params, m, v, count, tokens, labels) -> (params, m, v, count, loss): one AdamW step
     with global-norm clipping, as torch.optim.AdamW + clip_grad_norm_ compute it (not jitted)."""
@@ -143,7 +161,7 @@ def adamw_step(loss_fn, *, lr, betas, eps, weight_decay, max_norm):
         b1, b2 = betas
         m = jax.tree.map(lambda m_, g: b1 * m_ + (1 - b1) * g, m, grads)
         v = jax.tree.map(lambda v_, g: b2 * v_ + (1 - b2) * g * g, v, grads)
-        c1, c2 = 1 - b1 ** count, 1 - b2 ** count
+        c1, c2 = 1 - b1**count, 1 - b2**count
 
         def update(p_, m_, v_):
             p_ = p_ * (1 - lr * weight_decay)

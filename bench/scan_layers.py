@@ -12,13 +12,13 @@ libtpu's compiler (no TPU needed), at two depths, three ways:
 
 Compile time is CPU seconds of this process (the VM is shared; wall time says little).
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import re
 import resource
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -40,13 +40,26 @@ def compile_one(devices, dim, n_layers, seq, batch, mode):
     from torchtpu.models.llama3.parallelize import batch_placements
 
     mesh = init_device_mesh("tpu", (len(devices),), mesh_dim_names=("dp_shard",), devices=devices)
-    args = TransformerModelArgs(dim=dim, n_layers=n_layers, n_heads=dim // 128, n_kv_heads=max(dim // 512, 1),
-                                vocab_size=32768, max_seq_len=seq, multiple_of=256)
+    args = TransformerModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=dim // 128,
+        n_kv_heads=max(dim // 512, 1),
+        vocab_size=32768,
+        max_seq_len=seq,
+        multiple_of=256,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     scan.PARAMS_BY = {"scan/stack": "stack"}.get(mode, "select")
-    parallelize_llama(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="full",
-                      scan_layers=mode != "unrolled")
+    parallelize_llama(
+        model,
+        mesh,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        ac_mode="full",
+        scan_layers=mode != "unrolled",
+    )
     materialize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), capturable=True, foreach=True)
 
@@ -89,16 +102,23 @@ def main():
     from torchtpu.distributed.topology import topology_devices
 
     devices = topology_devices(a.topology)
-    print(f"Llama 3 dim {a.dim}, seq {a.seq}, batch {a.batch}, FSDP over {a.topology} ({len(devices)} chips), "
-          "bf16 params / fp32 reduce, full recomputation")
-    print(f"{'mode':<12} {'layers':>6} {'compile CPU s':>13} {'dot ops':>7} {'while':>5} {'params GiB/chip':>15} "
-          f"{'args GiB':>8} {'temp GiB':>8} {'HBM needed GiB':>14}")
+    print(
+        f"Llama 3 dim {a.dim}, seq {a.seq}, batch {a.batch}, FSDP over {a.topology} ({len(devices)} chips), "
+        "bf16 params / fp32 reduce, full recomputation"
+    )
+    print(
+        f"{'mode':<12} {'layers':>6} {'compile CPU s':>13} {'dot ops':>7} {'while':>5} {'params GiB/chip':>15} "
+        f"{'args GiB':>8} {'temp GiB':>8} {'HBM needed GiB':>14}"
+    )
     for n in [int(x) for x in a.layers.split(",")]:
         for mode in a.modes.split(","):
             r = compile_one(devices, a.dim, n, a.seq, a.batch, mode)
-            print(f"{mode:<12} {n:>6} {r['cpu_s']:>13.1f} {r['dots']:>7} {r['whiles']:>5} "
-                  f"{r['params_gib_per_chip']:>15.3f} {r['args_gib']:>8.3f} {r['temp_gib']:>8.3f} "
-                  f"{r['needed_gib']:>14.3f}", flush=True)
+            print(
+                f"{mode:<12} {n:>6} {r['cpu_s']:>13.1f} {r['dots']:>7} {r['whiles']:>5} "
+                f"{r['params_gib_per_chip']:>15.3f} {r['args_gib']:>8.3f} {r['temp_gib']:>8.3f} "
+                f"{r['needed_gib']:>14.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

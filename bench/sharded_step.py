@@ -24,6 +24,7 @@ time for the TPU topology v5p:2x2x1 (4 chips: FSDP4 and TP2 x FSDP2) and reports
 compiler says: XLA's estimated step time, a roofline estimate, flops and HBM per device and
 the collectives, and lists any collective that differs between the two programs.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,21 +45,29 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from torchtitan.models.llama3 import Transformer  # noqa: E402
 
 import torchtpu  # noqa: E402
+from bench.common import lm_step, timed  # noqa: E402
+from bench.train_step import (  # noqa: E402
+    BETAS,
+    CONFIGS,
+    EPS,
+    LR,
+    MAX_NORM,
+    WD,
+    jax_params_from,
+    make_jax_loss,
+    make_jax_step,
+)
 from torchtpu.backend.tensor import storage_of  # noqa: E402
 from torchtpu.backend.views import array_of  # noqa: E402
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
 from torchtpu.distributed.topology import aot_compile, chip_spec, compile_report, topology_devices  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402
 from torchtpu.models.llama3.parallelize import batch_placements  # noqa: E402
-
-from bench.common import lm_step, timed  # noqa: E402
-from bench.train_step import (  # noqa: E402
-    BETAS, CONFIGS, EPS, LR, MAX_NORM, WD, jax_params_from, make_jax_loss, make_jax_step,
-)
 
 DP, TP = "dp_shard", "tp"
 TOPOLOGY = "v5p:2x2x1"
@@ -98,7 +107,12 @@ def jax_param_specs(names_shapes, tp: bool) -> dict:
 def make_sharded_loss(args, seq: int, mesh, tp: bool):
     """bench/train_step.py's pure-JAX Llama 3 with activation sharding annotations."""
     t = TP if tp else None
-    specs = {"resid": (DP, None, None), "heads": (DP, None, t, None), "hidden": (DP, None, t), "logits": (DP, None, None)}
+    specs = {
+        "resid": (DP, None, None),
+        "heads": (DP, None, t, None),
+        "hidden": (DP, None, t),
+        "logits": (DP, None, None),
+    }
 
     def pin(x, kind):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*specs[kind])))
@@ -112,8 +126,12 @@ def jax_sharded_step(args, seq, mesh, specs):
     ps = {k: NamedSharding(mesh, s) for k, s in specs.items()}
     rep = NamedSharding(mesh, P())
     batch = NamedSharding(mesh, P(DP, None))
-    fn = jax.jit(inner, donate_argnums=(0, 1, 2, 3), in_shardings=(ps, ps, ps, rep, batch, batch),
-                 out_shardings=(ps, ps, ps, rep, rep))
+    fn = jax.jit(
+        inner,
+        donate_argnums=(0, 1, 2, 3),
+        in_shardings=(ps, ps, ps, rep, batch, batch),
+        out_shardings=(ps, ps, ps, rep, rep),
+    )
     return fn, ps, rep, batch
 
 
@@ -134,8 +152,11 @@ def _norm_spec(s, ndim):
 
 
 def check_same_layouts(tt_specs, jx_specs, shapes):
-    bad = [(k, tt_specs[k], jx_specs[k]) for k in jx_specs
-           if _norm_spec(tt_specs[k], len(shapes[k])) != _norm_spec(jx_specs[k], len(shapes[k]))]
+    bad = [
+        (k, tt_specs[k], jx_specs[k])
+        for k in jx_specs
+        if _norm_spec(tt_specs[k], len(shapes[k])) != _norm_spec(jx_specs[k], len(shapes[k]))
+    ]
     if bad:
         for k, a, b in bad[:10]:
             print(f"  LAYOUT MISMATCH {k}: torchtpu {a} vs pure JAX {b}")
@@ -161,8 +182,9 @@ def cpu_run(kind, base, args, batch, seq, steps):
     shapes = {k: tuple(v.shape) for k, v in base.state_dict().items() if k != "freqs_cis"}
     specs = jax_param_specs(shapes, TP in names)
     check_same_layouts(torchtpu_specs(model), specs, shapes)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                            capturable=True, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True, foreach=True
+    )
     step = torchtpu.compile(lm_step(model, opt, MAX_NORM))
     xt, yt = (distribute_tensor(a, mesh, batch_placements(mesh)) for a in (x, y))
     losses = []
@@ -174,15 +196,19 @@ def cpu_run(kind, base, args, batch, seq, steps):
     print(f"  torchtpu: eager first step {t1 - t0:.1f}s, trace+compile+run {t2 - t1:.1f}s", flush=True)
     res["torchtpu"] = timed(lambda: step(xt, yt), lambda l: losses.append(l.item()), warmup=1, steps=steps)
     res["torchtpu losses"] = losses
-    del model, opt, step, xt, yt
+    model = opt = step = xt = yt = None  # free them (the timed closure above still names them)
     gc.collect()
 
     # (b) pure JAX, same layouts
     jmesh = mesh.jax_mesh
     fn, ps, rep, bsh = jax_sharded_step(args, seq, jmesh, specs)
     params = {k: jax.device_put(v, ps[k]) for k, v in jax_params_from(base).items()}
-    st = {"p": params, "m": jax.tree.map(jnp.zeros_like, params), "v": jax.tree.map(jnp.zeros_like, params),
-          "c": jax.device_put(jnp.zeros((), jnp.float32), rep)}
+    st = {
+        "p": params,
+        "m": jax.tree.map(jnp.zeros_like, params),
+        "v": jax.tree.map(jnp.zeros_like, params),
+        "c": jax.device_put(jnp.zeros((), jnp.float32), rep),
+    }
     xj, yj = (jax.device_put(jnp.asarray(a.numpy()), bsh) for a in (x, y))
     jl = []
 
@@ -195,14 +221,17 @@ def cpu_run(kind, base, args, batch, seq, steps):
     print(f"  pure JAX: compile+run {time.perf_counter() - t0:.1f}s", flush=True)
     res["pure JAX"] = timed(run_jax, lambda l: jl.append(float(l)), warmup=2, steps=steps)
     res["pure JAX losses"] = jl
-    del st, params, fn
+    st.clear()  # free the arrays
+    params = fn = None
     gc.collect()
     return res
 
 
 # ----------------------------------------------------------------------------- part 2: TPU AOT
 
-_COLL = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
+_COLL = re.compile(
+    r"=\s*(\([^=]*?\)|\S+)\s+(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\("
+)
 _ARS = re.compile(r"=\s*(\S+)\s+fusion\(.*calls=%?(all-reduce-scatter[\w.\-]*)")
 
 
@@ -288,8 +317,11 @@ def main():
     ap.add_argument("--kinds", nargs="*", default=["fsdp", "tp_fsdp"])
     ap.add_argument("--no-cpu", action="store_true")
     ap.add_argument("--no-aot", action="store_true")
-    ap.add_argument("--default-precision", action="store_true",
-                    help="also compile pure JAX at JAX's default matmul precision (1 bf16 pass on TPU)")
+    ap.add_argument(
+        "--default-precision",
+        action="store_true",
+        help="also compile pure JAX at JAX's default matmul precision (1 bf16 pass on TPU)",
+    )
     ap.add_argument("--dump", default=None, help="folder to write the optimized TPU HLO of each program into")
     a = ap.parse_args()
 
@@ -298,8 +330,11 @@ def main():
     ntok = a.batch * a.seq
     label = {"fsdp": "FSDP", "tp_fsdp": "TP2 x FSDP"}
     tpu_label = {"fsdp": "FSDP4", "tp_fsdp": "TP2 x FSDP2"}  # 4 chips
-    md = [f"Run {datetime.date.today().isoformat()}: `{a.config}`, global batch {a.batch} x seq {a.seq}, "
-          f"float32, AdamW + clipping; sequence_parallel=False, loss_parallel=False.", ""]
+    md = [
+        f"Run {datetime.date.today().isoformat()}: `{a.config}`, global batch {a.batch} x seq {a.seq}, "
+        f"float32, AdamW + clipping; sequence_parallel=False, loss_parallel=False.",
+        "",
+    ]
 
     if not a.no_cpu:
         torch.manual_seed(0)
@@ -320,14 +355,19 @@ def main():
             mesh_s = "(8,) dp_shard" if kind == "fsdp" else "(4, 2) dp_shard x tp"
             rows.append((f"{label[kind]}{'8' if kind == 'fsdp' else '4'}", mesh_s, tt, jx, dl))
         print(f"\n{'layout':<14}{'mesh':<22}{'torchtpu tok/s':>16}{'pure JAX tok/s':>16}{'ratio':>8}")
-        md += [f"**8 XLA CPU devices** (one process, `--xla_force_host_platform_device_count=8`; "
-               f"median of {a.steps} timed steps after warm-up; {nparams / 1e6:.1f}M parameters)", "",
-               "| layout | mesh | torchtpu | pure JAX | torchtpu / pure JAX | loss max rel. diff |",
-               "| --- | --- | --- | --- | --- | --- |"]
+        md += [
+            f"**8 XLA CPU devices** (one process, `--xla_force_host_platform_device_count=8`; "
+            f"median of {a.steps} timed steps after warm-up; {nparams / 1e6:.1f}M parameters)",
+            "",
+            "| layout | mesh | torchtpu | pure JAX | torchtpu / pure JAX | loss max rel. diff |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for name, mesh_s, tt, jx, dl in rows:
             print(f"{name:<14}{mesh_s:<22}{ntok / tt:>16.1f}{ntok / jx:>16.1f}{jx / tt:>7.2f}x")
-            md.append(f"| {name} | {mesh_s} | {ntok / tt:.1f} tok/s ({tt:.2f} s) | {ntok / jx:.1f} tok/s ({jx:.2f} s) "
-                      f"| **{jx / tt:.2f}x** | {dl:.1e} |")
+            md.append(
+                f"| {name} | {mesh_s} | {ntok / tt:.1f} tok/s ({tt:.2f} s) | {ntok / jx:.1f} tok/s ({jx:.2f} s) "
+                f"| **{jx / tt:.2f}x** | {dl:.1e} |"
+            )
         md.append("")
         del base
         gc.collect()
@@ -367,32 +407,44 @@ def main():
             rows.append((kind, reps))
 
         mesh_tpu = {"fsdp": "(4,) dp_shard", "tp_fsdp": "(2, 2) dp_shard x tp"}
-        head = ("| layout | program | XLA est. step | roofline est. (compute / HBM) | flops / device | "
-                "bytes accessed / device | HBM needed / device (arguments / temporaries) | all-gather | reduce-scatter | all-reduce | "
-                "all-to-all | coll.-permute | f32 dots at HIGHEST |")
-        md += [f"**TPU {TOPOLOGY} (4 chips), compiled ahead of time** on this host (libtpu's compiler, no TPU). "
-               f"'XLA est. step' is `compile_report(...)['estimated_step_seconds']` (XLA's cost model; n/a when "
-               f"it gives none). 'roofline est.' is computed here: max(flops / peak, bytes accessed / "
-               f"{V5P_HBM_BW / 1e12:.3f} TB/s), with peak {V5P_BF16 / 1e12:.0f} TFLOP/s for programs whose float32 "
-               f"dots run at DEFAULT precision (1 bf16 MXU pass) and {V5P_BF16 / HIGHEST_PASSES / 1e12:.1f} TFLOP/s "
-               f"(6 passes) for those at HIGHEST. torchtpu asks for HIGHEST on float32 matmuls (PyTorch's "
-               f"float32 semantics), so 'pure JAX (highest)' (`jax.default_matmul_precision('highest')`) is the "
-               f"same-math reference"
-               + ("; 'pure JAX (default)' is what plain JAX does by default, for information." if a.default_precision else ".")
-               + " The ratio is reference time / torchtpu time (>= 1: torchtpu as fast or faster).", "",
-               head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
+        head = (
+            "| layout | program | XLA est. step | roofline est. (compute / HBM) | flops / device | "
+            "bytes accessed / device | HBM needed / device (arguments / temporaries) | all-gather | reduce-scatter | all-reduce | "
+            "all-to-all | coll.-permute | f32 dots at HIGHEST |"
+        )
+        md += [
+            f"**TPU {TOPOLOGY} (4 chips), compiled ahead of time** on this host (libtpu's compiler, no TPU). "
+            f"'XLA est. step' is `compile_report(...)['estimated_step_seconds']` (XLA's cost model; n/a when "
+            f"it gives none). 'roofline est.' is computed here: max(flops / peak, bytes accessed / "
+            f"{V5P_HBM_BW / 1e12:.3f} TB/s), with peak {V5P_BF16 / 1e12:.0f} TFLOP/s for programs whose float32 "
+            f"dots run at DEFAULT precision (1 bf16 MXU pass) and {V5P_BF16 / HIGHEST_PASSES / 1e12:.1f} TFLOP/s "
+            f"(6 passes) for those at HIGHEST. torchtpu asks for HIGHEST on float32 matmuls (PyTorch's "
+            f"float32 semantics), so 'pure JAX (highest)' (`jax.default_matmul_precision('highest')`) is the "
+            f"same-math reference"
+            + (
+                "; 'pure JAX (default)' is what plain JAX does by default, for information."
+                if a.default_precision
+                else "."
+            )
+            + " The ratio is reference time / torchtpu time (>= 1: torchtpu as fast or faster).",
+            "",
+            head,
+            "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |",
+        ]
         print(f"\nTPU {TOPOLOGY} AOT")
         notes = []
         for kind, reps in rows:
             for name, (rep, rl, pc, _) in reps.items():
                 c = rep["collectives"]
                 est = rep["estimated_step_seconds"]
-                line = (f"| {tpu_label[kind]} {mesh_tpu[kind]} | {name} | {fmt_s(est)} | {fmt_s(rl[0])} "
-                        f"({fmt_s(rl[1])} / {fmt_s(rl[2])}) | {rep['flops_per_device']:.4g} | "
-                        f"{rep['bytes_accessed_per_device']:.4g} | {rep['hbm_bytes_needed'] / 2**20:.0f} MiB "
-                        f"({rep['memory']['argument_bytes'] / 2**20:.0f} / {rep['memory']['temp_bytes'] / 2**20:.0f}) | "
-                        f"{c['all-gather']} | {c['reduce-scatter']} | {c['all-reduce']} | {c['all-to-all']} | "
-                        f"{c['collective-permute']} | {pc['highest']}/{pc['dots']} |")
+                line = (
+                    f"| {tpu_label[kind]} {mesh_tpu[kind]} | {name} | {fmt_s(est)} | {fmt_s(rl[0])} "
+                    f"({fmt_s(rl[1])} / {fmt_s(rl[2])}) | {rep['flops_per_device']:.4g} | "
+                    f"{rep['bytes_accessed_per_device']:.4g} | {rep['hbm_bytes_needed'] / 2**20:.0f} MiB "
+                    f"({rep['memory']['argument_bytes'] / 2**20:.0f} / {rep['memory']['temp_bytes'] / 2**20:.0f}) | "
+                    f"{c['all-gather']} | {c['reduce-scatter']} | {c['all-reduce']} | {c['all-to-all']} | "
+                    f"{c['collective-permute']} | {pc['highest']}/{pc['dots']} |"
+                )
                 md.append(line)
                 print(line)
             tt = reps["torchtpu"]
@@ -402,15 +454,19 @@ def main():
                 r = reps[ref]
                 e1, e2 = tt[0]["estimated_step_seconds"], r[0]["estimated_step_seconds"]
                 xs = f"XLA est. {e2 / e1:.2f}x" if e1 and e2 else "XLA est. n/a"
-                s = (f"{tpu_label[kind]}, torchtpu vs {ref} (reference time / torchtpu time): {xs}, "
-                     f"roofline {r[1][0] / tt[1][0]:.2f}x")
+                s = (
+                    f"{tpu_label[kind]}, torchtpu vs {ref} (reference time / torchtpu time): {xs}, "
+                    f"roofline {r[1][0] / tt[1][0]:.2f}x"
+                )
                 print(s)
                 notes.append(f"- {s}")
         md += [""] + notes + [""]
-        md.append("Collectives that differ between torchtpu and pure JAX (highest), as (op, result shape): "
-                  "count torchtpu vs pure JAX:")
+        md.append(
+            "Collectives that differ between torchtpu and pure JAX (highest), as (op, result shape): "
+            "count torchtpu vs pure JAX:"
+        )
         md.append("")
-        for kind, name, d in diffs:
+        for kind, _name, d in diffs:
             if not d:
                 md.append(f"- {tpu_label[kind]}: none (identical multisets of collectives)")
             for (op, shp), n1, n2 in d:

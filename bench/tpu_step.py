@@ -19,6 +19,7 @@ model on shallow unrolled programs, extrapolated to the model's depth, which a s
 fool: the dry run's method, from unrolled 2- and 4-layer programs); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
 torchtitan's model FLOPs per token and the chip's bf16 peak.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,11 +33,11 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from torchtpu.distributed.topology import aot_compile, compile_report, depth_extrapolated_cost  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from bench import jax_llama  # noqa: E402
+from torchtpu.distributed.topology import aot_compile, compile_report, depth_extrapolated_cost  # noqa: E402
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -72,20 +73,35 @@ def param_specs(trainer) -> dict:
 
 # ----------------------------------------------------------------------------- (b) pure JAX
 
+
 def make_reference_loss(args, seq, mesh, scan, pallas, remat):
     """bench/jax_llama.py's Llama 3 as a MaxText user runs it on this mesh: bf16 compute, activations
     pinned to the batch (data-parallel axes) and heads / hidden features (tp) shards."""
     axes = mesh.axis_names
     batch_axes = tuple(a for a in axes if a.startswith("dp") and mesh.shape[a] > 1) or None
     tp = "tp" if "tp" in axes and mesh.shape["tp"] > 1 else None
-    acts = {"resid": P(batch_axes, None, None), "heads": P(batch_axes, None, tp, None),
-            "hidden": P(batch_axes, None, tp), "logits": P(batch_axes, None, tp)}
+    acts = {
+        "resid": P(batch_axes, None, None),
+        "heads": P(batch_axes, None, tp, None),
+        "hidden": P(batch_axes, None, tp),
+        "logits": P(batch_axes, None, tp),
+    }
 
     def pin(x, kind):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, acts[kind]))
 
-    return jax_llama.make_loss(args, seq, pin=pin, compute_dtype=jnp.bfloat16, remat=remat, scan=scan,
-                               attention="pallas" if pallas else "xla", mesh=mesh, batch_axes=batch_axes, tp=tp)
+    return jax_llama.make_loss(
+        args,
+        seq,
+        pin=pin,
+        compute_dtype=jnp.bfloat16,
+        remat=remat,
+        scan=scan,
+        attention="pallas" if pallas else "xla",
+        mesh=mesh,
+        batch_axes=batch_axes,
+        tp=tp,
+    )
 
 
 def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd=0.1, max_norm=1.0):
@@ -105,16 +121,20 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
         shapes[name] = (shape, spec)
 
     def sds(tree):
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], jnp.float32, sharding=NamedSharding(mesh, s[1])),
-                            tree, is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[1], P))
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s[0], jnp.float32, sharding=NamedSharding(mesh, s[1])),
+            tree,
+            is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[1], P),
+        )
 
     params = sds(shapes)
     loss_fn = make_reference_loss(args, dims.seq_len, mesh, scan and n_layers > 0, pallas, remat)
     step = jax_llama.adamw_step(loss_fn, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, max_norm=max_norm)
 
     batch_axes = tuple(a for a in mesh.axis_names if a.startswith("dp") and mesh.shape[a] > 1) or None
-    tok = jax.ShapeDtypeStruct((dims.local_batch_size * dims.dp, dims.seq_len), jnp.int32,
-                               sharding=NamedSharding(mesh, P(batch_axes, None)))
+    tok = jax.ShapeDtypeStruct(
+        (dims.local_batch_size * dims.dp, dims.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes, None))
+    )
     count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     t0 = time.perf_counter()
     # a pure-JAX program needs no 64-bit types (torchtpu turns jax's x64 on for PyTorch's int64 and
@@ -168,9 +188,11 @@ def main(argv=None):
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
-    print(f"# bench/tpu_step.py {a.config} on {a.topology} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"
-          f" reference: {'scanned' if a.scan else 'unrolled'} layers, {'Pallas flash' if a.pallas else 'XLA'} attention",
-          flush=True)
+    print(
+        f"# bench/tpu_step.py {a.config} on {a.topology} ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)"
+        f" reference: {'scanned' if a.scan else 'unrolled'} layers, {'Pallas flash' if a.pallas else 'XLA'} attention",
+        flush=True,
+    )
     rows = {}
     # depth-extrapolated cost: unrolled shallow programs of both
     small_tt, small_ref = [], []
@@ -189,8 +211,10 @@ def main(argv=None):
         gc.collect()
     # the costing trainers were built shallow: the job's own depth and model FLOPs come from its full args
     depth, flops_per_token = full_depth_and_flops(cfg, base)
-    est = {"torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
-           "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth)}
+    est = {
+        "torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
+        "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth),
+    }
     full = {}
     if not a.no_full:
         rep, dt, trainer = torchtpu_program(cfg)
@@ -207,24 +231,30 @@ def main(argv=None):
     for name in ("torchtpu", "pure JAX"):
         e = est[name]
         s = e["estimated_step_seconds"]
-        row = {"est. step / micro-batch": f"{s * 1e3:.1f} ms" if s else "n/a",
-               "tokens/s per chip": f"{tokens_micro / s / chips:,.0f}" if s else "n/a",
-               "est. MFU": f"{100 * model_per_chip / (s * peak):.1f}%" if s else "n/a",
-               "XLA FLOPs / chip": f"{e['flops_per_device']:.4g} ({e['flops_per_device'] / model_per_chip:.2f}x model)"}
+        row = {
+            "est. step / micro-batch": f"{s * 1e3:.1f} ms" if s else "n/a",
+            "tokens/s per chip": f"{tokens_micro / s / chips:,.0f}" if s else "n/a",
+            "est. MFU": f"{100 * model_per_chip / (s * peak):.1f}%" if s else "n/a",
+            "XLA FLOPs / chip": f"{e['flops_per_device']:.4g} ({e['flops_per_device'] / model_per_chip:.2f}x model)",
+        }
         small = (small_tt if name == "torchtpu" else small_ref)[-1]
         row[f"HBM / chip at {COSTING_DEPTHS[-1]} layers (unrolled)"] = (
-            f"{_gib(small['hbm_bytes_needed'])} (temp {_gib(small['memory']['temp_bytes'])})")
+            f"{_gib(small['hbm_bytes_needed'])} (temp {_gib(small['memory']['temp_bytes'])})"
+        )
         if name in full:
             rep, dt = full[name]
             row["HBM / chip"] = f"{_gib(rep['hbm_bytes_needed'])} (temp {_gib(rep['memory']['temp_bytes'])})"
             row["fits"] = "yes" if rep["fits"] else "NO"
             row["collectives"] = ", ".join(f"{k} {v}" for k, v in rep["collectives"].items() if v)
             row["compile time"] = f"{dt:.0f} s"
-            row["XLA raw est. (full program)"] = (f"{rep['estimated_step_seconds'] * 1e3:.1f} ms"
-                                                  if rep["estimated_step_seconds"] else "n/a")
+            row["XLA raw est. (full program)"] = (
+                f"{rep['estimated_step_seconds'] * 1e3:.1f} ms" if rep["estimated_step_seconds"] else "n/a"
+            )
         rows[name] = row
-    print(f"model FLOPs / chip / micro-batch {model_per_chip:.4g}; recomputation '{ac_settings(cfg)[0]}' expects "
-          f"{recompute_factor(ac_settings(cfg)[0]):.2f}x; costing: {est['torchtpu']['method']}")
+    print(
+        f"model FLOPs / chip / micro-batch {model_per_chip:.4g}; recomputation '{ac_settings(cfg)[0]}' expects "
+        f"{recompute_factor(ac_settings(cfg)[0]):.2f}x; costing: {est['torchtpu']['method']}"
+    )
     keys = list(rows["torchtpu"])
     print("| figure | torchtpu | pure JAX |\n| --- | --- | --- |")
     for k in keys:
@@ -233,8 +263,10 @@ def main(argv=None):
     if ts and js:
         print(f"torchtpu / pure JAX est. step time: {ts / js:.3f} (goal <= 1.05)")
     if full:
-        print(f"torchtpu / pure JAX HBM per chip: "
-              f"{full['torchtpu'][0]['hbm_bytes_needed'] / full['pure JAX'][0]['hbm_bytes_needed']:.3f} (goal <= 1.05)")
+        print(
+            f"torchtpu / pure JAX HBM per chip: "
+            f"{full['torchtpu'][0]['hbm_bytes_needed'] / full['pure JAX'][0]['hbm_bytes_needed']:.3f} (goal <= 1.05)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ For each model config, on one XLA CPU device, it reports tokens/s of:
   (d) torch.compile (inductor) on the CPU.
 The ratio torchtpu / pure JAX is the cost of the PyTorch frontend (goal: >= 0.95).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ def make_jax_loss(args: TransformerModelArgs, seq: int, pin=None):
 
 
 def make_jax_step(loss_fn):
-    return jax.jit(jax_llama.adamw_step(loss_fn, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_norm=MAX_NORM),
-                   donate_argnums=(0, 1, 2, 3))
+    return jax.jit(
+        jax_llama.adamw_step(loss_fn, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_norm=MAX_NORM),
+        donate_argnums=(0, 1, 2, 3),
+    )
 
 
 # ----------------------------------------------------------------------------- torch steps
@@ -84,7 +87,7 @@ def bench_config(name, steps, include_inductor):
     step = torchtpu.compile(torch_step_fn(model, opt))
     xt, yt = x.to("tpu"), y.to("tpu")
     results["torchtpu (compiled step)"] = timed(lambda: step(xt, yt), lambda l: l.item(), warmup=3, steps=steps)
-    del model, opt, step
+    model = opt = step = None  # free them (the timed closure above still names `step`)
 
     # (b) pure JAX
     params = jax_params_from(base)
@@ -95,11 +98,18 @@ def bench_config(name, steps, include_inductor):
     xj, yj = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
 
     def run_jax():
-        state["p"], state["m"], state["v"], state["c"], loss = jstep(state["p"], state["m"], state["v"], state["c"], xj, yj)
+        state["p"], state["m"], state["v"], state["c"], loss = jstep(
+            state["p"],
+            state["m"],
+            state["v"],
+            state["c"],
+            xj,
+            yj,
+        )
         return loss
 
     results["pure JAX reference"] = timed(run_jax, lambda l: float(l), warmup=2, steps=steps)
-    del state
+    state.clear()  # free the arrays
 
     # (c) PyTorch eager on CPU
     cpu_model = copy.deepcopy(base)
@@ -114,7 +124,9 @@ def bench_config(name, steps, include_inductor):
         istep = torch.compile(torch_step_fn(ind_model, ind_opt))
         results["torch.compile inductor (CPU)"] = timed(lambda: istep(x, y), lambda l: l.item(), warmup=2, steps=steps)
 
-    print(f"\n{name}: {nparams / 1e6:.1f}M parameters, batch {batch} x seq {seq} = {ntok} tokens/step, 1 XLA CPU device")
+    print(
+        f"\n{name}: {nparams / 1e6:.1f}M parameters, batch {batch} x seq {seq} = {ntok} tokens/step, 1 XLA CPU device"
+    )
     print(f"{'path':<32}{'s/step':>10}{'tokens/s':>12}")
     for k, t in results.items():
         print(f"{k:<32}{t:>10.3f}{ntok / t:>12.0f}")

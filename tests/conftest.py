@@ -16,10 +16,12 @@ def assert_close_to_cpu(actual, expected, msg="", *, rtol, atol):
 
     prefix = f"{msg}: " if msg else ""
     assert isinstance(actual, torch.Tensor) and actual.device.type == "tpu", (
-        f"{prefix}expected a tpu tensor, got {type(actual).__name__} on "
-        f"{getattr(actual, 'device', None)}")
+        f"{prefix}expected a tpu tensor, got {type(actual).__name__} on {getattr(actual, 'device', None)}"
+    )
     assert isinstance(expected, torch.Tensor) and expected.device.type == "cpu", (
         f"{prefix}the reference must be a CPU tensor, got {type(expected).__name__} on "
-        f"{getattr(expected, 'device', None)}")
-    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{prefix}{m}")
+        f"{getattr(expected, 'device', None)}"
+    )
+    torch.testing.assert_close(
+        actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{m}"
+    )

@@ -1,8 +1,9 @@
 """torchtpu: Google TPUs as a first-class PyTorch device.
 
-    import torch, torchtpu
-    x = torch.randn(4, 4, device="tpu")
+import torch, torchtpu
+x = torch.randn(4, 4, device="tpu")
 """
+
 from ._platform import configure_jax as _configure_jax
 
 _configure_jax()
@@ -12,7 +13,7 @@ import torch  # noqa: E402
 from .backend import device as _device  # noqa: E402
 from .backend import handlers as _handlers  # noqa: E402,F401  (gives TpuTensor its dispatch)
 from .backend import state as _state  # noqa: E402
-from .backend import transfer as _transfer  # noqa: E402
+from .backend import transfer as _transfer  # noqa: E402,F401  (registers the copy and transfer ops)
 from .backend.ops import load_all as _load_ops  # noqa: E402
 
 _device.register()
@@ -23,13 +24,13 @@ _load_ops()
 # by a lowering on a worker thread could abort the process instead of reaching the caller.
 torch.autograd.set_multithreading_enabled(False)
 
+from . import distributed  # noqa: E402,F401  (the sharding layer; registers torchtpu::shard)
 from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
-from .backend.tensor import TpuTensor  # noqa: E402,F401
+from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
 from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401
-from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
+from .backend.tensor import TpuTensor  # noqa: E402,F401
 from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
-from . import distributed  # noqa: E402,F401  (the sharding layer; registers torchtpu::shard)
 
 __version__ = "0.1.0"
 
@@ -46,8 +47,9 @@ def cache_stats() -> dict:
     from ._platform import XLA_COMPILES
     from .backend import compile as _compile
 
-    return dict(_state.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(),
-                **_compile.STATS.snapshot())
+    return dict(
+        _state.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(), **_compile.STATS.snapshot()
+    )
 
 
 def reset_cache_stats() -> None:

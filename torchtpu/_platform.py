@@ -3,6 +3,7 @@
 TPU chips are detected from device nodes so that libtpu is never initialised on a host
 without them (it prints warnings about TPU_WORKER_HOSTNAMES there).
 """
+
 from __future__ import annotations
 
 import glob

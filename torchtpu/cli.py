@@ -8,6 +8,7 @@ failure (one line on stderr; the traceback only with --debug).
 `torchtpu-launch` (torchtpu.launch.cli) starts a job on every host; its exit status is the job's:
 0 done, 42 retriable (preempted or stuck), 2 configuration or usage error, 1 other failure.
 """
+
 from __future__ import annotations
 
 import os

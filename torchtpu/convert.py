@@ -21,6 +21,7 @@ permutation come from torchtitan's state-dict adapter. Sources are read one tens
 Face output is written tensor by tensor in files of at most --max-shard-size; DCP, torch.save and
 torchtpu outputs are written from one in-memory copy. Runs on the CPU; no TPU is needed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +54,13 @@ def detect_format(path: str) -> str:
     if os.path.isfile(os.path.join(path, ".metadata")):
         return "dcp"
     if os.path.isdir(os.path.join(path, "manifest")) or any(
-            e.startswith("step_") and os.path.isdir(os.path.join(path, e, "manifest")) for e in os.listdir(path)):
+        e.startswith("step_") and os.path.isdir(os.path.join(path, e, "manifest")) for e in os.listdir(path)
+    ):
         return "torchtpu"
-    raise ConvertError(f"{path}: not a torchtpu checkpoint, Hugging Face folder, DCP folder or torch.save file; "
-                       "name its format with --from")
+    raise ConvertError(
+        f"{path}: not a torchtpu checkpoint, Hugging Face folder, DCP folder or torch.save file; "
+        "name its format with --from"
+    )
 
 
 # ----------------------------------------------------------------------------------- sources
@@ -170,18 +174,23 @@ def _check_names(src, model_args):
     have = dict(src.entries)
     for k, shape in want.items():
         if k in have and have[k] != shape:
-            raise ConvertError(f"the source's {k} is {list(have[k])} but the flavor's is {list(shape)}; pass the "
-                               "--flavor it was trained with")
+            raise ConvertError(
+                f"the source's {k} is {list(have[k])} but the flavor's is {list(shape)}; pass the "
+                "--flavor it was trained with"
+            )
     missing = [k for k in want if k not in have]
     extra = [k for k in have if k not in want]
     if missing or extra:
-        raise ConvertError(f"the source does not hold this flavor's weights (missing {missing[:3]}, unexpected "
-                           f"{extra[:3]}); pass the --flavor it was trained with")
+        raise ConvertError(
+            f"the source does not hold this flavor's weights (missing {missing[:3]}, unexpected "
+            f"{extra[:3]}); pass the --flavor it was trained with"
+        )
     return list(want)  # the model's own order
 
 
-def write_output(src, dst: str, fmt: str, model_args, dtype: torch.dtype, step: int = 0,
-                 max_shard_bytes: int | None = None) -> str:
+def write_output(
+    src, dst: str, fmt: str, model_args, dtype: torch.dtype, step: int = 0, max_shard_bytes: int | None = None
+) -> str:
     order = _check_names(src, model_args)
 
     def cast(t):
@@ -191,8 +200,9 @@ def write_output(src, dst: str, fmt: str, model_args, dtype: torch.dtype, step: 
         from torchtpu.train.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, save_hf
 
         shapes = dict(src.entries)
-        return save_hf(dst, [(n, shapes[n]) for n in order], src.get, model_args, dtype,
-                       max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        return save_hf(
+            dst, [(n, shapes[n]) for n in order], src.get, model_args, dtype, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
+        )
     state = {n: cast(src.get(n)).contiguous() for n in order}
     if fmt == "torch":
         torch.save(state, dst)
@@ -237,16 +247,29 @@ def main(argv=None) -> int:
     p.add_argument("dst", help="where to write (a folder, or a file for --to torch)")
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: recognised)")
-    p.add_argument("--flavor", required=True, help="torchtitan llama3 flavor of the weights (debugmodel, 8B, 70B, 405B)")
+    p.add_argument(
+        "--flavor", required=True, help="torchtitan llama3 flavor of the weights (debugmodel, 8B, 70B, 405B)"
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the floating weights written")
-    p.add_argument("--step", type=int, default=None,
-                   help="torchtpu input: the step to read (default: newest); torchtpu output: the step_N to write (default 0)")
-    p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
-                   help="Hugging Face output: largest safetensors file (default 5 GiB)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="torchtpu input: the step to read (default: newest); torchtpu output: the step_N to write (default 0)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="Hugging Face output: largest safetensors file (default 5 GiB)",
+    )
     a = p.parse_args(argv)
     try:
         args = _model_args(a.flavor)
-        src = open_source(a.src, a.src_format, args, a.step if (a.src_format or detect_format(a.src)) == "torchtpu" else None)
+        src = open_source(
+            a.src, a.src_format, args, a.step if (a.src_format or detect_format(a.src)) == "torchtpu" else None
+        )
         out = write_output(src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size)
     except (ConvertError, ValueError, KeyError) as e:
         print(f"torchtpu-convert: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ through the model once (prefill), then one token at a time against a KV cache
 program reused for every token (the position is a tensor input). --temperature 0 is greedy.
 It prints the prompt, then the continuation (up to the tokenizer's end-of-text token).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,9 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     from torchtpu.distributed import init_device_mesh, materialize
     from torchtpu.models.llama3.parallelize import parallelize_llama
     from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.parallel_dims import validate
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.trainer import MESH_AXES
 
     dims = validate(cfg, len(jax.devices()))
@@ -69,8 +70,10 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
             try:
                 step = ck.latest_step() if step is None else step
                 if step is None:
-                    raise ConfigError(f"--checkpoint {checkpoint!r}: no checkpoint (step_N folder) in it; point it at "
-                                      "a torchtpu-train checkpoint folder, a step_N folder or a Hugging Face folder")
+                    raise ConfigError(
+                        f"--checkpoint {checkpoint!r}: no checkpoint (step_N folder) in it; point it at "
+                        "a torchtpu-train checkpoint folder, a step_N folder or a Hugging Face folder"
+                    )
                 load_model_weights(ck, step, model)
             finally:
                 ck.close()
@@ -79,8 +82,9 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     return model, mesh, tok
 
 
-def generate(model, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0) -> list[int]:
+def generate(
+    model, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0
+) -> list[int]:
     """The `max_new_tokens` token ids that follow `prompt_ids` (batch of one)."""
     import torch
 
@@ -128,7 +132,9 @@ def generate(model, mesh, prompt_ids: list[int], max_new_tokens: int, temperatur
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m torchtpu.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the job's TOML config (model, tokenizer, parallelism)")
-    p.add_argument("--checkpoint", required=True, help="torchtpu-train checkpoint (folder or step_N) or Hugging Face folder")
+    p.add_argument(
+        "--checkpoint", required=True, help="torchtpu-train checkpoint (folder or step_N) or Hugging Face folder"
+    )
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -162,7 +168,7 @@ def main(argv=None) -> int:
         return 2
     new = generate(model, mesh, ids, a.max_new_tokens, a.temperature, a.top_k)
     if tok.eos_id in new:
-        new = new[:new.index(tok.eos_id)]
+        new = new[: new.index(tok.eos_id)]
     print(a.prompt + tok.decode(new), flush=True)
     return 0
 

@@ -1,8 +1,8 @@
 """Autograd on the tpu device: every result compared against the same computation on CPU."""
+
 from __future__ import annotations
 
 import copy
-
 from functools import partial
 
 import pytest
@@ -136,7 +136,7 @@ def test_enable_grad_inside_no_grad():
     xc, xt = pair(3)
     with torch.no_grad():
         with torch.enable_grad():
-            yt = (xt ** 2).sum()
+            yt = (xt**2).sum()
     yt.backward()
     close(xt.grad, 2 * xc.detach(), "grad")
 
@@ -295,13 +295,11 @@ def test_module_hooks():
         r = rec[name]
         m[0].register_forward_pre_hook(lambda mod, args, r=r: r.__setitem__("pre", args[0].clone()))
         m[0].register_forward_hook(lambda mod, args, out, r=r: out * 2)  # replaces the output
-        m[2].register_full_backward_hook(
-            lambda mod, gin, gout, r=r: r.update(gin=gin[0].clone(), gout=gout[0].clone())
-        )
+        m[2].register_full_backward_hook(lambda mod, gin, gout, r=r: r.update(gin=gin[0].clone(), gout=gout[0].clone()))
         m[2].register_full_backward_pre_hook(lambda mod, gout, r=r: r.__setitem__("bpre", gout[0].clone()))
         out = m(x.to(next(m.parameters()).device))
         r["out"] = out
-        (out ** 2).sum().backward()
+        (out**2).sum().backward()
     for k in ("pre", "out", "gin", "gout", "bpre"):
         close(rec["tpu"][k], rec["cpu"][k], k)
     for (n, pc), (_, pt) in zip(nets["cpu"].named_parameters(), nets["tpu"].named_parameters()):
@@ -315,7 +313,7 @@ def test_double_backward_cube():
     xc, xt = pair(5)
     res = []
     for x in (xc, xt):
-        y = (x ** 3).sum()
+        y = (x**3).sum()
         (g,) = torch.autograd.grad(y, x, create_graph=True)  # 3x^2
         (gg,) = torch.autograd.grad(g.sum(), x, create_graph=True)  # 6x
         (ggg,) = torch.autograd.grad(gg.sum(), x)  # 6
@@ -438,7 +436,7 @@ def test_leaf_inplace_under_no_grad_like_optimizer():
         with torch.no_grad():
             x.sub_(0.1 * x.grad)
             x.grad.zero_()
-        (x ** 2).sum().backward()
+        (x**2).sum().backward()
     close(xt, xc, "updated leaf")
     close(xt.grad, xc.grad, "grad after update")
 

@@ -1,5 +1,5 @@
 """torchtpu.compile: whole training steps as one XLA program."""
-import copy
+
 import gc
 
 import jax

@@ -1,6 +1,7 @@
 """torchtpu.compile on the plain PyTorch training loop: optimizers as users build them (no
 extra flags), an LR scheduler stepped outside the compiled step every iteration. Nothing the
 step reads may be frozen at trace time: the weights must follow eager tpu and CPU."""
+
 import math
 import warnings
 
@@ -30,13 +31,17 @@ SCHEDULERS = {
 def _cases():
     for name, (cls, _) in OPTIMIZERS.items():
         has_capturable = "capturable" in cls.__init__.__code__.co_varnames
-        for capturable in ((False, True) if has_capturable else (False,)):
+        for capturable in (False, True) if has_capturable else (False,):
             for foreach in (False, True):
                 # every optimizer meets both schedulers, without running the full product
                 sched = "lambda" if (capturable + foreach + len(name)) % 2 else "cosine"
-                yield pytest.param(name, capturable, foreach, sched,
-                                   id=f"{name}-{'capturable' if capturable else 'plain'}-"
-                                      f"{'foreach' if foreach else 'single'}-{sched}")
+                yield pytest.param(
+                    name,
+                    capturable,
+                    foreach,
+                    sched,
+                    id=f"{name}-{'capturable' if capturable else 'plain'}-{'foreach' if foreach else 'single'}-{sched}",
+                )
 
 
 def _mlp():
@@ -220,7 +225,7 @@ def test_lr_as_tpu_tensor_still_works():
     model = _mlp().to("tpu")
     lr = torch.tensor(1e-2).to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
 
     def train_step(x, y):
         opt.zero_grad()
@@ -230,7 +235,7 @@ def test_lr_as_tpu_tensor_still_works():
     step = torchtpu.compile(train_step)
     cpu = _mlp()
     copt = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
-    csched = torch.optim.lr_scheduler.LambdaLR(copt, lambda s: 0.5 ** s)
+    csched = torch.optim.lr_scheduler.LambdaLR(copt, lambda s: 0.5**s)
     for x, y in _batches(6):
         step(x.to("tpu"), y.to("tpu"))
         sched.step()

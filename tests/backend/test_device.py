@@ -1,4 +1,5 @@
 """The tpu device itself: registration, torch.tpu, transfers, dtypes, interop, caching, debug."""
+
 import io
 import os
 import subprocess
@@ -12,8 +13,19 @@ import torch
 
 import torchtpu
 
-ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16,
-              torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+ALL_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def test_device_strings():
@@ -203,8 +215,15 @@ def test_platform_and_no_libtpu_noise_on_cpu_host():
     assert torchtpu.platform() == "cpu"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TORCHTPU_PLATFORM")}
     out = subprocess.run(
-        [sys.executable, "-c", "import torch, torchtpu; print(torchtpu.platform()); print((torch.ones(2).to('tpu') + 1).cpu())"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import torch, torchtpu; print(torchtpu.platform()); print((torch.ones(2).to('tpu') + 1).cpu())",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "cpu"
@@ -214,7 +233,9 @@ def test_platform_and_no_libtpu_noise_on_cpu_host():
 def test_torchtpu_platform_env_is_validated():
     env = dict(os.environ, TORCHTPU_PLATFORM="quantum")
     env.pop("JAX_PLATFORMS", None)
-    out = subprocess.run([sys.executable, "-c", "import torchtpu"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", "import torchtpu"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode != 0 and "TORCHTPU_PLATFORM='quantum'" in out.stderr
 
 

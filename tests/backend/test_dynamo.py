@@ -2,11 +2,11 @@
 
 PyTorch on CPU (and eager tpu) is the oracle; counters come from torchtpu.cache_stats().
 """
+
 from __future__ import annotations
 
 import copy
 import dataclasses
-
 from functools import partial
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 
 import torchtpu
 from tests.conftest import assert_close_to_cpu
-
 
 LLAMA_LAYERS = 2
 
@@ -46,8 +45,7 @@ def test_llama3_debugmodel_logits_and_grads_match_eager_and_cpu():
     # The debugmodel flavor, with a short RoPE table (131072 precomputed positions only cost
     # time) and LLAMA_LAYERS of its 6 identical layers: Dynamo/AOTAutograd tracing time grows
     # with the layer count, and every layer is the same code.
-    args = dataclasses.replace(copy.deepcopy(llama3.llama3_args["debugmodel"]), max_seq_len=64,
-                               n_layers=LLAMA_LAYERS)
+    args = dataclasses.replace(copy.deepcopy(llama3.llama3_args["debugmodel"]), max_seq_len=64, n_layers=LLAMA_LAYERS)
     torch.manual_seed(0)
     cpu = llama3.Transformer(args)
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """Factory functions with device="tpu" against CPU: values where deterministic, and always
 shape, dtype and device."""
+
 import pytest
 import torch
 
@@ -34,8 +35,9 @@ def test_full(value):
     check(torch.full((3,), value, device=D, dtype=torch.float64), torch.full((3,), value, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("args", [(5,), (2, 9), (-3, 10, 3), (10, -3, -3), (0, 1, 0.1), (1.5, 4), (0, 0),
-                                  (0.0, 1.0, 0.3), (-1, 1, 0.25)])
+@pytest.mark.parametrize(
+    "args", [(5,), (2, 9), (-3, 10, 3), (10, -3, -3), (0, 1, 0.1), (1.5, 4), (0, 0), (0.0, 1.0, 0.3), (-1, 1, 0.25)]
+)
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64, torch.int64])
 def test_arange(args, dtype):
     try:
@@ -84,8 +86,11 @@ def test_rand_randn_randint():
     check(torch.randn(2, 2, device=D), torch.randn(2, 2), values=False)
     check(torch.randn(5, device=D, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16), values=False)
     check(torch.randint(10, (4, 2), device=D), torch.randint(10, (4, 2)), values=False)
-    check(torch.randint(-5, 5, (7,), device=D, dtype=torch.int32), torch.randint(-5, 5, (7,), dtype=torch.int32),
-          values=False)
+    check(
+        torch.randint(-5, 5, (7,), device=D, dtype=torch.int32),
+        torch.randint(-5, 5, (7,), dtype=torch.int32),
+        values=False,
+    )
     check(torch.randperm(6, device=D), torch.randperm(6), values=False)
 
 
@@ -146,23 +151,29 @@ def test_factory_on_second_device():
     assert e.device == torch.device("tpu", 1)
 
 
-@pytest.mark.parametrize("size,stride", [
-    ((2, 3), (1, 2)),          # column-major
-    ((2, 3, 4), (12, 1, 3)),   # a permuted layout
-    ((4, 1, 3), (1, 1, 4)),    # a size-1 dim
-    ((2, 3), (4, 1)),          # row gaps (padding)
-    ((2, 3), (0, 1)),          # broadcast (stride 0)
-    ((0, 3), (1, 1)),          # empty
-    ((3,), (2,)),
-])
+@pytest.mark.parametrize(
+    "size,stride",
+    [
+        ((2, 3), (1, 2)),  # column-major
+        ((2, 3, 4), (12, 1, 3)),  # a permuted layout
+        ((4, 1, 3), (1, 1, 4)),  # a size-1 dim
+        ((2, 3), (4, 1)),  # row gaps (padding)
+        ((2, 3), (0, 1)),  # broadcast (stride 0)
+        ((0, 3), (1, 1)),  # empty
+        ((3,), (2,)),
+    ],
+)
 def test_empty_strided_reports_its_strides(size, stride):
     t = torch.empty_strided(size, stride, device=D)
     ref = torch.empty_strided(size, stride)
     assert t.device.type == "tpu"
     assert t.shape == ref.shape and t.stride() == ref.stride() == stride
     assert t.is_contiguous() == ref.is_contiguous()
-    assert t.is_contiguous(memory_format=torch.channels_last) == ref.is_contiguous(memory_format=torch.channels_last) \
-        if t.dim() == 4 else True
+    assert (
+        t.is_contiguous(memory_format=torch.channels_last) == ref.is_contiguous(memory_format=torch.channels_last)
+        if t.dim() == 4
+        else True
+    )
 
 
 def test_empty_strided_then_written_reads_like_cpu():

@@ -7,6 +7,7 @@ configuration otherwise (KV cache objects, tied embeddings), with attention thro
 mode is deterministic. Tolerances (float32): logits and every parameter's gradient within
 rtol 1e-5 / atol 1e-5 of CPU; greedy tokens exactly equal.
 """
+
 import copy
 
 import pytest
@@ -23,8 +24,18 @@ VOCAB = 64
 
 def _gpt2():
     cfg = transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=1, attn_implementation="sdpa")
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(3, VOCAB, (2, 8))
     return model, {"input_ids": ids, "labels": ids}, ("lm_head.weight", "transformer.wte.weight")
@@ -32,9 +43,18 @@ def _gpt2():
 
 def _llama_gqa():
     cfg = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        attn_implementation="sdpa")
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(3, VOCAB, (2, 8))
     mask = torch.ones_like(ids)
@@ -44,9 +64,17 @@ def _llama_gqa():
 
 def _bert():
     cfg = transformers.BertConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=VOCAB,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
-        attn_implementation="sdpa")
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     model = transformers.BertForMaskedLM(cfg)
     ids = torch.randint(3, VOCAB, (2, 8))
     labels = torch.full_like(ids, -100)
@@ -54,18 +82,34 @@ def _bert():
     labels[0, 5] = ids[0, 5]
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    return (model, {"input_ids": ids, "attention_mask": mask, "labels": labels},
-            ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"))
+    return (
+        model,
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+    )
 
 
 def _t5():
     cfg = transformers.T5Config(
-        d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=VOCAB,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        vocab_size=VOCAB,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = transformers.T5ForConditionalGeneration(cfg)
     ids = torch.randint(3, VOCAB, (2, 8))
-    return (model, {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, 5))},
-            ("shared.weight", "encoder.embed_tokens.weight"))
+    return (
+        model,
+        {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, 5))},
+        ("shared.weight", "encoder.embed_tokens.weight"),
+    )
 
 
 MODELS = {"gpt2_tied": _gpt2, "llama_gqa": _llama_gqa, "bert_mlm": _bert, "t5": _t5}
@@ -100,7 +144,9 @@ def test_logits_and_every_gradient_match_cpu(name, mode):
     checked = 0
     for n, p in tpu.named_parameters():
         q = cpu_params[n]
-        assert (p.grad is None) == (q.grad is None), f"{n}: tpu grad {p.grad is not None}, cpu grad {q.grad is not None}"
+        assert (p.grad is None) == (q.grad is None), (
+            f"{n}: tpu grad {p.grad is not None}, cpu grad {q.grad is not None}"
+        )
         if q.grad is not None:
             torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
             checked += 1
@@ -112,9 +158,18 @@ def test_logits_and_every_gradient_match_cpu(name, mode):
 def _generation_model():
     torch.manual_seed(1)
     cfg = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=2,
-        attn_implementation="sdpa")
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=2,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     prompt = torch.randint(3, VOCAB, (2, 6))
     return model, prompt

@@ -4,10 +4,10 @@ Each test builds the module on CPU with a fixed seed, deep-copies it to `tpu`, f
 same inputs, and compares the outputs, the gradients of every parameter and of every floating
 input, and (where the module has them) the buffers after the step.
 """
+
 from __future__ import annotations
 
 import copy
-
 from functools import partial
 
 import pytest
@@ -125,24 +125,30 @@ def test_linear(bias):
     check_module(nn.Linear(16, 8, bias=bias), randn(4, 3, 16))
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(stride=2, padding=1),
-    dict(padding="same", dilation=2),
-    dict(groups=2, padding=1, bias=False),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(stride=2, padding=1),
+        dict(padding="same", dilation=2),
+        dict(groups=2, padding=1, bias=False),
+    ],
+)
 def test_conv1d(cfg):
     torch.manual_seed(0)
     check_module(nn.Conv1d(4, 6, 3, **cfg), randn(2, 4, 11))
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(),
-    dict(stride=2, padding=1),
-    dict(padding=(1, 2), dilation=(2, 1)),
-    dict(groups=2, padding=1, bias=False),
-    dict(padding=1, padding_mode="reflect"),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        dict(stride=2, padding=1),
+        dict(padding=(1, 2), dilation=(2, 1)),
+        dict(groups=2, padding=1, bias=False),
+        dict(padding=1, padding_mode="reflect"),
+    ],
+)
 def test_conv2d(cfg):
     torch.manual_seed(0)
     check_module(nn.Conv2d(4, 6, 3, **cfg), randn(2, 4, 9, 8))
@@ -299,7 +305,9 @@ def test_transformer_encoder_layer_masks():
     mask = nn.Transformer.generate_square_subsequent_mask(6)
     pad = torch.tensor([[False] * 6, [False] * 5 + [True]])
     check_module(
-        layer, randn(2, 6, 16), kwargs=dict(src_mask=mask, src_key_padding_mask=pad),
+        layer,
+        randn(2, 6, 16),
+        kwargs=dict(src_mask=mask, src_key_padding_mask=pad),
         grad_tol=dict(rtol=1e-4, atol=1e-4),
     )
 
@@ -330,12 +338,15 @@ def test_multihead_attention_inference_fast_path():
 # ----------------------------------------------------------------------------- recurrent
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(num_layers=1, batch_first=True),
-    dict(num_layers=2, batch_first=False),
-    dict(num_layers=1, batch_first=True, bidirectional=True),
-    dict(num_layers=1, batch_first=True, proj_size=3),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(num_layers=1, batch_first=True),
+        dict(num_layers=2, batch_first=False),
+        dict(num_layers=1, batch_first=True, bidirectional=True),
+        dict(num_layers=1, batch_first=True, proj_size=3),
+    ],
+)
 def test_lstm(cfg):
     torch.manual_seed(0)
     lstm = nn.LSTM(5, 6, **cfg)
@@ -351,10 +362,13 @@ def test_lstm_initial_state():
     check_module(lstm, x, h0, c0, forward_fn=lambda m, x, h, c: m(x, (h, c)))
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(num_layers=1, batch_first=True),
-    dict(num_layers=2, batch_first=False, bidirectional=True),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(num_layers=1, batch_first=True),
+        dict(num_layers=2, batch_first=False, bidirectional=True),
+    ],
+)
 def test_gru(cfg):
     torch.manual_seed(0)
     gru = nn.GRU(5, 6, **cfg)

@@ -5,6 +5,7 @@ Numerics run the kernels in Pallas interpret mode on CPU against PyTorch's own S
 time) checks that a train step really contains the kernels, and that their declared costs
 reach XLA's cost analysis.
 """
+
 from __future__ import annotations
 
 import jax
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
-from torchtpu.backend.ops import attention_tpu, nn as nn_ops
+from torchtpu.backend.ops import attention_tpu
+from torchtpu.backend.ops import nn as nn_ops
 
 
 def _inputs(b, h, hkv, lq, lk, d, seed=0):
@@ -138,7 +140,6 @@ def test_declared_costs():
 def test_sharded_program_runs_kernels_per_shard():
     """Inside a compiled program over a (dp_shard 4, tp 2) mesh of CPU devices the kernels run
     per shard (batch over dp_shard, heads over tp) and give the unsharded values."""
-    import torchtpu
     from torchtpu.distributed import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("tpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -200,16 +201,22 @@ def test_declared_costs_reach_xla_cost_analysis(topology):
 def _llama_step_for(mesh, seq=256):
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    import torchtpu
     from torchtpu.distributed import empty, materialize
     from torchtpu.models.llama3 import parallelize_llama
     from torchtpu.models.llama3.parallelize import batch_placements
 
     with torch.device("meta"):  # head_dim 128, 2 kv heads for 4 query heads (GQA)
-        model = Transformer(TransformerModelArgs(dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
-                                                 max_seq_len=seq))
-    parallelize_llama(model, mesh, sequence_parallel=False, loss_parallel=False, param_dtype=torch.bfloat16,
-                      reduce_dtype=torch.float32)
+        model = Transformer(
+            TransformerModelArgs(dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=seq)
+        )
+    parallelize_llama(
+        model,
+        mesh,
+        sequence_parallel=False,
+        loss_parallel=False,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
     materialize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), capturable=True, foreach=True)
 
@@ -259,7 +266,8 @@ def test_kernels_split_by_the_mesh_of_their_inputs():
     torch.compile run), the mesh recorded in the inputs' types splits the kernels: a Mosaic
     kernel cannot be partitioned by XLA, so without it this would not compile."""
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from torchtpu.distributed import topology as topo
 

@@ -3,8 +3,8 @@
 Tolerances: float32 training, rtol 1e-5 / atol 1e-6 on weights after a few optimizer steps
 (the same ops in the same order on XLA:CPU and PyTorch CPU differ in the last bits only).
 """
-import copy
 
+import copy
 from functools import partial
 
 import pytest

@@ -1,5 +1,4 @@
 """Random ops on tpu: reproducibility under manual_seed, statistics, integer ranges, RNG state."""
-import math
 
 import pytest
 import torch
@@ -131,7 +130,7 @@ def test_random_inplace_ranges():
     z = cpu(torch.empty(N, device=D, dtype=torch.uint8).random_())
     assert z.min() == 0 and z.max() == 255
     f = cpu(torch.empty(N, device=D).random_())
-    assert f.min() >= 0 and f.max() <= 2 ** 24 and f.max() > 2 ** 23
+    assert f.min() >= 0 and f.max() <= 2**24 and f.max() > 2**23
     b = cpu(torch.empty(N, device=D, dtype=torch.bool).random_())
     assert abs(b.float().mean() - 0.5) < 0.01
 

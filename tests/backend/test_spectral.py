@@ -1,4 +1,5 @@
 """Spectral ops and complex64 on tpu, checked against CPU (the OpInfos cover the rest)."""
+
 from functools import partial
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 import torchtpu  # noqa: F401
 from tests.conftest import assert_close_to_cpu
-
 
 _close = partial(assert_close_to_cpu, rtol=1e-4, atol=1e-4)
 
@@ -47,8 +47,10 @@ def test_stft_istft_round_trip():
     spec = torch.stft(x, 64, hop_length=16, window=w, return_complex=True)
     spec_t = torch.stft(x.to("tpu"), 64, hop_length=16, window=w.to("tpu"), return_complex=True)
     _close(spec_t, spec)
-    _close(torch.istft(spec_t, 64, hop_length=16, window=w.to("tpu"), length=400),
-           torch.istft(spec, 64, hop_length=16, window=w, length=400))
+    _close(
+        torch.istft(spec_t, 64, hop_length=16, window=w.to("tpu"), length=400),
+        torch.istft(spec, 64, hop_length=16, window=w, length=400),
+    )
 
 
 def test_rfft_gradient():

@@ -1,4 +1,5 @@
 """torchtitan's Llama 3 `debugmodel`, imported unmodified, runs on tpu exactly like on CPU."""
+
 from __future__ import annotations
 
 import copy

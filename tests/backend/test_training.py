@@ -3,10 +3,10 @@
 Small models train a few optimizer steps on both devices from the same initial weights and
 the same batches; loss trajectories and final parameters must agree.
 """
+
 from __future__ import annotations
 
 import copy
-
 from functools import partial
 
 import pytest
@@ -126,8 +126,8 @@ def test_transformer_trains_like_cpu():
         if n.endswith("in_proj_bias"):
             # The key bias cancels in softmax: its gradient is rounding noise that Adam
             # normalises into full-size steps, differently on each device. Compare q and v.
-            pc = torch.cat([pc[:dim], pc[2 * dim:]])
-            pt = torch.cat([pt[:dim], pt[2 * dim:]])
+            pc = torch.cat([pc[:dim], pc[2 * dim :]])
+            pt = torch.cat([pt[:dim], pt[2 * dim :]])
         close(pt, pc, f"param {n}", rtol=1e-3, atol=1e-4)
 
 

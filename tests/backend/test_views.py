@@ -1,4 +1,5 @@
 """Views alias exactly as on CPU: writes through a view reach the base and vice versa."""
+
 import pytest
 import torch
 
@@ -56,8 +57,14 @@ def test_view_semantics(name):
 def test_metadata_matches_cpu():
     x = torch.randn(4, 6)
     t = x.to("tpu")
-    for fn in (lambda a: a.t(), lambda a: a[1:, ::2], lambda a: a.select(0, 1), lambda a: a.unsqueeze(1),
-               lambda a: a.as_strided((2, 2), (3, 1), 4), lambda a: a.diagonal()):
+    for fn in (
+        lambda a: a.t(),
+        lambda a: a[1:, ::2],
+        lambda a: a.select(0, 1),
+        lambda a: a.unsqueeze(1),
+        lambda a: a.as_strided((2, 2), (3, 1), 4),
+        lambda a: a.diagonal(),
+    ):
         c, d = fn(x), fn(t)
         assert c.shape == d.shape and c.stride() == d.stride() and c.storage_offset() == d.storage_offset()
 
@@ -92,9 +99,16 @@ def test_metadata_matches_cpu_on_a_strided_base():
     x = torch.randn(5, 6).t()
     t = x.to("tpu")
     assert t.stride() == x.stride()
-    for fn in (lambda a: a.t(), lambda a: a[1:, ::2], lambda a: a.select(1, 2), lambda a: a.unsqueeze(0),
-               lambda a: a.as_strided((2, 3), (1, 6), 2), lambda a: a.diagonal(), lambda a: a[2:].t()[1],
-               lambda a: a.transpose(0, 1).reshape(30)):
+    for fn in (
+        lambda a: a.t(),
+        lambda a: a[1:, ::2],
+        lambda a: a.select(1, 2),
+        lambda a: a.unsqueeze(0),
+        lambda a: a.as_strided((2, 3), (1, 6), 2),
+        lambda a: a.diagonal(),
+        lambda a: a[2:].t()[1],
+        lambda a: a.transpose(0, 1).reshape(30),
+    ):
         c, d = fn(x), fn(t)
         assert c.shape == d.shape and c.stride() == d.stride() and c.storage_offset() == d.storage_offset()
         assert c.is_contiguous() == d.is_contiguous()

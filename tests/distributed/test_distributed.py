@@ -1,16 +1,17 @@
 """The sharding layer on 8 XLA CPU devices: meshes, placements, distribute_tensor, tensor
 parallelism, FSDP, and torchtitan's Llama 3 sharded every supported way against one device."""
+
 from __future__ import annotations
 
 import copy
 import re
 
-import jax
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import torchtpu
 from torchtpu.distributed import (
@@ -278,8 +279,13 @@ def test_llama3_sharded_training_matches_one_device(name):
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     # parameters and optimizer state kept their layouts through the compiled steps
     wq = model.layers["0"].attention.wq.weight
-    expect = {"fsdp8": P("dp_shard"), "hsdp2x4": P("dp_shard"), "tp2_fsdp4": P(("tp", "dp_shard")),
-              "tp8": P("tp"), "tp4sp_fsdp2": P(("tp", "dp_shard"))}[name]
+    expect = {
+        "fsdp8": P("dp_shard"),
+        "hsdp2x4": P("dp_shard"),
+        "tp2_fsdp4": P(("tp", "dp_shard")),
+        "tp8": P("tp"),
+        "tp4sp_fsdp2": P(("tp", "dp_shard")),
+    }[name]
     assert spec(wq) == expect and spec(opt.state[wq]["exp_avg"]) == expect
     hlo = cstep.as_text()
     if "tp" in names:
@@ -300,8 +306,12 @@ def test_fsdp_mixed_precision_with_activation_checkpointing_leaves_no_cast_weigh
     parallelize_llama(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="full")
     inp = distribute_tensor(_batches()[0][:, :-1], mesh, (Shard(0),))
     model(inp).float().sum().backward()
-    lingering = [f"{type(m).__name__}.{k}" for m in model.modules() for k, v in vars(m).items()
-                 if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and k in m._parameters]
+    lingering = [
+        f"{type(m).__name__}.{k}"
+        for m in model.modules()
+        for k, v in vars(m).items()
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and k in m._parameters
+    ]
     assert not lingering, lingering
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
@@ -332,8 +342,14 @@ def _tiny_llama_on(mesh, sequence_parallel=False):
 
     with torch.device("meta"):
         model = Transformer(TransformerModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512))
-    parallelize_llama(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=False,
-                      param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallelize_llama(
+        model,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=False,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
     materialize(model)  # lazy: nothing is allocated, the step is only compiled
     return model
 
@@ -427,8 +443,9 @@ def test_local_map_with_functional_collectives_matches_numpy():
 
     # all_to_all over tp: each device's (4, 4) block is split in 4 rows; row i goes to device i
     y = torch.arange(64.0).reshape(16, 4)
-    swapped = local_map(lambda t: funcol.all_to_all_single(t, None, None, mesh["tp"]) * 1, row, [row], device_mesh=mesh)(
-        distribute_tensor(y, mesh, row))
+    swapped = local_map(
+        lambda t: funcol.all_to_all_single(t, None, None, mesh["tp"]) * 1, row, [row], device_mesh=mesh
+    )(distribute_tensor(y, mesh, row))
     blocks = y.reshape(4, 4, 4)  # (source device, row, col)
     assert torch.equal(swapped.cpu().reshape(4, 4, 4), blocks.transpose(0, 1))
 
@@ -459,4 +476,6 @@ def test_loss_parallel_cross_entropy_matches_cpu_without_gathering_logits():
     step = torchtpu.compile(lambda lg, tg: loss_fn(lg, tg).detach())
     step(d.detach(), t)
     step(d.detach(), t)
-    assert "f32[4,6,16]" not in _all_gather_shapes(step.as_text()) and "f32[24,16]" not in _all_gather_shapes(step.as_text())
+    assert "f32[4,6,16]" not in _all_gather_shapes(step.as_text()) and "f32[24,16]" not in _all_gather_shapes(
+        step.as_text()
+    )

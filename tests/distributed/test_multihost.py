@@ -1,5 +1,6 @@
 """A real multi-host job on one machine: 2 processes x 4 XLA CPU devices joined by
 jax.distributed over loopback (gloo collectives), against the same training on one device."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,16 @@ def _one_device_losses():
 def test_two_processes_fsdp_matches_one_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), "2"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(i), "2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

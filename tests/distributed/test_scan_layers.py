@@ -9,6 +9,7 @@ jax.lax.scan inside a compiled step, invisible to the user.
   checkpoint saved with the scan resumes without it.
 - Loops the scan cannot stand for raise errors instead of computing something else.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,9 @@ def _sharded_llama(name, scan, steps=None, mp=False):
     mesh = init_device_mesh("tpu", shape, mesh_dim_names=names)
     model = _llama().to("tpu")
     kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else {}
-    parallelize_llama(model, mesh, sequence_parallel=sp, loss_parallel="tp" in names, ac_mode="full",
-                      scan_layers=scan, **kw)
+    parallelize_llama(
+        model, mesh, sequence_parallel=sp, loss_parallel="tp" in names, ac_mode="full", scan_layers=scan, **kw
+    )
     assert is_scanned(model.layers) == scan
     batches = _batches() if steps is None else _batches()[:steps]
     losses, cstep, opt = _train(model, batches, mesh)
@@ -117,8 +119,18 @@ def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_pa
 
     from ..train.test_trainer import cpu_state, reference_losses, small_argv
 
-    argv = small_argv(tmp_path, "--activation_checkpoint.mode", "full", "--training.steps", "4",
-                      "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    argv = small_argv(
+        tmp_path,
+        "--activation_checkpoint.mode",
+        "full",
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     cfg = load_config(argv)
     assert cfg.tpu.scan_layers
     a = Trainer(cfg)

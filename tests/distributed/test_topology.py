@@ -1,4 +1,5 @@
 """Ahead-of-time compilation for real TPU topologies through libtpu, on a host without TPUs."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import torchtpu
 from torchtpu.distributed import topology
 from torchtpu.distributed.topology import (
     TopologyError,
@@ -25,15 +25,22 @@ from torchtpu.distributed.topology import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install torchtpu[tpu])")
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install torchtpu[tpu])"
+)
 
 
 def test_chip_spec_by_device_kind_and_generation():
-    assert chip_spec("TPU v5 lite") == chip_spec("v5e") == dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * 10**9,
-                                                                hbm_bandwidth=8.19e11)
+    assert (
+        chip_spec("TPU v5 lite")
+        == chip_spec("v5e")
+        == dict(name="v5e", peak_bf16_flops=197e12, hbm_bytes=16 * 10**9, hbm_bandwidth=8.19e11)
+    )
     assert chip_spec("TPU v5")["name"] == chip_spec("v5p")["name"] == "v5p"
     assert chip_spec("TPU v5")["hbm_bytes"] == 95 * 2**30 and chip_spec("TPU v5")["peak_bf16_flops"] == 459e12
-    assert chip_spec("TPU v6 lite") == dict(name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * 10**9, hbm_bandwidth=1.64e12)
+    assert chip_spec("TPU v6 lite") == dict(
+        name="v6e", peak_bf16_flops=918e12, hbm_bytes=32 * 10**9, hbm_bandwidth=1.64e12
+    )
     assert chip_spec("TPU v4") == dict(name="v4", peak_bf16_flops=275e12, hbm_bytes=32 * 2**30, hbm_bandwidth=1.2e12)
     with pytest.raises(ValueError, match="unknown TPU device kind 'TPU v9'"):
         chip_spec("TPU v9")
@@ -157,7 +164,11 @@ ENTRY %main.1 (p0: f32[128,64]) -> f32[512,64] {
 }
 """
     assert topology.count_collectives(hlo) == {
-        "all-gather": 2, "reduce-scatter": 2, "all-reduce": 0, "all-to-all": 1, "collective-permute": 1,
+        "all-gather": 2,
+        "reduce-scatter": 2,
+        "all-reduce": 0,
+        "all-to-all": 1,
+        "collective-permute": 1,
     }
 
 
@@ -165,10 +176,7 @@ ENTRY %main.1 (p0: f32[128,64]) -> f32[512,64] {
 def test_no_libtpu_warnings_reach_the_user():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
     env.update(JAX_PLATFORMS="cpu", TORCHTPU_CACHE_DIR="off")
-    code = (
-        "from torchtpu.distributed.topology import topology_devices\n"
-        "print(len(topology_devices('v6e:2x2')))\n"
-    )
+    code = "from torchtpu.distributed.topology import topology_devices\nprint(len(topology_devices('v6e:2x2')))\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "4"

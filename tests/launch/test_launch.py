@@ -5,6 +5,7 @@ The model is torchtitan's debugmodel with short sequences and few steps, so that
 minutes on a small shared host; every test kills whatever it started (found by a marker in the
 processes' environment) in a finally block.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,19 @@ PY = sys.executable
 MARK = "TORCHTPU_TEST_LAUNCH_RUN"
 
 # A small, fast job: debugmodel, 32-token sequences, 1 sequence per device, fp32, checkpoint every 2 steps.
-TRAIN = ["torchtpu-train", "--config", "train_configs/debug_model.toml", "--training.seq_len", "32",
-         "--training.local_batch_size", "1", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+TRAIN = [
+    "torchtpu-train",
+    "--config",
+    "train_configs/debug_model.toml",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "1",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
 
 
 def _env(**extra) -> dict:
@@ -70,8 +82,14 @@ class Job:
         self.mark = uuid.uuid4().hex
         self.log = log
         self._out = open(log, "w")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=_env(**{MARK: self.mark}, **env), stdout=self._out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=_env(**{MARK: self.mark}, **env),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -104,15 +122,35 @@ class Job:
 
 
 def launch(tmp: Path, name: str, hosts: int, devices: int, train_args: list[str], *launch_args: str, **env) -> Job:
-    return Job([PY, "-m", "torchtpu.launch", "local", "--num-hosts", str(hosts), "--devices-per-host", str(devices),
-                *launch_args, "--", *TRAIN, "--job.dump_folder", str(tmp / name), *train_args],
-               tmp / f"{name}.console.log", **env)
+    return Job(
+        [
+            PY,
+            "-m",
+            "torchtpu.launch",
+            "local",
+            "--num-hosts",
+            str(hosts),
+            "--devices-per-host",
+            str(devices),
+            *launch_args,
+            "--",
+            *TRAIN,
+            "--job.dump_folder",
+            str(tmp / name),
+            *train_args,
+        ],
+        tmp / f"{name}.console.log",
+        **env,
+    )
 
 
 def single(tmp: Path, name: str, devices: int, train_args: list[str]) -> Job:
-    return Job([PY, "-m", "torchtpu.train", *TRAIN[1:], "--job.dump_folder", str(tmp / name), *train_args],
-               tmp / f"{name}.console.log", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+    return Job(
+        [PY, "-m", "torchtpu.train", *TRAIN[1:], "--job.dump_folder", str(tmp / name), *train_args],
+        tmp / f"{name}.console.log",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
 
 
 def run_to_end(job: Job, timeout: float = 900) -> str:
@@ -151,8 +189,11 @@ def _training_pid(job: Job, host: int) -> int:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"torchtpu.train" in cmd and f"TORCHTPU_HOST_INDEX={host}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(
-                e[:19] for e in env):
+        if (
+            b"torchtpu.train" in cmd
+            and f"TORCHTPU_HOST_INDEX={host}".encode() in env
+            and b"TORCHELASTIC_RUN_ID" in b" ".join(e[:19] for e in env)
+        ):
             return pid
     raise AssertionError(f"no training process of host {host} among {_job_pids(job.mark)}")
 
@@ -239,8 +280,14 @@ def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):
     # (8 row streams) the checkpoint was written with, so the same data continues
     tmp, _ = runs_8
     _resume_from(tmp, "one_by_8", "resume_tp2", 2)
-    text = run_to_end(single(tmp, "resume_tp2", 8, SHORT + ["--parallelism.tensor_parallel_degree", "2",
-                                                            "--training.local_batch_size", "2"]))
+    text = run_to_end(
+        single(
+            tmp,
+            "resume_tp2",
+            8,
+            SHORT + ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"],
+        )
+    )
     assert "'dp_shard': 4, 'tp': 2" in text, text[-3000:]
     got = losses(tmp / "resume_tp2")
     assert sorted(got) == [3, 4], got
@@ -257,16 +304,26 @@ def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
         assert job.wait(900) == 2, job.text()[-3000:]
     finally:
         job.close()
-    assert re.search(r"data position is for micro-batches of 8 sequences; this job's are 4 .*"
-                     r"--training.local_batch_size 2 .*exclude_from_loading dataloader", job.text()), job.text()[-3000:]
+    assert re.search(
+        r"data position is for micro-batches of 8 sequences; this job's are 4 .*"
+        r"--training.local_batch_size 2 .*exclude_from_loading dataloader",
+        job.text(),
+    ), job.text()[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
 # Restarts, preemption, the watchdog (2 hosts x 1 device: the cheapest real multi-host job)
 # ---------------------------------------------------------------------------------------------
 
-LONG = ["--training.steps", "12", "--checkpoint.enable", "--checkpoint.interval", "4",
-        "--checkpoint.keep_latest_k", "0"]
+LONG = [
+    "--training.steps",
+    "12",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "4",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +375,14 @@ def test_sigterm_to_launcher_checkpoints_exits_42_and_rerun_continues(tmp_path, 
 
 
 def test_stuck_host_trips_the_watchdog(tmp_path):
-    job = launch(tmp_path, "stuck", 2, 1, ["--training.steps", "12", "--comm.train_timeout_seconds", "10"],
-                 TORCHTPU_TEST_STALL="1:4:600")
+    job = launch(
+        tmp_path,
+        "stuck",
+        2,
+        1,
+        ["--training.steps", "12", "--comm.train_timeout_seconds", "10"],
+        TORCHTPU_TEST_STALL="1:4:600",
+    )
     try:
         job.wait_for(r"TORCHTPU_TEST_STALL: process 1 stalls", 600)
         t0 = time.monotonic()
@@ -341,19 +404,43 @@ def test_stuck_host_trips_the_watchdog(tmp_path):
 # Exit statuses through torchelastic (a tiny program instead of the trainer)
 # ---------------------------------------------------------------------------------------------
 
+
 def _program(tmp: Path, name: str, code: str, *launch_args: str) -> Job:
-    return Job([PY, "-m", "torchtpu.launch", "local", "--num-hosts", "2", "--devices-per-host", "1",
-                "--log-dir", str(tmp / name), *launch_args, "--", PY, "-c", code], tmp / f"{name}.console.log")
+    return Job(
+        [
+            PY,
+            "-m",
+            "torchtpu.launch",
+            "local",
+            "--num-hosts",
+            "2",
+            "--devices-per-host",
+            "1",
+            "--log-dir",
+            str(tmp / name),
+            *launch_args,
+            "--",
+            PY,
+            "-c",
+            code,
+        ],
+        tmp / f"{name}.console.log",
+    )
 
 
 ATTEMPT = "import os, sys; n = int(os.environ['TORCHTPU_ATTEMPT']); print('attempt', n); "
 
 
 def test_exit_42_restarts_the_whole_job(tmp_path):
-    job = _program(tmp_path, "r42", ATTEMPT + "import time; "
-                   # attempt 1: one host fails with 42 while the other is still working
-                   "(sys.exit(42) if os.environ['RANK'] == '1' else time.sleep(120)) if n == 1 else None",
-                   "--max-restarts", "1")
+    job = _program(
+        tmp_path,
+        "r42",
+        ATTEMPT + "import time; "
+        # attempt 1: one host fails with 42 while the other is still working
+        "(sys.exit(42) if os.environ['RANK'] == '1' else time.sleep(120)) if n == 1 else None",
+        "--max-restarts",
+        "1",
+    )
     try:
         assert job.wait(300) == 0, job.text()[-3000:]
     finally:
@@ -382,11 +469,14 @@ def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import torchtpu\nfrom torchtpu.distributed import initialize\n"
-            f"initialize('127.0.0.1:{port}', 2, 0, init_timeout_seconds={{t}})\n")
+    code = (
+        "import torchtpu\nfrom torchtpu.distributed import initialize\n"
+        f"initialize('127.0.0.1:{port}', 2, 0, init_timeout_seconds={{t}})\n"
+    )
     env = _env(JAX_PLATFORMS="cpu")
-    short = subprocess.Popen([PY, "-c", code.format(t=3)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    short = subprocess.Popen(
+        [PY, "-c", code.format(t=3)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = short.communicate(timeout=60)
     finally:
@@ -396,8 +486,12 @@ def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port2 = s.getsockname()[1]
-    long = subprocess.Popen([PY, "-c", code.replace(str(port), str(port2)).format(t=120)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    long = subprocess.Popen(
+        [PY, "-c", code.replace(str(port), str(port2)).format(t=120)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(25)  # well past the short timeout plus start-up: still waiting for its peer
         assert long.poll() is None

@@ -3,6 +3,7 @@
 The expected lines are written out here by hand (what a user would type); the YAML is parsed and
 checked field by field against what GKE's JobSet controller and SkyPilot read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,29 +36,47 @@ def test_tpu_vm_dry_run_prints_the_exact_commands():
     assert pre[0].startswith("gcloud compute tpus tpu-vm ssh my-v5p --zone=us-east5-a --project=proj --worker=all ")
     assert "/dev/accel*" in out and "/dev/vfio/" in out and "/tmp/libtpu_lockfile" in out
     assert 'if [ "0" = 1 ]' in out  # no --kill-stale: report and stop
-    assert ("COORDINATOR=$(gcloud compute tpus tpu-vm describe my-v5p --zone=us-east5-a --project=proj "
-            "'--format=value(networkEndpoints[0].ipAddress)')") in lines
+    assert (
+        "COORDINATOR=$(gcloud compute tpus tpu-vm describe my-v5p --zone=us-east5-a --project=proj "
+        "'--format=value(networkEndpoints[0].ipAddress)')"
+    ) in lines
     assert "NNODES=$((WORKERS * 1))" in lines
-    assert ('gcloud compute tpus tpu-vm ssh my-v5p --zone=us-east5-a --project=proj --worker=all '
-            '--command="cd ~ && python3 -m torchtpu.launch.agent --nnodes $NNODES --host-index auto '
-            '--rdzv-endpoint $COORDINATOR:29400 --run-id my-v5p --max-restarts 0 --log-dir logs -- '
-            'torchtpu-train --config train_configs/llama3_70b.toml" &') in lines
+    assert (
+        "gcloud compute tpus tpu-vm ssh my-v5p --zone=us-east5-a --project=proj --worker=all "
+        '--command="cd ~ && python3 -m torchtpu.launch.agent --nnodes $NNODES --host-index auto '
+        "--rdzv-endpoint $COORDINATOR:29400 --run-id my-v5p --max-restarts 0 --log-dir logs -- "
+        'torchtpu-train --config train_configs/llama3_70b.toml" &'
+    ) in lines
     assert "MEGASCALE_" not in out
     # the printed script is valid bash
     assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
 
 
 def test_tpu_vm_multislice_sets_megascale_and_kill_stale_cleans():
-    code, out, _ = _run("tpu-vm", "pod", "--zone", "z", "--num-slices", "2", "--kill-stale", "--max-restarts", "3",
-                        "--dry-run", "--", "torchtpu-train")
+    code, out, _ = _run(
+        "tpu-vm",
+        "pod",
+        "--zone",
+        "z",
+        "--num-slices",
+        "2",
+        "--kill-stale",
+        "--max-restarts",
+        "3",
+        "--dry-run",
+        "--",
+        "torchtpu-train",
+    )
     assert code == 0
     assert 'if [ "1" = 1 ]' in out and "sudo rm -f /tmp/libtpu_lockfile" in out
     launches = [ln for ln in out.splitlines() if "torchtpu.launch.agent" in ln]
     assert len(launches) == 2
     for s, ln in enumerate(launches):
         assert ln.startswith(f"gcloud compute tpus tpu-vm ssh pod-{s} --zone=z --worker=all ")
-        assert (f"MEGASCALE_COORDINATOR_ADDRESS=$COORDINATOR:8080 MEGASCALE_NUM_SLICES=2 MEGASCALE_SLICE_ID={s} "
-                "MEGASCALE_PORT=8080 python3 -m torchtpu.launch.agent") in ln
+        assert (
+            f"MEGASCALE_COORDINATOR_ADDRESS=$COORDINATOR:8080 MEGASCALE_NUM_SLICES=2 MEGASCALE_SLICE_ID={s} "
+            "MEGASCALE_PORT=8080 python3 -m torchtpu.launch.agent"
+        ) in ln
         assert f"--host-offset $(({s} * WORKERS))" in ln and "--max-restarts 3" in ln
     assert "NNODES=$((WORKERS * 2))" in out
     assert "describe pod-0 " in out
@@ -65,8 +84,23 @@ def test_tpu_vm_multislice_sets_megascale_and_kill_stale_cleans():
 
 
 def test_gke_jobset_manifest_and_xpk_command():
-    code, out, _ = _run("gke", "--name", "llama70b", "--tpu", "v5p:4x4x4", "--image", "gcr.io/p/torchtpu:1",
-                        "--num-slices", "2", "--max-restarts", "5", "--cluster", "c1", "--", *TRAIN)
+    code, out, _ = _run(
+        "gke",
+        "--name",
+        "llama70b",
+        "--tpu",
+        "v5p:4x4x4",
+        "--image",
+        "gcr.io/p/torchtpu:1",
+        "--num-slices",
+        "2",
+        "--max-restarts",
+        "5",
+        "--cluster",
+        "c1",
+        "--",
+        *TRAIN,
+    )
     assert code == 0
     doc = yaml.safe_load(out)
     assert doc["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and doc["kind"] == "JobSet"
@@ -81,11 +115,14 @@ def test_gke_jobset_manifest_and_xpk_command():
     assert job["backoffLimit"] == 0
     # exit 42 is not failed by the policy: it fails the Job via backoffLimit, which JobSet restarts
     assert job["podFailurePolicy"]["rules"] == [
-        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "NotIn", "values": [42]}}]
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "NotIn", "values": [42]}}
+    ]
     pod = job["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
-                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+        "cloud.google.com/gke-tpu-topology": "4x4x4",
+    }
     (c,) = pod["containers"]
     assert c["name"] == "trainer" and c["image"] == "gcr.io/p/torchtpu:1"
     assert c["resources"]["limits"] == {"google.com/tpu": 4}
@@ -95,13 +132,17 @@ def test_gke_jobset_manifest_and_xpk_command():
     assert "MEGASCALE_SLICE_ID" in env
     script = c["command"][2]
     assert c["command"][:2] == ["bash", "-c"]
-    assert script == ("exec python3 -m torchtpu.launch.agent --nnodes 32 --host-index $((SLICE_ID * 16 + HOST_IN_SLICE)) "
-                      "--rdzv-endpoint llama70b-slice-0-0.llama70b:29400 --run-id llama70b --max-restarts 0 "
-                      "--shutdown-timeout 120 --log-dir logs -- torchtpu-train --config train_configs/llama3_70b.toml")
+    assert script == (
+        "exec python3 -m torchtpu.launch.agent --nnodes 32 --host-index $((SLICE_ID * 16 + HOST_IN_SLICE)) "
+        "--rdzv-endpoint llama70b-slice-0-0.llama70b:29400 --run-id llama70b --max-restarts 0 "
+        "--shutdown-timeout 120 --log-dir logs -- torchtpu-train --config train_configs/llama3_70b.toml"
+    )
     xpk = [ln for ln in out.splitlines() if ln.startswith("# xpk ")]
     assert len(xpk) == 1
-    assert xpk[0].startswith("# xpk workload create --cluster=c1 --workload=llama70b --tpu-type=v5p-128 --num-slices=2 "
-                             "--docker-image=gcr.io/p/torchtpu:1 --max-restarts=5 '--command=")
+    assert xpk[0].startswith(
+        "# xpk workload create --cluster=c1 --workload=llama70b --tpu-type=v5p-128 --num-slices=2 "
+        "--docker-image=gcr.io/p/torchtpu:1 --max-restarts=5 '--command="
+    )
 
 
 def test_gke_single_slice_has_no_megascale():
@@ -126,17 +167,23 @@ def test_skypilot_task():
     assert doc["num_nodes"] == 1
     assert doc["run"].replace("\\\n", " ").split() == (
         "python3 -m torchtpu.launch.agent --nnodes 16 --host-index auto --rdzv-endpoint auto:29400 --run-id llama70b "
-        "--max-restarts 2 --log-dir logs -- torchtpu-train --config train_configs/llama3_70b.toml".split())
+        "--max-restarts 2 --log-dir logs -- torchtpu-train --config train_configs/llama3_70b.toml".split()
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["gke", "--name", "x", "--tpu", "v5p-128", "--image", "i", "--", "t"], "expected GENERATION:TOPOLOGY"),
-    (["gke", "--name", "Bad_Name", "--tpu", "v5p:2x2x1", "--image", "i", "--", "t"], "--name 'Bad_Name'"),
-    (["skypilot", "--name", "x", "--tpu", "v5p:2x2x1", "--num-slices", "2", "--", "t"], "--num-slices 2"),
-    (["local", "--num-hosts", "2", "--devices-per-host", "4"], "no training command"),
-    (["local", "--num-hosts", "2", "--devices-per-host", "4", "--", "torchtpu-train", "--training.stpes", "3"],
-     "stpes"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["gke", "--name", "x", "--tpu", "v5p-128", "--image", "i", "--", "t"], "expected GENERATION:TOPOLOGY"),
+        (["gke", "--name", "Bad_Name", "--tpu", "v5p:2x2x1", "--image", "i", "--", "t"], "--name 'Bad_Name'"),
+        (["skypilot", "--name", "x", "--tpu", "v5p:2x2x1", "--num-slices", "2", "--", "t"], "--num-slices 2"),
+        (["local", "--num-hosts", "2", "--devices-per-host", "4"], "no training command"),
+        (
+            ["local", "--num-hosts", "2", "--devices-per-host", "4", "--", "torchtpu-train", "--training.stpes", "3"],
+            "stpes",
+        ),
+    ],
+)
 def test_usage_errors_exit_2_with_one_line(argv, message):
     code, out, err = _run(*argv)
     assert code == 2

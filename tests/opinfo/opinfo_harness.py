@@ -3,6 +3,7 @@
 Used by tests/opinfo/test_opinfo.py and by `python -m tests.opinfo.opinfo_harness [--backward] [names...]`,
 which prints one line per OpInfo and the totals (the figures recorded in the README).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +13,10 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import torch  # noqa: E402
-
-import torchtpu  # noqa: E402,F401
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+import torchtpu  # noqa: E402,F401
 
 MAX_SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_MAX_SAMPLES", "12"))
 ATOL = 1e-4
@@ -149,8 +150,9 @@ def _names_cpu(sample) -> bool:
     """Whether a sample asks for the CPU explicitly (`.to("cpu")`, `device="cpu"`): then a CPU
     output is what the op owes on any device."""
     flat, _ = tree_flatten((sample.args, sample.kwargs))
-    return any((isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x.startswith("cpu"))
-               for x in flat)
+    return any(
+        (isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x.startswith("cpu")) for x in flat
+    )
 
 
 def _output_device(e: torch.Tensor, sample) -> str:
@@ -176,8 +178,16 @@ def _compare(expected, actual, what, sample=None):
             if a.device.type != device:
                 raise AssertionError(f"{what}: output {i} is on {a.device}, expected on {device}")
             a = _to_cpu(a)
-            torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, equal_nan=True, check_device=False,
-                                       check_stride=False, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(
+                a,
+                e,
+                atol=ATOL,
+                rtol=RTOL,
+                equal_nan=True,
+                check_device=False,
+                check_stride=False,
+                msg=lambda m: f"{what}: {m}",
+            )
         elif isinstance(e, (int, float, bool, complex)):
             if isinstance(a, torch.Tensor) or not isinstance(a, (int, float, bool, complex)):
                 raise AssertionError(f"{what}: output {i} is {type(a).__name__}, CPU gives {type(e).__name__} {e!r}")
@@ -262,8 +272,11 @@ def _check_backward_sample(op, k, sample) -> None:
         actual = torch.autograd.grad(touts, tpu_leaves, [c.to("tpu") for c in cots], allow_unused=True)
     except Exception as e:
         raise _sample_error(k, e) from e
-    _compare([e for e in expected if e is not None], [a for a, e in zip(actual, expected) if e is not None],
-             f"sample {k} gradient")
+    _compare(
+        [e for e in expected if e is not None],
+        [a for a, e in zip(actual, expected) if e is not None],
+        f"sample {k} gradient",
+    )
 
 
 def main(argv):
@@ -283,8 +296,10 @@ def main(argv):
             failed.append(opinfo_id(o))
             print(f"FAIL {opinfo_id(o)}: {type(e).__name__}: {msg[0][:300] if msg else ''}", flush=True)
     total = passed + len(failed)
-    print(f"{'backward' if backward else 'forward'}: {passed}/{total} OpInfos pass every sample "
-          f"({100.0 * passed / max(total, 1):.1f}%)")
+    print(
+        f"{'backward' if backward else 'forward'}: {passed}/{total} OpInfos pass every sample "
+        f"({100.0 * passed / max(total, 1):.1f}%)"
+    )
     return 0
 
 

@@ -43,6 +43,6 @@ BACKWARD: dict[str, str] = {
 # expected failures ("direction:opinfo_id").
 CRASHES: dict[str, str] = {
     "backward:linalg.eig": "autograd's engine returns NULL without an exception on the 0x0 sample, then "
-                           "aborts the process",
+    "aborts the process",
     "backward:linalg.eigvals": "the 0x0 sample aborts the process inside autograd's engine",
 }

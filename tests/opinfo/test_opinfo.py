@@ -10,6 +10,7 @@ session and enforce the bar: at least 97.6% of OpInfos pass forward, 97.2% backw
 A sample that raises fails only its own OpInfo; one that hangs is stopped after
 TORCHTPU_OPINFO_TIMEOUT seconds (default 600).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ import pytest
 from tests.opinfo import opinfo_harness as harness
 from tests.opinfo.opinfo_known_failures import BACKWARD, CRASHES, FORWARD
 
-FORWARD_BAR = 0.976   # at least this fraction of OpInfos pass forward
+FORWARD_BAR = 0.976  # at least this fraction of OpInfos pass forward
 BACKWARD_BAR = 0.972  # ... and backward
 TIMEOUT_S = int(os.environ.get("TORCHTPU_OPINFO_TIMEOUT", "600"))
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,8 +55,11 @@ def _run_recorded(direction, check, op):
         passed = _passes_in_subprocess(direction, oid)
         RESULTS[direction][oid] = passed
         if passed:
-            pytest.fail(f"{direction}:{oid} is listed in CRASHES ({crash}) but now passes: remove it from "
-                        "tests/opinfo/opinfo_known_failures.py", pytrace=False)
+            pytest.fail(
+                f"{direction}:{oid} is listed in CRASHES ({crash}) but now passes: remove it from "
+                "tests/opinfo/opinfo_known_failures.py",
+                pytrace=False,
+            )
         pytest.xfail(f"listed in CRASHES: {crash}")
     RESULTS[direction][oid] = False
     _run_bounded(check, op)
@@ -64,11 +68,18 @@ def _run_recorded(direction, check, op):
 
 def _passes_in_subprocess(direction, oid) -> bool:
     """The harness on one OpInfo in a child process: a process abort fails only the child."""
-    cmd = [sys.executable, "-m", "tests.opinfo.opinfo_harness", *(["--backward"] if direction == "backward" else []), oid]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.opinfo.opinfo_harness",
+        *(["--backward"] if direction == "backward" else []),
+        oid,
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
     try:
-        proc = subprocess.run(cmd, cwd=_REPO, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT_S if TIMEOUT_S > 0 else None)
+        proc = subprocess.run(
+            cmd, cwd=_REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S if TIMEOUT_S > 0 else None
+        )
     except subprocess.TimeoutExpired:
         return False
     return proc.returncode == 0 and f"PASS {oid}\n" in proc.stdout
@@ -119,10 +130,13 @@ def test_known_failures_name_real_opinfos():
         assert isinstance(reason, str) and reason.strip(), "every crash needs a reason"
 
 
-@pytest.mark.parametrize("direction,ops,bar,minimum", [
-    ("forward", _FORWARD_OPS, FORWARD_BAR, 600),
-    ("backward", _BACKWARD_OPS, BACKWARD_BAR, 450),
-])
+@pytest.mark.parametrize(
+    "direction,ops,bar,minimum",
+    [
+        ("forward", _FORWARD_OPS, FORWARD_BAR, 600),
+        ("backward", _BACKWARD_OPS, BACKWARD_BAR, 450),
+    ],
+)
 def test_pass_rate(direction, ops, bar, minimum):
     """The fraction of OpInfos whose test passed in this session (runs after them)."""
     total = len(ops)
@@ -130,11 +144,13 @@ def test_pass_rate(direction, ops, bar, minimum):
     results = RESULTS[direction]
     missing = total - len(results)
     if missing:
-        pytest.skip(f"{missing} of {total} {direction} OpInfo tests did not run in this session "
-                    "(the rate needs the whole file)")
+        pytest.skip(
+            f"{missing} of {total} {direction} OpInfo tests did not run in this session (the rate needs the whole file)"
+        )
     passed = sum(results.values())
     rate = passed / total
     print(f"{direction}: {passed}/{total} OpInfos pass every sample ({100 * rate:.1f}%)")
     assert rate >= bar, (
         f"{passed}/{total} OpInfos ({100 * rate:.1f}%) pass {direction}; the bar is {100 * bar:.1f}%: failing "
-        f"{sorted(k for k, v in results.items() if not v)}")
+        f"{sorted(k for k, v in results.items() if not v)}"
+    )

@@ -1,4 +1,5 @@
 """Checkpoint/resume with real Orbax checkpoints on disk (torchtpu.train.checkpoint)."""
+
 from __future__ import annotations
 
 import glob
@@ -156,7 +157,7 @@ def test_resume_equivalence(tmp_path, optim):
     load_model_state(model2, restored["model"])
     load_optimizer_state(opt2, restored["optim"])
     assert restored["step"] == 3
-    train(model2, opt2, data[restored["step"]:])
+    train(model2, opt2, data[restored["step"] :])
     assert_same(cpu_copy(model_state(model2)), reference)
 
 
@@ -224,11 +225,11 @@ def test_sharded_roundtrip_keeps_target_sharding(tmp_path):
 def test_async_save_interval_and_wait(tmp_path):
     x = torch.arange(1 << 16, dtype=torch.float32).to("tpu")
     ckpt = CheckpointManager(str(tmp_path / "ckpt"), interval=5, async_mode="async")
-    assert not ckpt.save(3, {"x": x})          # not due
-    assert ckpt.save(5, {"x": x})              # due: started in the background
-    assert not ckpt.save(5, {"x": x})          # already being written
+    assert not ckpt.save(3, {"x": x})  # not due
+    assert ckpt.save(5, {"x": x})  # due: started in the background
+    assert not ckpt.save(5, {"x": x})  # already being written
     with torch.no_grad():
-        x.add_(1)                              # training continues; the saved values are unaffected
+        x.add_(1)  # training continues; the saved values are unaffected
     assert ckpt.save(7, {"x": x}, force=True)  # forced (e.g. at the last step)
     ckpt.wait()
     assert ckpt.all_steps() == [5, 7]
@@ -359,10 +360,28 @@ DEBUG_TOML = os.path.join(ROOT, "train_configs", "debug_model.toml")
 
 
 def _train_argv(dump, steps, *extra):
-    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.local_batch_size", "1", "--training.steps", str(steps), "--metrics.log_freq", "1",
-            "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--checkpoint.keep_latest_k", "0", "--checkpoint.no-last_save_model_only", *extra]
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--validation.no-enable",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.no-last_save_model_only",
+        *extra,
+    ]
 
 
 def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
@@ -410,8 +429,10 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     assert sorted(os.listdir(folder)) == ["step_2", "step_4", "step_6"]  # the partial save is gone
 
     # a complete-looking checkpoint with a damaged file
-    data = max((f for f in glob.glob(str(folder / "step_6" / "arrays" / "**" / "*"), recursive=True)
-                if os.path.isfile(f)), key=os.path.getsize)
+    data = max(
+        (f for f in glob.glob(str(folder / "step_6" / "arrays" / "**" / "*"), recursive=True) if os.path.isfile(f)),
+        key=os.path.getsize,
+    )
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
     cfg = load_config(_train_argv(dump, 4))

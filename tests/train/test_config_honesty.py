@@ -15,6 +15,7 @@ behaviour (or a refusal) makes test_every_key_is_accounted_for fail. Each key is
 - NO_EFFECT_BY_DESIGN: [compile] enable/components, whose meaning holds because every step is
   always compiled; --help says so;
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,15 +55,23 @@ REFUSED = {
 # the real run that shows a key's behaviour -> its keys
 _COVERING_RUNS = {
     "tests/train/test_trainer.py::test_final_model_only_save_resume_and_initial_load": [
-        "checkpoint.initial_load_model_only", "checkpoint.last_save_model_only", "checkpoint.export_dtype"],
+        "checkpoint.initial_load_model_only",
+        "checkpoint.last_save_model_only",
+        "checkpoint.export_dtype",
+    ],
     "tests/train/test_checkpoint.py::test_kill_9_mid_save_then_resume_and_corrupt_files": [
-        "checkpoint.load_step", "checkpoint.exclude_from_loading"],
+        "checkpoint.load_step",
+        "checkpoint.exclude_from_loading",
+    ],
     "tests/train/test_hf_weights.py::test_import_first_loss_equals_exporting_runs_next_loss": [
-        "checkpoint.initial_load_in_hf"],
+        "checkpoint.initial_load_in_hf"
+    ],
     "tests/train/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match": [
-        "checkpoint.last_save_in_hf"],
+        "checkpoint.last_save_in_hf"
+    ],
     "tests/distributed/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan": [
-        "tpu.scan_layers"],
+        "tpu.scan_layers"
+    ],
     "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["training.loss_chunk_size"],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
     "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
@@ -70,8 +79,15 @@ _COVERING_RUNS = {
 # key -> the real run that shows its behaviour
 COVERED_BY = {key: run for run, keys in _COVERING_RUNS.items() for key in keys}
 
-VALIDATION = ["--validation.enable", "--validation.dataset", "bundled_validation", "--validation.seq_len", "32",
-              "--validation.local_batch_size", "1"]
+VALIDATION = [
+    "--validation.enable",
+    "--validation.dataset",
+    "bundled_validation",
+    "--validation.seq_len",
+    "32",
+    "--validation.local_batch_size",
+    "1",
+]
 CHECKPOINTS = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 SLICES = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.num_slices", "2"]
 
@@ -176,8 +192,12 @@ def _step_probe(cfg):
 
     torch.manual_seed(0)
     model = torch.nn.Embedding(16, 16)
-    ns = types.SimpleNamespace(cfg=cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                               _loss_context=contextlib.nullcontext)
+    ns = types.SimpleNamespace(
+        cfg=cfg,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        _loss_context=contextlib.nullcontext,
+    )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     loss, norm = Trainer._train_step(ns, [(x, x.roll(1, 1))])
     return round(float(loss), 6), round(float(norm), 6), model.weight.detach().sum().item()
@@ -194,9 +214,9 @@ def plan(cfg) -> dict:
     from torchtpu.train import model_builder as M
     from torchtpu.train import trainer as T
     from torchtpu.train.lr import build_schedule
+    from torchtpu.train.metrics import build_metrics_logger
     from torchtpu.train.optimizer import build_optimizer
     from torchtpu.train.profiling import Profiler
-    from torchtpu.train.metrics import build_metrics_logger
     from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.validate import build_validator
 
@@ -205,7 +225,9 @@ def plan(cfg) -> dict:
     dims = _outcome(lambda: P.validate(cfg, 8))
     out["dims"] = dims
     out["model_args"] = _outcome(lambda: dataclasses.asdict(M.build_model_args(cfg, None)))
-    out["dtype"] = _outcome(lambda: str(next(M.build_meta_model(cfg, M.build_model_args(cfg, None)).parameters()).dtype))
+    out["dtype"] = _outcome(
+        lambda: str(next(M.build_meta_model(cfg, M.build_model_args(cfg, None)).parameters()).dtype)
+    )
     out["mixed_precision"] = M.mixed_precision_dtypes(cfg)
     out["activation_checkpoint"] = _outcome(lambda: M.ac_settings(cfg))
     param = torch.nn.Parameter(torch.zeros(2).to("tpu"))
@@ -216,15 +238,23 @@ def plan(cfg) -> dict:
     out["schedule"] = [round(sched.lr_lambdas[0](k), 9) for k in [*range(0, 60, 3), 150, 500, 2000, 5000, 8000, 9990]]
     tok = build_tokenizer(None)
     if isinstance(dims, P.ParallelDims):
-        out["train_data"] = _outcome(lambda: _summary(T.build_train_dataloader(cfg, tok, dims),
-                                                      ["local_batch_size", "seq_len"])
-                                     | {"source": T.build_train_dataloader(cfg, tok, dims).source.name})
+        out["train_data"] = _outcome(
+            lambda: (
+                _summary(T.build_train_dataloader(cfg, tok, dims), ["local_batch_size", "seq_len"])
+                | {"source": T.build_train_dataloader(cfg, tok, dims).source.name}
+            )
+        )
 
         def validator():
             v = build_validator(cfg, None, tok, dims, None, None)
-            return None if v is None else (_summary(v, ["num_batches", "host_batch", "tokens_per_batch"])
-                                           | {"due": [s for s in range(1, 40) if v.should_validate(s)],
-                                              "source": v._loader().source.name})
+            return (
+                None
+                if v is None
+                else (
+                    _summary(v, ["num_batches", "host_batch", "tokens_per_batch"])
+                    | {"due": [s for s in range(1, 40) if v.should_validate(s)], "source": v._loader().source.name}
+                )
+            )
 
         out["validation"] = _outcome(validator)
     ck = T.build_checkpointer(cfg)
@@ -240,7 +270,8 @@ def plan(cfg) -> dict:
     logger = build_metrics_logger(cfg, 0, 10, stdout_is_terminal=True)
     try:
         out["metrics"] = _summary(logger, ["jsonl_path", "tb_dir", "log_freq", "color", "run_name", "wandb_mode"]) | {
-            "tensorboard": logger._tb is not None}
+            "tensorboard": logger._tb is not None
+        }
     finally:
         logger.close()
     return out
@@ -269,11 +300,20 @@ def test_changing_the_key_changes_what_the_trainer_does(key, tmp_path, monkeypat
     before = mesh.current_mesh()
     (tmp_path / "docs.txt").write_text("\n\n".join(f"document {i} " + "word " * 40 for i in range(40)))
     config_file = tmp_path / "job.toml"
-    config_file.write_text('[training]\nseq_len = 96\n[optimizer]\nlr = 0.003\n')
+    config_file.write_text("[training]\nseq_len = 96\n[optimizer]\nlr = 0.003\n")
     value, extra = PROBED[key]
     value = value.replace("DUMP", str(tmp_path)).replace("CONFIG_FILE", str(config_file))
-    base = ["--job.dump_folder", str(tmp_path / "out"), "--training.dataset", "bundled", "--training.seq_len", "32",
-            "--training.local_batch_size", "1", *extra]
+    base = [
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--training.dataset",
+        "bundled",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        *extra,
+    ]
     if key == "training.dataset":
         base = [a for a in base if a != "bundled"]
         base.remove("--training.dataset")

@@ -1,5 +1,6 @@
 """torchtpu-convert: every format in and out, checked against the writers' own readers
 (PyTorch's DCP, torch.load, safetensors, transformers) rather than against the converter."""
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,9 @@ def test_torch_hf_dcp_torch_roundtrip_and_bf16(tmp_path, titan_state):
     from transformers import LlamaForCausalLM
 
     torch.save(titan_state, tmp_path / "sd.pt")
-    convert(tmp_path / "sd.pt", tmp_path / "hf", "--to", "hf", "--flavor", "debugmodel",
-            "--max-shard-size", str(2 << 20))
+    convert(
+        tmp_path / "sd.pt", tmp_path / "hf", "--to", "hf", "--flavor", "debugmodel", "--max-shard-size", str(2 << 20)
+    )
     files = sorted(os.listdir(tmp_path / "hf"))
     assert "model.safetensors.index.json" in files and "config.json" in files
     # transformers reads it, and its logits are those of the torchtitan model
@@ -126,8 +128,9 @@ def test_wrong_flavor_is_one_line_error(tmp_path, titan_state, capsys):
 
 def test_module_entry_point_runs():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "torchtpu.convert", "--help"], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "torchtpu.convert", "--help"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "--to" in r.stdout and "dcp" in r.stdout
     with open(os.path.join(REPO, "pyproject.toml")) as f:
         assert 'torchtpu-convert = "torchtpu.convert:main"' in f.read()

@@ -5,13 +5,19 @@ reports a fraction of its work. The dry run costs the step from unrolled 2- and 
 programs and extrapolates to the model's depth; these tests check that against XLA's own figures for
 the unrolled program, on TPU v5p programs compiled ahead of time.
 """
+
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from torchtpu.distributed.topology import (
-    aot_compile, compile_report, depth_extrapolated_cost, libtpu_available, topology_mesh, while_loops,
+    aot_compile,
+    compile_report,
+    depth_extrapolated_cost,
+    libtpu_available,
+    topology_mesh,
 )
 
 pytestmark = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
@@ -73,8 +79,17 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
     from torchtpu.train.dry_run import _compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
 
-    argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-            "--dry-run", "--tpu.topology", TOPOLOGY, "--activation_checkpoint.mode", "full"]
+    argv = [
+        "--config",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--dry-run",
+        "--tpu.topology",
+        TOPOLOGY,
+        "--activation_checkpoint.mode",
+        "full",
+    ]
     t = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
     full = compile_report(_compile_step(t), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
@@ -95,8 +110,15 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
 
     assert dry_run(Trainer(cfg)) == 0
     out = capsys.readouterr().out
-    for needle in ("costing method", "estimated step", "tokens/s per chip", "MFU (estimate)",
-                   "largest temporaries", "activation recomputation 'full' expects 1.33x", "dry run: it fits"):
+    for needle in (
+        "costing method",
+        "estimated step",
+        "tokens/s per chip",
+        "MFU (estimate)",
+        "largest temporaries",
+        "activation recomputation 'full' expects 1.33x",
+        "dry run: it fits",
+    ):
         assert needle in out, out
     assert "upper bound" not in out
     assert "64-bit / complex" not in out

@@ -1,5 +1,6 @@
 """python -m torchtpu.generate: prefill + KV-cache decode on the job's mesh, against transformers'
 greedy `generate` on the same Hugging Face weights (CPU)."""
+
 from __future__ import annotations
 
 import os
@@ -59,11 +60,12 @@ def reference(hf_folder):
         x = torch.tensor([ids])
         # an explicit all-ones mask: otherwise transformers masks every prompt token equal to the pad id
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("layout", [("fsdp8", []), ("tp2_fsdp4", ["--parallelism.tensor_parallel_degree", "2"])],
-                         ids=lambda x: x[0])
+@pytest.mark.parametrize(
+    "layout", [("fsdp8", []), ("tp2_fsdp4", ["--parallelism.tensor_parallel_degree", "2"])], ids=lambda x: x[0]
+)
 def test_greedy_equals_transformers(hf_folder, reference, layout):
     from torchtpu.generate import generate, load_for_generation
 
@@ -82,10 +84,29 @@ def test_cli_prints_prompt_and_continuation_and_top1_sampling_is_greedy(hf_folde
 
     tok = build_tokenizer(None)
     # top-k 1 leaves one candidate: sampling at any temperature must give the greedy tokens
-    assert main(["--config", DEBUG_TOML, "--checkpoint", str(hf_folder), "--prompt", PROMPT,
-                 "--max-new-tokens", str(NEW), "--temperature", "0.7", "--top-k", "1", "--seed", "3"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                DEBUG_TOML,
+                "--checkpoint",
+                str(hf_folder),
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                str(NEW),
+                "--temperature",
+                "0.7",
+                "--top-k",
+                "1",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()[-1]
-    cont = reference[:reference.index(tok.eos_id)] if tok.eos_id in reference else reference
+    cont = reference[: reference.index(tok.eos_id)] if tok.eos_id in reference else reference
     assert out == (PROMPT + tok.decode(cont)).strip().splitlines()[-1]
 
 

@@ -3,6 +3,7 @@
 The oracle is code nobody here wrote: `transformers.LlamaForCausalLM` on the CPU reads the folder
 the trainer exports, and torchtitan's state-dict adapter defines names and the q/k permutation.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,9 +26,23 @@ SEQ, STEPS = 32, 3
 
 
 def argv(dump, *extra):
-    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", str(SEQ),
-            "--training.local_batch_size", "1", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", *extra]
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        str(SEQ),
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        *extra,
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +82,16 @@ def exported(tmp_path_factory):
     from torchtpu.train.trainer import Trainer
 
     dump = tmp_path_factory.mktemp("hf_export")
-    cfg = load_config(argv(dump, "--checkpoint.enable", "--checkpoint.interval", "100",
-                           "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"))
+    cfg = load_config(
+        argv(
+            dump,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "100",
+            "--checkpoint.last_save_model_only",
+            "--checkpoint.last_save_in_hf",
+        )
+    )
     a = Trainer(cfg)
     data_start = copy.deepcopy(a.dataloader.state_dict())
     a.train()
@@ -102,8 +124,16 @@ def test_export_loads_in_transformers_and_logits_match(exported):
 def test_import_first_loss_equals_exporting_runs_next_loss(exported, tmp_path):
     from torchtpu.train.trainer import Trainer
 
-    cfg = load_config(argv(tmp_path, "--training.steps", "1", "--checkpoint.initial_load_path", exported["folder"],
-                           "--checkpoint.initial_load_in_hf"))
+    cfg = load_config(
+        argv(
+            tmp_path,
+            "--training.steps",
+            "1",
+            "--checkpoint.initial_load_path",
+            exported["folder"],
+            "--checkpoint.initial_load_in_hf",
+        )
+    )
     c = Trainer(cfg)
     hist = c.train()
     print(f"imported job's first loss {hist[0]['loss']!r}, exporting job's next loss {exported['next_loss']!r}")
@@ -121,8 +151,9 @@ def test_weights_roundtrip_exactly(exported, tmp_path):
     from torchtpu.train.hf_checkpoint import save_model_as_hf
     from torchtpu.train.trainer import Trainer
 
-    cfg = load_config(argv(tmp_path, "--checkpoint.initial_load_path", exported["folder"],
-                           "--checkpoint.initial_load_in_hf"))
+    cfg = load_config(
+        argv(tmp_path, "--checkpoint.initial_load_path", exported["folder"], "--checkpoint.initial_load_in_hf")
+    )
     t = Trainer(cfg)
     t.maybe_resume()
     out = save_model_as_hf(tmp_path / "again", t.model, t.model_args, torch.float32, max_shard_bytes=1 << 20)
@@ -138,15 +169,26 @@ def test_weights_roundtrip_exactly(exported, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("layout", [("fsdp8", []), ("tp2_fsdp4", ["--parallelism.tensor_parallel_degree", "2"])],
-                         ids=lambda x: x[0])
+@pytest.mark.parametrize(
+    "layout", [("fsdp8", []), ("tp2_fsdp4", ["--parallelism.tensor_parallel_degree", "2"])], ids=lambda x: x[0]
+)
 def test_sharded_load_matches_unsharded(exported, tmp_path, layout):
     from torchtpu.train.trainer import Trainer
 
     name, extra = layout
     base = ["--checkpoint.initial_load_path", exported["folder"], "--checkpoint.initial_load_in_hf"]
-    ref_t = Trainer(load_config(argv(tmp_path / "rep", *base, "--parallelism.data_parallel_replicate_degree", "8",
-                                     "--parallelism.data_parallel_shard_degree", "1")))
+    ref_t = Trainer(
+        load_config(
+            argv(
+                tmp_path / "rep",
+                *base,
+                "--parallelism.data_parallel_replicate_degree",
+                "8",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            )
+        )
+    )
     ref_t.maybe_resume()
     p = dict(ref_t.model.named_parameters())["layers.0.attention.wq.weight"]
     assert torchtpu.to_jax(p).sharding.is_fully_replicated  # pure data parallel: whole parameters
@@ -174,8 +216,9 @@ def _write_folder(folder, model_args, max_shard_bytes=None, seed=0):
     entries = [(k, tuple(v.shape)) for k, v in m.state_dict().items()]
     g = torch.Generator().manual_seed(seed)
     kw = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-    return save_hf(folder, entries, lambda n: torch.randn(dict(entries)[n], generator=g) * 0.02, model_args,
-                   torch.float32, **kw)
+    return save_hf(
+        folder, entries, lambda n: torch.randn(dict(entries)[n], generator=g) * 0.02, model_args, torch.float32, **kw
+    )
 
 
 def test_vocab_and_shape_mismatch_are_one_line_config_errors(tmp_path):
@@ -187,8 +230,11 @@ def test_vocab_and_shape_mismatch_are_one_line_config_errors(tmp_path):
 
     big_vocab = _write_folder(tmp_path / "vocab", dataclasses.replace(llama3_args["debugmodel"], vocab_size=4096))
     with pytest.raises(ConfigError) as e:
-        Trainer(load_config(argv(tmp_path / "a", "--checkpoint.initial_load_path", big_vocab,
-                                 "--checkpoint.initial_load_in_hf"))).maybe_resume()
+        Trainer(
+            load_config(
+                argv(tmp_path / "a", "--checkpoint.initial_load_path", big_vocab, "--checkpoint.initial_load_in_hf")
+            )
+        ).maybe_resume()
     msg = str(e.value)
     print(msg)
     assert "\n" not in msg
@@ -197,8 +243,9 @@ def test_vocab_and_shape_mismatch_are_one_line_config_errors(tmp_path):
 
     wide = _write_folder(tmp_path / "wide", dataclasses.replace(llama3_args["debugmodel"], dim=512, n_heads=16))
     with pytest.raises(ConfigError) as e:
-        Trainer(load_config(argv(tmp_path / "b", "--checkpoint.initial_load_path", wide,
-                                 "--checkpoint.initial_load_in_hf"))).maybe_resume()
+        Trainer(
+            load_config(argv(tmp_path / "b", "--checkpoint.initial_load_path", wide, "--checkpoint.initial_load_in_hf"))
+        ).maybe_resume()
     msg = str(e.value)
     print(msg)
     assert "\n" not in msg
@@ -215,8 +262,10 @@ def test_rows_permutation_is_the_adapters():
     for args in (llama3_args["debugmodel"], llama3_args["8B"]):
         names = HFNames(args)
         hd = args.dim // args.n_heads
-        for hf_name, rows in (("model.layers.3.self_attn.q_proj.weight", args.dim),
-                              ("model.layers.3.self_attn.k_proj.weight", hd * (args.n_kv_heads or args.n_heads))):
+        for hf_name, rows in (
+            ("model.layers.3.self_attn.q_proj.weight", args.dim),
+            ("model.layers.3.self_attn.k_proj.weight", hd * (args.n_kv_heads or args.n_heads)),
+        ):
             w = torch.randn(rows, args.dim)
             _, ref = names.tensor_from_hf(hf_name, w)
             perm = names.rows_from_hf(hf_name, rows)
@@ -277,17 +326,31 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
     args = dataclasses.replace(llama3_args["debugmodel"], dim=1024, n_layers=4, n_heads=16, vocab_size=8192)
     folder = _write_folder(tmp_path / "model", args, max_shard_bytes=64 << 20)
     total = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-              if f.name not in ("_enforced", "rope_scaling_args")}
+    fields = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(args)
+        if f.name not in ("_enforced", "rope_scaling_args")
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     n = 4
-    procs = [subprocess.Popen([sys.executable, "-c", _MEMORY_WORKER, str(port), str(i), str(n), folder,
-                               json.dumps(fields)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MEMORY_WORKER, str(port), str(i), str(n), folder, json.dumps(fields)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
     outs = []
     try:
         for p in procs:
@@ -301,8 +364,10 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
         line = [ln for ln in out.splitlines() if ln.startswith("MEMORY ")][-1]
         results.append(json.loads(line.split(" ", 1)[1]))
     for r in results:
-        print(f"model {total / 2**20:.0f} MiB; this process holds {r['local_bytes'] / 2**20:.0f} MiB; "
-              f"peak resident growth during the load {r['peak_delta'] / 2**20:.0f} MiB "
-              f"({r['peak_delta'] / total:.2f} x the model)")
+        print(
+            f"model {total / 2**20:.0f} MiB; this process holds {r['local_bytes'] / 2**20:.0f} MiB; "
+            f"peak resident growth during the load {r['peak_delta'] / 2**20:.0f} MiB "
+            f"({r['peak_delta'] / total:.2f} x the model)"
+        )
         assert r["local_bytes"] < 0.3 * total
         assert r["peak_delta"] < 1.5 * r["local_bytes"], (r, total)  # its share plus transients, far from the model

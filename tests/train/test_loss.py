@@ -4,6 +4,7 @@ gradient, on the CPU itself, eagerly on tpu, under torchtpu.compile, and in the 
 over the 8 virtual devices (FSDP). With tensor parallelism the trainer computes the loss whole
 (the chunked loss under TP 2 x FSDP 4 aborted the process in its first step, "terminate called
 without an active exception": not supported yet; [training] loss_chunk_size's help says so)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ def _model():
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
     torch.manual_seed(0)
-    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ,
-                                rope_theta=10000)
+    args = TransformerModelArgs(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ, rope_theta=10000
+    )
     m = Transformer(args)
     with torch.no_grad():
         m.init_weights()
@@ -118,13 +120,31 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
     from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
-    toml = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train_configs",
-                        "debug_model.toml")
+    toml = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "train_configs",
+        "debug_model.toml",
+    )
     losses = {}
     for chunk in (0, 8):
-        argv = ["--config", toml, "--job.dump_folder", str(tmp_path / f"c{chunk}"), "--training.seq_len", "32",
-                "--training.local_batch_size", "1", "--training.steps", "3", "--metrics.log_freq", "1",
-                "--parallelism.tensor_parallel_degree", str(tp), "--training.loss_chunk_size", str(chunk)]
+        argv = [
+            "--config",
+            toml,
+            "--job.dump_folder",
+            str(tmp_path / f"c{chunk}"),
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            str(tp),
+            "--training.loss_chunk_size",
+            str(chunk),
+        ]
         t = Trainer(load_config(argv))
         losses[chunk] = [h["loss"] for h in t.train()]
         del t

@@ -6,6 +6,7 @@ computes them in f32, like PyTorch's CPU flash attention.
 The evidence is the program itself: the compiled step's StableHLO (CompiledFunction.as_text(optimized=False),
 what torchtpu hands to XLA; XLA's CPU backend later widens bf16 dots it cannot run natively, a TPU does not).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,22 @@ def assert_bf16_matmuls(dots):
 
 
 def argv(dump, *extra):
-    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.local_batch_size", "1", "--training.steps", "2", "--validation.no-enable",
-            "--training.mixed_precision_param", "bfloat16", *extra]
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "2",
+        "--validation.no-enable",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        *extra,
+    ]
 
 
 def compiled_step_dots(cfg):
@@ -94,8 +108,14 @@ def test_single_device_job(tmp_path, precision):
     """A real one-device job (its own process, XLA given one CPU device)."""
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     args = argv(tmp_path, "--training.mixed_precision_param", precision, "--tpu.xla_flags", "")
-    p = subprocess.run([sys.executable, "-c", SINGLE_DEVICE, json.dumps(args)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-c", SINGLE_DEVICE, json.dumps(args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))

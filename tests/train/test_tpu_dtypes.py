@@ -5,6 +5,7 @@ calls, after which its cost model gives no step-time estimate. The trainer feeds
 and does RoPE in real arithmetic; these tests hold the numbers to PyTorch's and scan the
 compiled TPU HLO.
 """
+
 import copy
 import dataclasses
 
@@ -81,8 +82,10 @@ def test_token_ids_are_int32_and_checked():
 
 
 def test_wide_types_counts_shapes_and_emulation_calls():
-    text = ('%p = s64[2,128]{1,0} parameter(0)\n%c = c64[8]{0} parameter(1)\n'
-            '%x = u32[2,128]{1,0} custom-call(%p), custom_call_target="X64SplitLow"\n%y = f32[] constant(0)')
+    text = (
+        "%p = s64[2,128]{1,0} parameter(0)\n%c = c64[8]{0} parameter(1)\n"
+        '%x = u32[2,128]{1,0} custom-call(%p), custom_call_target="X64SplitLow"\n%y = f32[] constant(0)'
+    )
     counts = wide_types(text)
     assert counts["s64"] == 1 and counts["c64"] == 1 and counts["u64"] == 0 and counts["x64_emulation_calls"] == 1
 
@@ -100,8 +103,9 @@ def _compiled_step_text(tmp_path, *extra, n_layers=None):
 
 @needs_libtpu
 def test_debug_step_for_v5p_has_no_64bit_or_complex_and_gets_an_estimate(tmp_path):
-    compiled, _ = _compiled_step_text(tmp_path, "--config", "train_configs/debug_model.toml",
-                                      "--activation_checkpoint.mode", "full")
+    compiled, _ = _compiled_step_text(
+        tmp_path, "--config", "train_configs/debug_model.toml", "--activation_checkpoint.mode", "full"
+    )
     text = compiled.as_text()
     assert not any(wide_types(text).values()), wide_types(text)
     ca = compiled.cost_analysis()

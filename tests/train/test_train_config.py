@@ -3,6 +3,7 @@
 Subprocess checks (real exit codes, no tracebacks) run concurrently once per module; the rest
 run in-process through torchtpu.cli.train_main, which is what the console script calls.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,8 +92,14 @@ def test_cli_help_lists_every_key_with_default(capsys):
     assert status == 0 and err == ""
     for path, spec in S._walk():
         option = "--" + ".".join(path)
-        line = next((ln for ln in out.splitlines() if ln.strip().startswith(option + " ")
-                     or ln.strip().startswith(option + ",")), None)
+        line = next(
+            (
+                ln
+                for ln in out.splitlines()
+                if ln.strip().startswith(option + " ") or ln.strip().startswith(option + ",")
+            ),
+            None,
+        )
         assert line is not None, f"{option} missing from --help"
         default = "unset" if spec.default is None else S._fmt(spec.default)
         assert f"(default: {default})" in line
@@ -102,8 +109,9 @@ def test_cli_help_lists_every_key_with_default(capsys):
 
 
 def test_cli_print_config_round_trips(capsys, tmp_path):
-    status, out, err = run_cli(["--config", str(CONFIGS / "debug_model.toml"), "--training.steps", "7",
-                                "--job.print_config"], capsys)
+    status, out, err = run_cli(
+        ["--config", str(CONFIGS / "debug_model.toml"), "--training.steps", "7", "--job.print_config"], capsys
+    )
     assert status == 0 and err == ""
     tomllib.loads(out)  # valid TOML
     printed = write(tmp_path, "printed.toml", out)
@@ -115,9 +123,12 @@ def test_cli_print_config_round_trips(capsys, tmp_path):
     assert a == b
 
 
-@pytest.mark.parametrize("case,needles", [
-    ("unknown_key", ["bad.toml", "[training]", "seq_lenn", "256", "did you mean 'seq_len'"]),
-])
+@pytest.mark.parametrize(
+    "case,needles",
+    [
+        ("unknown_key", ["bad.toml", "[training]", "seq_lenn", "256", "did you mean 'seq_len'"]),
+    ],
+)
 def test_cli_config_errors_exit_2_with_one_line(procs, case, needles):
     p = procs[case]
     assert p.returncode == 2
@@ -179,6 +190,7 @@ def test_names_and_defaults_match_torchtitan():
             continue
         assert theirs is not KeyError, f"{'.'.join(path)} is not a torchtitan 0.2.2 key"
         assert value == DEVIATIONS.get(path, theirs), f"default of {'.'.join(path)}"
+
     # Every torchtitan key is either ours or on the list that gets a "not supported" message.
     def titan_leaves(d, prefix=()):
         for k, v in d.items():
@@ -197,12 +209,15 @@ def test_names_and_defaults_match_torchtitan():
 def test_config_module_imports_only_the_standard_library():
     # The configuration modules, imported as a bare package so that neither torchtpu/__init__.py
     # nor torchtpu/train/__init__.py runs.
-    code = ("import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
-            "sys.modules['c'] = pkg; "
-            "[importlib.import_module('c.' + m) for m in ('job_config', 'config_manager', 'parallel_dims')]; "
-            "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))")
-    out = subprocess.run([PY, "-c", code, str(REPO / "torchtpu/train")], capture_output=True,
-                         text=True, check=True).stdout.strip()
+    code = (
+        "import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
+        "sys.modules['c'] = pkg; "
+        "[importlib.import_module('c.' + m) for m in ('job_config', 'config_manager', 'parallel_dims')]; "
+        "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))"
+    )
+    out = subprocess.run(
+        [PY, "-c", code, str(REPO / "torchtpu/train")], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"
 
 
@@ -212,13 +227,17 @@ def test_config_module_imports_only_the_standard_library():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "p.toml", """
+    path = write(
+        tmp_path,
+        "p.toml",
+        """
         [training]
         steps = 50
         local_batch_size = 4
         [optimizer]
         lr = 0.01
-    """)
+    """,
+    )
     cfg = C.load_config(["--training.steps", "9", "--config", path, "--training.steps=7"])
     assert cfg.training.steps == 7  # command line, last one wins, wherever --config is
     assert cfg.training.local_batch_size == 4 and cfg.optimizer.lr == 0.01  # file
@@ -230,15 +249,18 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert C.load_config([]) == S.JobConfig()
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--checkpoint.enable"], True),
-    (["--checkpoint.enable", "true"], True),
-    (["--checkpoint.enable", "false"], False),
-    (["--checkpoint.enable=0"], False),
-    (["--checkpoint.enable", "--checkpoint.no-enable"], False),
-    (["--checkpoint.no_enable"], False),
-    (["--checkpoint.no-enable", "--checkpoint.enable"], True),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--checkpoint.enable"], True),
+        (["--checkpoint.enable", "true"], True),
+        (["--checkpoint.enable", "false"], False),
+        (["--checkpoint.enable=0"], False),
+        (["--checkpoint.enable", "--checkpoint.no-enable"], False),
+        (["--checkpoint.no_enable"], False),
+        (["--checkpoint.no-enable", "--checkpoint.enable"], True),
+    ],
+)
 def test_bool_flags(tmp_path, argv, expected):
     path = write(tmp_path, "b.toml", "[checkpoint]\nenable = true\n" if not expected else "")
     cfg = C.load_config(["--config", path, *argv, "--training.steps", "3"])
@@ -247,10 +269,26 @@ def test_bool_flags(tmp_path, argv, expected):
 
 
 def test_general_flags_and_value_syntax():
-    cfg = C.load_config(["--dry-run", "--topology", "v5p:4x4x4", "--debug", "--debug.seed", "5",
-                         "--training.seq-len", "64", "--compile.components", "model",
-                         "--lr_scheduler.total_steps", "none", "--parallelism.data_parallel_shard_degree", "-1",
-                         "--training.gc_freq", "7"])
+    cfg = C.load_config(
+        [
+            "--dry-run",
+            "--topology",
+            "v5p:4x4x4",
+            "--debug",
+            "--debug.seed",
+            "5",
+            "--training.seq-len",
+            "64",
+            "--compile.components",
+            "model",
+            "--lr_scheduler.total_steps",
+            "none",
+            "--parallelism.data_parallel_shard_degree",
+            "-1",
+            "--training.gc_freq",
+            "7",
+        ]
+    )
     assert cfg.tpu.dry_run and cfg.tpu.topology == "v5p:4x4x4" and cfg.debug.verbose
     assert cfg.debug.seed == 5 and cfg.training.seq_len == 64 and cfg.compile.components == ["model"]
     assert cfg.lr_scheduler.total_steps is None and cfg.training.gc_freq == 7
@@ -264,9 +302,23 @@ def test_help_via_load_config():
 
 
 def test_to_toml_round_trips_every_kind_of_value(tmp_path):
-    cfg = C.load_config(["--debug.seed", "3", "--optimizer.lr", "1e-05", "--lr_scheduler.decay_ratio", "0.25",
-                         "--checkpoint.exclude_from_loading", "optimizer,dataloader", "--job.description",
-                         'quote " and \\ backslash', "--checkpoint.enable", "--training.max_norm", "2"])
+    cfg = C.load_config(
+        [
+            "--debug.seed",
+            "3",
+            "--optimizer.lr",
+            "1e-05",
+            "--lr_scheduler.decay_ratio",
+            "0.25",
+            "--checkpoint.exclude_from_loading",
+            "optimizer,dataloader",
+            "--job.description",
+            'quote " and \\ backslash',
+            "--checkpoint.enable",
+            "--training.max_norm",
+            "2",
+        ]
+    )
     text = cfg.to_toml()
     again = C.load_config(["--config", write(tmp_path, "r.toml", text)])
     a, b = again.to_dict(), cfg.to_dict()
@@ -330,9 +382,20 @@ def test_shipped_config_details():
 
 
 def test_validate_resolves_degrees_and_accumulation():
-    cfg = C.load_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree",
-                         "2", "--training.local_batch_size", "4", "--training.global_batch_size", "32",
-                         "--training.seq_len", "128"])
+    cfg = C.load_config(
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+            "--training.global_batch_size",
+            "32",
+            "--training.seq_len",
+            "128",
+        ]
+    )
     dims = P.validate(cfg, 8)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp) == (2, 2, 2, 1, 1)
     assert dims.dp == 4 and dims.grad_accum_steps == 2 and dims.global_batch_size == 32
@@ -370,8 +433,7 @@ def test_validate_rejects_bad_values_set_in_code():
 def test_xla_env_updates_environment_wins():
     cfg = C.load_config(["--tpu.xla_flags", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"])
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    assert C.xla_env_updates(cfg, env) == {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/d"}
+    assert C.xla_env_updates(cfg, env) == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/d"}
     assert C.xla_env_updates(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/x"}) == {}
     assert C.xla_env_updates(C.load_config([]), {}) == {}
 
@@ -383,36 +445,75 @@ def test_xla_env_updates_environment_wins():
 DEBUG = str(CONFIGS / "debug_model.toml")
 BAD_INPUTS = {
     # name: (toml text or None for debug_model.toml, extra argv, substrings of the message)
-    "unknown key (toml)": ("[training]\nseq_lenn = 256\n", [],
-                           ["bad.toml", "[training]", "seq_lenn", "256", "did you mean 'seq_len'"]),
-    "unknown key (cli)": (None, ["--optimizer.weight-decy", "0.1"],
-                          ["command line", "[optimizer]", "weight_decy", "0.1", "--optimizer.weight_decay"]),
+    "unknown key (toml)": (
+        "[training]\nseq_lenn = 256\n",
+        [],
+        ["bad.toml", "[training]", "seq_lenn", "256", "did you mean 'seq_len'"],
+    ),
+    "unknown key (cli)": (
+        None,
+        ["--optimizer.weight-decy", "0.1"],
+        ["command line", "[optimizer]", "weight_decy", "0.1", "--optimizer.weight_decay"],
+    ),
     "key in wrong section": ("[model]\nseq_len = 256\n", [], ["bad.toml", "[model]", "seq_len", "[training] seq_len"]),
     "unknown section": ("[trainig]\nsteps = 5\n", [], ["bad.toml", "[trainig]", "did you mean [training]"]),
-    "torchtitan-only key": ("[optimizer]\nimplementation = \"fused\"\n", [],
-                            ["bad.toml", "[optimizer]", "implementation", "fused", "not support"]),
-    "wrong type (toml)": ("[training]\nseq_len = \"long\"\n", [], ["bad.toml", "[training]", "seq_len", "long",
-                                                                  "integer"]),
-    "wrong type (cli)": (None, ["--training.local_batch_size", "eight"],
-                         ["command line", "[training]", "local_batch_size", "eight", "integer"]),
-    "bad bool (toml)": ("[checkpoint]\nenable = \"yes\"\n", [], ["bad.toml", "[checkpoint]", "enable", "yes",
-                                                                "true or false"]),
-    "bad choice": ("[lr_scheduler]\ndecay_type = \"exp\"\n", [],
-                   ["bad.toml", "[lr_scheduler]", "decay_type", "exp", "cosine"]),
+    "torchtitan-only key": (
+        '[optimizer]\nimplementation = "fused"\n',
+        [],
+        ["bad.toml", "[optimizer]", "implementation", "fused", "not support"],
+    ),
+    "wrong type (toml)": (
+        '[training]\nseq_len = "long"\n',
+        [],
+        ["bad.toml", "[training]", "seq_len", "long", "integer"],
+    ),
+    "wrong type (cli)": (
+        None,
+        ["--training.local_batch_size", "eight"],
+        ["command line", "[training]", "local_batch_size", "eight", "integer"],
+    ),
+    "bad bool (toml)": (
+        '[checkpoint]\nenable = "yes"\n',
+        [],
+        ["bad.toml", "[checkpoint]", "enable", "yes", "true or false"],
+    ),
+    "bad choice": (
+        '[lr_scheduler]\ndecay_type = "exp"\n',
+        [],
+        ["bad.toml", "[lr_scheduler]", "decay_type", "exp", "cosine"],
+    ),
     "bad range": (None, ["--training.steps", "0"], ["command line", "[training]", "steps = 0", "> 0"]),
-    "bad flavor": ("[model]\nflavor = \"7B\"\n", [], ["bad.toml", "[model]", "flavor", "7B", "8B"]),
-    "degree product": (None, ["--parallelism.data_parallel_shard_degree", "3", "--topology", "v5e:2x4"],
-                       ["debug_model.toml", "[parallelism]", "data_parallel_shard_degree = 3", "8 devices"]),
-    "rest does not divide": ("[parallelism]\ntensor_parallel_degree = 3\n", ["--topology", "v5e:2x4"],
-                             ["bad.toml", "[parallelism]", "tensor_parallel_degree = 3", "8"]),
-    "seq_len vs tp": ("[parallelism]\ntensor_parallel_degree = 2\n[training]\nseq_len = 127\n",
-                      ["--topology", "v5e:2x4"], ["bad.toml", "[training]", "seq_len = 127", "multiple of 2"]),
-    "global batch": (None, ["--training.global_batch_size", "100", "--topology", "v5e:2x4"],
-                     ["debug_model.toml", "[training]", "global_batch_size = 100", "multiple of", "16"]),
-    "missing tokenizer": ("[model]\nhf_assets_path = \"no/such/tokenizer\"\n", ["--topology", "v5e:2x4"],
-                          ["bad.toml", "[model]", "hf_assets_path", "no/such/tokenizer", "not found"]),
-    "missing data": (None, ["--training.dataset_path", "/no/such/data", "--topology", "v5e:2x4"],
-                     ["debug_model.toml", "[training]", "dataset_path", "/no/such/data", "not found"]),
+    "bad flavor": ('[model]\nflavor = "7B"\n', [], ["bad.toml", "[model]", "flavor", "7B", "8B"]),
+    "degree product": (
+        None,
+        ["--parallelism.data_parallel_shard_degree", "3", "--topology", "v5e:2x4"],
+        ["debug_model.toml", "[parallelism]", "data_parallel_shard_degree = 3", "8 devices"],
+    ),
+    "rest does not divide": (
+        "[parallelism]\ntensor_parallel_degree = 3\n",
+        ["--topology", "v5e:2x4"],
+        ["bad.toml", "[parallelism]", "tensor_parallel_degree = 3", "8"],
+    ),
+    "seq_len vs tp": (
+        "[parallelism]\ntensor_parallel_degree = 2\n[training]\nseq_len = 127\n",
+        ["--topology", "v5e:2x4"],
+        ["bad.toml", "[training]", "seq_len = 127", "multiple of 2"],
+    ),
+    "global batch": (
+        None,
+        ["--training.global_batch_size", "100", "--topology", "v5e:2x4"],
+        ["debug_model.toml", "[training]", "global_batch_size = 100", "multiple of", "16"],
+    ),
+    "missing tokenizer": (
+        '[model]\nhf_assets_path = "no/such/tokenizer"\n',
+        ["--topology", "v5e:2x4"],
+        ["bad.toml", "[model]", "hf_assets_path", "no/such/tokenizer", "not found"],
+    ),
+    "missing data": (
+        None,
+        ["--training.dataset_path", "/no/such/data", "--topology", "v5e:2x4"],
+        ["debug_model.toml", "[training]", "dataset_path", "/no/such/data", "not found"],
+    ),
     "bad topology": (None, ["--topology", "v5p-8"], ["command line", "[tpu]", "topology", "v5p-8", "v5p:4x4x4"]),
     "invalid toml": ("[training\nsteps = 5\n", [], ["bad.toml", "not valid TOML", "line 1"]),
     "missing file": ("", ["--config", "/no/such/config.toml"], ["/no/such/config.toml", "not found"]),
@@ -451,8 +552,9 @@ def test_config_error_inside_trainer_maps_to_exit_2(monkeypatch, capsys):
 
 def test_trainer_receives_config_and_its_status(monkeypatch, capsys):
     got = []
-    monkeypatch.setitem(sys.modules, "torchtpu.train.trainer",
-                        types.SimpleNamespace(main=lambda cfg: got.append(cfg) or 0))
+    monkeypatch.setitem(
+        sys.modules, "torchtpu.train.trainer", types.SimpleNamespace(main=lambda cfg: got.append(cfg) or 0)
+    )
     status, out, err = run_cli(["--config", DEBUG, "--training.steps", "3", "--dry-run"], capsys)
     assert status == 0 and err == ""
     assert got[0].training.steps == 3 and got[0].tpu.dry_run is True
@@ -469,5 +571,19 @@ def test_schema_is_dataclasses():
     cfg = S.JobConfig()
     assert dataclasses.is_dataclass(cfg) and dataclasses.is_dataclass(cfg.training.dataloader)
     assert [f.name for f in dataclasses.fields(cfg)] == [
-        "job", "profiling", "metrics", "model", "optimizer", "lr_scheduler", "training", "parallelism",
-        "checkpoint", "activation_checkpoint", "compile", "comm", "validation", "debug", "tpu"]
+        "job",
+        "profiling",
+        "metrics",
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "training",
+        "parallelism",
+        "checkpoint",
+        "activation_checkpoint",
+        "compile",
+        "comm",
+        "validation",
+        "debug",
+        "tpu",
+    ]

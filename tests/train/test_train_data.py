@@ -1,4 +1,5 @@
 """Bundled corpus and tokenizer, tokenizer loading, and the packed, sharded, resumable data loader."""
+
 import base64
 import gzip
 import json
@@ -44,7 +45,11 @@ def _write_jsonl(path, docs, gz=False):
 def _doc_ids_seen(tok, batches, prefix="doc"):
     """Document numbers whose full text appears in the decoded stream."""
     text = "".join(tok.decode(np.concatenate([x, y[:, -1:]], axis=1).ravel()) for x, y in batches)
-    return {int(part.split(" ", 1)[0]) for part in text.split(f"<|begin_of_text|>{prefix} ")[1:] if "<|end_of_text|>" in part}
+    return {
+        int(part.split(" ", 1)[0])
+        for part in text.split(f"<|begin_of_text|>{prefix} ")[1:]
+        if "<|end_of_text|>" in part
+    }
 
 
 # ---------------------------------------------------------------------------- bundled assets
@@ -111,7 +116,9 @@ def test_bundled_corpus_is_learnable(tok):
 
 def test_hf_tokenizer_from_folder_and_file(tmp_path):
     shutil.copy(BUNDLED_TOKENIZER, tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
     for path in (str(tmp_path), str(tmp_path / "tokenizer.json")):
         t = build_tokenizer(path)
         ids = t.encode("The cat says meow.")
@@ -177,7 +184,9 @@ def test_txt_paragraphs_jsonl_parquet_dir_and_glob(tmp_path, tok):
     (tmp_path / "d" / "part0.txt").write_text("\n\n\n".join(docs[:8]) + "\n")
     _write_jsonl(tmp_path / "d" / "part1.jsonl", docs[8:12])
     _write_jsonl(tmp_path / "d" / "part2.jsonl.gz", docs[12:16], gz=True)
-    pq.write_table(pa.table({"text": docs[16:], "n": list(range(8))}), tmp_path / "d" / "part3.parquet", row_group_size=3)
+    pq.write_table(
+        pa.table({"text": docs[16:], "n": list(range(8))}), tmp_path / "d" / "part3.parquet", row_group_size=3
+    )
     for path in (str(tmp_path / "d"), str(tmp_path / "d" / "part*")):
         # two epochs' worth of tokens: every document of every format shows up whole
         batches = _take(build_dataloader("local", path, tok, 8, 4, 0, 1), 30)
@@ -189,7 +198,9 @@ def test_local_c4_copy_reads_the_named_split(tmp_path, tok):
     _write_jsonl(tmp_path / "c4-train.00001-of-00002.json.gz", _docs(5, prefix="train"), gz=True)
     _write_jsonl(tmp_path / "c4-validation.00000-of-00001.json.gz", _docs(5, prefix="valid"), gz=True)
     for name, want, other in (("c4", "train", "valid"), ("c4_validation", "valid", "train")):
-        text = "".join(tok.decode(x.ravel()) for x, _ in _take(build_dataloader(name, str(tmp_path), tok, 8, 2, 0, 1), 12))
+        text = "".join(
+            tok.decode(x.ravel()) for x, _ in _take(build_dataloader(name, str(tmp_path), tok, 8, 2, 0, 1), 12)
+        )
         assert want in text and other not in text
 
 

@@ -1,5 +1,6 @@
 """FLOPs per token, peak FLOP/s, the metrics logger (jsonl, console, TensorBoard, W&B offline),
 and the learning-rate schedule against torchtitan's own."""
+
 import json
 import os
 import subprocess
@@ -38,8 +39,15 @@ def test_flops_per_token_matches_torchtitan(flavor, seq_len):
 
 @pytest.mark.parametrize(
     "kind,tflops,name",
-    [("TPU v4", 275, "TPU v4"), ("TPU v5 lite", 197, "TPU v5e"), ("TPU v5e", 197, "TPU v5e"), ("TPU v5", 459, "TPU v5p"),
-     ("TPU v5p", 459, "TPU v5p"), ("TPU v6 lite", 918, "TPU v6e"), ("TPU v6e", 918, "TPU v6e")],
+    [
+        ("TPU v4", 275, "TPU v4"),
+        ("TPU v5 lite", 197, "TPU v5e"),
+        ("TPU v5e", 197, "TPU v5e"),
+        ("TPU v5", 459, "TPU v5p"),
+        ("TPU v5p", 459, "TPU v5p"),
+        ("TPU v6 lite", 918, "TPU v6e"),
+        ("TPU v6e", 918, "TPU v6e"),
+    ],
 )
 def test_peak_flops_tpu_table(kind, tflops, name):
     assert peak_flops(kind) == (tflops * 1e12, f"table: {name}")
@@ -66,8 +74,16 @@ def test_peak_flops_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def _metrics(step):
-    return {"loss": 5.0 / step, "grad_norm": 1.5, "lr": 3e-4 * step, "tps": 1234.5, "tflops": 0.5, "mfu": 12.5,
-            "step_time": 0.25, "memory_gib": 1.5}
+    return {
+        "loss": 5.0 / step,
+        "grad_norm": 1.5,
+        "lr": 3e-4 * step,
+        "tps": 1234.5,
+        "tflops": 0.5,
+        "mfu": 12.5,
+        "step_time": 0.25,
+        "memory_gib": 1.5,
+    }
 
 
 def test_logger_jsonl_console_and_tensorboard(tmp_path, capsys):
@@ -125,8 +141,13 @@ def test_logger_wandb_offline(tmp_path):
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
-               WANDB_CACHE_DIR=str(tmp_path / "cache"), WANDB_DATA_DIR=str(tmp_path / "data"))
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
+        WANDB_CACHE_DIR=str(tmp_path / "cache"),
+        WANDB_DATA_DIR=str(tmp_path / "data"),
+    )
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "MODE offline" in res.stdout
@@ -163,8 +184,12 @@ def test_lr_schedule_matches_torchtitan(case):
         ours = build_lr_scheduler(ours_opt, **case)
         theirs = build_lr_schedulers(
             [theirs_opt],
-            LRConfig(warmup_steps=case["warmup_steps"], decay_ratio=case["decay_ratio"], decay_type=case["decay_type"],
-                     min_lr_factor=case["min_lr_factor"]),
+            LRConfig(
+                warmup_steps=case["warmup_steps"],
+                decay_ratio=case["decay_ratio"],
+                decay_type=case["decay_type"],
+                min_lr_factor=case["min_lr_factor"],
+            ),
             case["training_steps"],
         )
         for step in range(case["training_steps"]):

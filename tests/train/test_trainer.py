@@ -6,6 +6,7 @@ steps. The same job runs in-process twice (uninterrupted with checkpoints, then 
 gives both the loss-parity and the resume checks; the `make train` equivalent runs as a real
 process through the command line.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,23 @@ SEQ, LBS, STEPS = 32, 1, 6
 
 
 def small_argv(dump, *extra):
-    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", str(SEQ),
-            "--training.local_batch_size", str(LBS), "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "3", *extra]
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        str(SEQ),
+        "--training.local_batch_size",
+        str(LBS),
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "3",
+        *extra,
+    ]
 
 
 def cpu_state(model):
@@ -58,8 +73,17 @@ def runs(tmp_path_factory):
     from torchtpu.train.trainer import Trainer
 
     dump = tmp_path_factory.mktemp("trainer")
-    argv = small_argv(dump, "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
-                      "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    argv = small_argv(
+        dump,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
     cfg = load_config(argv)
     a = Trainer(cfg)
     init = cpu_state(a.model)
@@ -70,8 +94,16 @@ def runs(tmp_path_factory):
     cfg_b = load_config(argv + ["--checkpoint.load_step", "3"])
     b = Trainer(cfg_b)
     hist_b = b.train()
-    return {"cfg": cfg, "init": init, "a": hist_a, "b": hist_b, "dump": dump, "traces": traces, "final": final,
-            "argv": argv}
+    return {
+        "cfg": cfg,
+        "init": init,
+        "a": hist_a,
+        "b": hist_b,
+        "dump": dump,
+        "traces": traces,
+        "final": final,
+        "argv": argv,
+    }
 
 
 def reference_losses(cfg, init, steps):
@@ -80,8 +112,8 @@ def reference_losses(cfg, init, steps):
 
     from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.lr import build_lr_scheduler
-    from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.tokenizer import build_tokenizer
     from torchtpu.train.trainer import cross_entropy_loss
 
     tok = build_tokenizer(None)
@@ -90,12 +122,20 @@ def reference_losses(cfg, init, steps):
     missing, unexpected = model.load_state_dict(init, strict=False)
     assert not unexpected and all("freqs_cis" in k for k in missing)
     o, ls = cfg.optimizer, cfg.lr_scheduler
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
-    sched = build_lr_scheduler(opt, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
-                               cfg.training.steps)
-    loader = build_global_batch_loader(cfg.training.dataset, cfg.training.dataset_path, tok, cfg.training.seq_len,
-                                       cfg.training.local_batch_size * 8, seed=cfg.debug.seed)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
+    sched = build_lr_scheduler(
+        opt, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor, cfg.training.steps
+    )
+    loader = build_global_batch_loader(
+        cfg.training.dataset,
+        cfg.training.dataset_path,
+        tok,
+        cfg.training.seq_len,
+        cfg.training.local_batch_size * 8,
+        seed=cfg.debug.seed,
+    )
     losses = []
     for _ in range(steps):
         x, y = next(loader)
@@ -172,17 +212,29 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     assert more.maybe_resume() and more.step == 3
     del more
     with pytest.raises(CheckpointError, match="initial_load_path"):
-        Trainer(load_config(runs["argv"] + ["--training.steps", "8", "--checkpoint.load_step", str(STEPS)])).maybe_resume()
+        Trainer(
+            load_config(runs["argv"] + ["--training.steps", "8", "--checkpoint.load_step", str(STEPS)])
+        ).maybe_resume()
     # a new job (checkpointing off) starting from the exported weights
-    new = Trainer(load_config(small_argv(tmp_path, "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"))))
+    new = Trainer(
+        load_config(small_argv(tmp_path, "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}")))
+    )
     assert not new.maybe_resume() and new.step == 0
     got = cpu_state(new.model)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     # asking for the whole state of a model-only save is a config error naming the fix
     from torchtpu.train.job_config import ConfigError
 
-    bad = Trainer(load_config(small_argv(tmp_path / "b", "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"),
-                                         "--checkpoint.no-initial_load_model_only")))
+    bad = Trainer(
+        load_config(
+            small_argv(
+                tmp_path / "b",
+                "--checkpoint.initial_load_path",
+                os.path.join(folder, f"step_{STEPS}"),
+                "--checkpoint.no-initial_load_model_only",
+            )
+        )
+    )
     with pytest.raises(ConfigError, match="initial_load_model_only = true"):
         bad.maybe_resume()
 
@@ -192,8 +244,17 @@ def test_tensor_parallel_trainer_matches_fsdp(runs, tmp_path):
     weights, on the same global batches: the first 3 losses equal run A's (FSDP8)."""
     from torchtpu.train.trainer import Trainer
 
-    cfg = load_config(small_argv(tmp_path, "--parallelism.tensor_parallel_degree", "2", "--training.steps", "3",
-                                 "--training.local_batch_size", str(2 * LBS)))
+    cfg = load_config(
+        small_argv(
+            tmp_path,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.steps",
+            "3",
+            "--training.local_batch_size",
+            str(2 * LBS),
+        )
+    )
     t = Trainer(cfg)
     assert t.dims.tp == 2 and t.dims.dp == 4 and t.dims.global_batch_size == runs["cfg"].training.local_batch_size * 8
     init = runs["init"]
@@ -247,15 +308,24 @@ def test_config_errors_exit_2_one_line(tmp_path, capsys):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    status = train_main(["--config", DEBUG_TOML, "--model.hf_assets_path", str(tmp_path),
-                         "--job.dump_folder", str(tmp_path / "out")])
+    status = train_main(
+        ["--config", DEBUG_TOML, "--model.hf_assets_path", str(tmp_path), "--job.dump_folder", str(tmp_path / "out")]
+    )
     err = capsys.readouterr().err
     assert status == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "3003" in lines[0] and "2048" in lines[0] and "hf_assets_path" in lines[0], err
 
-    status = train_main(["--config", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3",
-                         "--job.dump_folder", str(tmp_path / "out")])
+    status = train_main(
+        [
+            "--config",
+            DEBUG_TOML,
+            "--parallelism.data_parallel_shard_degree",
+            "3",
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2, err
     lines = err.strip().splitlines()
@@ -267,10 +337,28 @@ def test_debug_config_trains_through_the_cli(tmp_path):
     """`make train` in small: the shipped debug config, run as a program, writes metrics.jsonl and learns."""
     dump = tmp_path / "debug"
     steps = 20
-    argv = [PY, "-m", "torchtpu.train", "--config", DEBUG_TOML, "--job.dump_folder", str(dump),
-            "--training.steps", str(steps), "--training.local_batch_size", "1", "--training.seq_len", "64",
-            "--lr_scheduler.warmup_steps", "4", "--metrics.log_freq", "5",
-            "--profiling.enable_profiling", "--profiling.profile_freq", "10"]
+    argv = [
+        PY,
+        "-m",
+        "torchtpu.train",
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--lr_scheduler.warmup_steps",
+        "4",
+        "--metrics.log_freq",
+        "5",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "10",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the config's [tpu] xla_flags must do it
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -305,6 +393,10 @@ def test_dry_run_compiles_without_allocating(tmp_path, capsys):
     # parameters and optimizer state were never created on any device
     params = list(t.model.parameters())
     assert params and all(storage_of(p).array is None for p in params)
-    assert all(storage_of(v).array is None for st in t.optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
+    assert all(
+        storage_of(v).array is None
+        for st in t.optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
     assert not os.path.exists(tmp_path / "metrics.jsonl")

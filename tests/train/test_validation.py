@@ -4,6 +4,7 @@ Real torchtitan debug model, real bundled corpus (its held-out split), the compi
 program over the same sharded parameters as training. The CPU (plain PyTorch on the trainer's
 weights, the same held-out batches) is the oracle for the value.
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,10 +34,29 @@ def _keep_current_mesh():
 
 
 def argv(dump, *extra):
-    return ["--config", DEBUG_TOML, "--job.dump_folder", str(dump), "--training.seq_len", "32",
-            "--training.local_batch_size", "1", "--training.steps", "8", "--metrics.log_freq", "4",
-            "--lr_scheduler.warmup_steps", "2", "--validation.seq_len", "32", "--validation.local_batch_size", "1",
-            "--validation.freq", "4", *extra]
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--validation.seq_len",
+        "32",
+        "--validation.local_batch_size",
+        "1",
+        "--validation.freq",
+        "4",
+        *extra,
+    ]
 
 
 def cpu_validation_loss(cfg, model, batches, dp=8):
@@ -44,9 +64,9 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
     from torchtitan.models.llama3 import Transformer
 
     from torchtpu.train.data import build_global_batch_loader
-    from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.loss import cross_entropy_loss
+    from torchtpu.train.model_builder import build_model_args
+    from torchtpu.train.tokenizer import build_tokenizer
 
     tok = build_tokenizer(None)
     ref = Transformer(build_model_args(cfg, tok.vocab_size))
@@ -54,8 +74,9 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and all("freqs_cis" in k for k in missing)
     v = cfg.validation
-    loader = build_global_batch_loader(v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp,
-                                       infinite=v.steps != -1)
+    loader = build_global_batch_loader(
+        v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp, infinite=v.steps != -1
+    )
     losses = []
     with torch.no_grad():
         for _ in range(batches):
@@ -88,8 +109,10 @@ def test_validation_logs_a_falling_loss_that_matches_the_cpu(tmp_path):
 
     docs = bundled_documents("validation")
     order = np.random.default_rng([0, 0]).permutation(len(docs))
-    row_tokens = [sum(len(t.tokenizer.encode(docs[order[i]], bos=True, eos=True)) for i in range(r, len(docs), 8))
-                  for r in range(8)]
+    row_tokens = [
+        sum(len(t.tokenizer.encode(docs[order[i]], bos=True, eos=True)) for i in range(r, len(docs), 8))
+        for r in range(8)
+    ]
     n = val[8]["validation/batches"]
     assert len(docs) == BUNDLED_VALIDATION_DOCS
     assert n == t.validator.num_batches == min(row_tokens) // 33 > 1
@@ -113,8 +136,19 @@ def test_validation_under_tensor_parallelism_and_fixed_steps(tmp_path):
     """TP2 x FSDP4 with loss parallelism, validation.steps = 3 batches: the same value as the CPU."""
     from torchtpu.train.trainer import Trainer
 
-    cfg = load_config(argv(tmp_path, "--parallelism.tensor_parallel_degree", "2", "--validation.steps", "3",
-                           "--training.steps", "2", "--validation.freq", "100"))
+    cfg = load_config(
+        argv(
+            tmp_path,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--validation.steps",
+            "3",
+            "--training.steps",
+            "2",
+            "--validation.freq",
+            "100",
+        )
+    )
     t = Trainer(cfg)
     hist = t.train()
     assert [h["step"] for h in hist if "validation/loss" in h] == [1]  # torchtitan: step 1, then every freq

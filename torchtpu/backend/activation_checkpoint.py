@@ -7,6 +7,7 @@ original forward (common subexpression elimination) and keep the activations ali
 all. The recomputation therefore starts from its inputs passed through an XLA optimization
 barrier, as jax.checkpoint does, which keeps the two computations apart.
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,7 +67,7 @@ def _strip_wrapper(module, state_dict, prefix, local_metadata):
     # state_dict() names stay the wrapped module's own (checkpoints do not depend on whether
     # activation checkpointing, or the layer scan that replaces it, was on); order is kept
     inner = prefix + "module."
-    items = [(prefix + k[len(inner):] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
+    items = [(prefix + k[len(inner) :] if k.startswith(inner) else k, v) for k, v in state_dict.items()]
     state_dict.clear()
     state_dict.update(items)
     return state_dict
@@ -75,7 +76,7 @@ def _strip_wrapper(module, state_dict, prefix, local_metadata):
 def _add_wrapper(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     inner = prefix + "module."
     for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+        state_dict[inner + k[len(prefix) :]] = state_dict.pop(k)
 
 
 class _Checkpointed(torch.nn.Module):

@@ -6,6 +6,7 @@ ahead of time (`CompiledFunction.compile_for`, the trainer's dry run) needs no a
 `abstract_storage` describes a storage by shape, dtype and sharding, and `aot_compile`
 compiles for any devices, including a TPU topology's on a machine without TPUs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,6 @@ import contextlib
 import jax
 
 from . import dtypes
-
 
 _DUMP_DIR: list = [None]
 

@@ -53,6 +53,7 @@ Known limit: a program assumes the tensors in each role are the objects it was t
 `zero_grad(set_to_none=False)` there, or zero the gradients at the start of the step. Numbers reached deeper (attributes of objects, other functions' globals)
   are constants of the trace, as under `jax.jit`: pass values that change as tensor arguments.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,12 +71,28 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import dtypes
 from . import random as tpu_random
 from .aot import (
-    abstract_storage, aot_compile, committed, keep_sharding, program_mesh, replicated, storage_sharding_hint,
+    abstract_storage,
+    aot_compile,
+    committed,
+    keep_sharding,
+    program_mesh,
+    replicated,
+    storage_sharding_hint,
     unique_arrays,
 )
 from .compile_capture import (
-    HostWatch, NewOptimizer, OptimizerGraphCapture, OptimizerRecorder, StorageRecorder, TraceCapture, abstract_warmup,
-    function_numbers, key_change, lift_optimizers, move_optimizer_host_state, optimizer_device_index,
+    HostWatch,
+    NewOptimizer,
+    OptimizerGraphCapture,
+    OptimizerRecorder,
+    StorageRecorder,
+    TraceCapture,
+    abstract_warmup,
+    function_numbers,
+    key_change,
+    lift_optimizers,
+    move_optimizer_host_state,
+    optimizer_device_index,
 )
 from .state import CONFIG, observing, tracing
 from .tensor import Storage, TpuTensor, new_base, storage_of
@@ -164,8 +181,20 @@ def _guard_value(v):
 
 
 class _Entry:
-    __slots__ = ("executable", "jitted", "lowered_text", "state", "created", "out_tree", "out_kinds", "n_random", "arg_storages",
-                 "state_shardings", "mesh", "host")
+    __slots__ = (
+        "executable",
+        "jitted",
+        "lowered_text",
+        "state",
+        "created",
+        "out_tree",
+        "out_kinds",
+        "n_random",
+        "arg_storages",
+        "state_shardings",
+        "mesh",
+        "host",
+    )
 
 
 class _CallInputs:
@@ -256,8 +285,11 @@ class CompiledFunction:
             if self.entries:
                 STATS.retraces += 1
                 if _log_enabled():
-                    print(f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
-                          f"{key_change(self.last_key, key)}", file=sys.stderr)
+                    print(
+                        f"[torchtpu] torchtpu.compile({getattr(self.fn, '__qualname__', self.fn)}): traced again: "
+                        f"{key_change(self.last_key, key)}",
+                        file=sys.stderr,
+                    )
             try:
                 with BUILDS.building():
                     entry, holder = self._trace(flat, tree, inputs)
@@ -404,8 +436,13 @@ class CompiledFunction:
         if entry.mesh is not None:
             arg_arrays = [committed(a, 0, entry.mesh) for a in arg_arrays]
         if hyper is not None or host_arrays:
-            target = (replicated(entry.mesh) if entry.mesh is not None
-                      else state_arrays[0].sharding if state_arrays else jax.devices()[0])
+            target = (
+                replicated(entry.mesh)
+                if entry.mesh is not None
+                else state_arrays[0].sharding
+                if state_arrays
+                else jax.devices()[0]
+            )
             hyper = jax.device_put(hyper, target) if hyper is not None else None
             host_arrays = [jax.device_put(a, target) for a in host_arrays]
         gen = tpu_random.generator(0)
@@ -459,7 +496,9 @@ class CompiledFunction:
         inputs = self._call_inputs()
         entry, holder = self._trace(flat, tree, inputs)
         tensors = [flat[i] for i in entry.arg_storages]
-        mesh = program_mesh([storage_sharding_hint(st) for st in entry.state] + [storage_sharding_hint(storage_of(t)) for t in tensors])
+        mesh = program_mesh(
+            [storage_sharding_hint(st) for st in entry.state] + [storage_sharding_hint(storage_of(t)) for t in tensors]
+        )
         state_sds = [abstract_storage(st, mesh) for st in entry.state]
         arg_sds = [abstract_storage(storage_of(t), mesh) for t in tensors]
         key = tpu_random.key_data_for_step(tpu_random.generator(0))
@@ -467,8 +506,7 @@ class CompiledFunction:
         entry.state_shardings = [a.sharding for a in state_sds]
         entry.mesh = mesh
         whole = replicated(mesh) if mesh is not None else None
-        hyper_sds = (jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=whole)
-                     if inputs.values else None)
+        hyper_sds = jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=whole) if inputs.values else None
         host_sds = [jax.ShapeDtypeStruct(t.shape, dtypes.torch_to_numpy(t).dtype, sharding=whole) for t in inputs.host]
         lowered = entry.jitted.lower(state_sds, arg_sds, key_sds, hyper_sds, host_sds)
         entry.executable = aot_compile(lowered)

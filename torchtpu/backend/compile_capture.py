@@ -5,6 +5,7 @@ the storages a call reads and creates (its state), the optimizers it steps (thei
 hyperparameters are lifted or guarded), the CPU tensors tpu ops read (program inputs), and
 the Python numbers the function reads from its closure and globals (guarded).
 """
+
 from __future__ import annotations
 
 import gc
@@ -48,8 +49,12 @@ class TraceCapture:
         self.created_ids.add(id(st))
 
     def __call__(self, st, a):
-        if (a is not None and not isinstance(a, jax.core.Tracer) and id(st) not in self.state_ids
-                and id(st) not in self.created_ids):
+        if (
+            a is not None
+            and not isinstance(a, jax.core.Tracer)
+            and id(st) not in self.state_ids
+            and id(st) not in self.created_ids
+        ):
             self.stray.append(st)
         return a
 

@@ -1,4 +1,5 @@
 """`tpu` as a PyTorch device: PrivateUse1 registration and the `torch.tpu` module."""
+
 from __future__ import annotations
 
 import functools

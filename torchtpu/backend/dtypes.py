@@ -1,4 +1,5 @@
 """The one mapping between torch and JAX dtypes."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp

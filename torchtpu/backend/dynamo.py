@@ -50,6 +50,7 @@ trace (`dynamo_graph_traces`) and launch (`dynamo_graph_calls`), and with
 `TORCHTPU_LOG_RECOMPILES=1` each recompile is printed with the inputs whose shape/dtype
 changed (and Dynamo's own guard-failure reason).
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,8 @@ import torch
 
 from . import random as tpu_random
 from .state import tracing
-from .views import array_of
 from .tensor import NOT_DENSE, TpuTensor, memory_order, new_base, storage_of
+from .views import array_of
 
 # ----------------------------------------------------------------------------- counters
 
@@ -124,8 +125,7 @@ def install() -> None:
     wrap_tensor = VariableBuilder.wrap_tensor
 
     def wrap_tpu_tensor(self, value):
-        if (not dconfig.assume_static_by_default or not dconfig.automatic_dynamic_shapes
-                or not _is_tpu_backend(self.tx)):
+        if not dconfig.assume_static_by_default or not dconfig.automatic_dynamic_shapes or not _is_tpu_backend(self.tx):
             return wrap_tensor(self, value)
         # dynamic=None with the tpu backend: static shapes (mark_dynamic still applies)
         with dconfig.patch(automatic_dynamic_shapes=False):
@@ -181,8 +181,10 @@ class _CompiledGraph:
         STATS.graph_traces += 1
         if self.out_specs and _log_enabled():
             shapes = [list(a.shape) for a in arrays]
-            _log(f"compiling the {self.name} graph again for new concrete sizes (symbolic sizes {list(statics)}, "
-                 f"input shapes {shapes}): the graph has dynamic shapes, XLA programs have static ones")
+            _log(
+                f"compiling the {self.name} graph again for new concrete sizes (symbolic sizes {list(statics)}, "
+                f"input shapes {shapes}): the graph has dynamic shapes, XLA programs have static ones"
+            )
         it_a = iter(arrays)
         it_s = iter(statics)
         args = []

@@ -7,6 +7,7 @@ shapes/dtypes/shardings; while tracing (inside a compiled program, or a decompos
 traced) the lowering is called directly on tracers, so a whole program becomes one XLA
 computation. PyTorch's meta kernels give the output dtypes the lowering's results are cast to.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,6 @@ from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
 from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
 from .tensor import TpuTensor, new_base
 from .views import array_of
-
 
 _T = "\x00T"  # a tpu tensor
 _C = "\x00C"  # a CPU tensor (0-dim scalars mixed with device tensors)
@@ -307,7 +307,7 @@ def run(plan: OpPlan, func, args, kwargs):
         try:
             hash(key)
         except TypeError:
-            raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}")
+            raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}") from None
         exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
     STATS.calls += 1
     if CONFIG.sync_dispatch:
@@ -378,4 +378,3 @@ def returns(plan, args, kwargs, rets):
     if len(outs) == 1 and len(plan.func._schema.returns) == 1:
         return outs[0]
     return tuple(outs)
-

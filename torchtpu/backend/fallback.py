@@ -1,5 +1,6 @@
 """What runs beside the XLA path: the CPU fallback for ops without a lowering
 (TORCHTPU_CPU_FALLBACK=1), debug mode's check for NaN/Inf (TORCHTPU_DEBUG=1), and repr."""
+
 from __future__ import annotations
 
 import linecache
@@ -43,7 +44,9 @@ def _to_tpu_like(x, device_index):
 def cpu_fallback(func, args, kwargs):
     if func not in WARNED:
         WARNED.add(func)
-        warnings.warn(f"torchtpu: running {func} on the CPU (TORCHTPU_CPU_FALLBACK=1); it has no XLA lowering", stacklevel=3)
+        warnings.warn(
+            f"torchtpu: running {func} on the CPU (TORCHTPU_CPU_FALLBACK=1); it has no XLA lowering", stacklevel=3
+        )
     index = device_index_of(args, kwargs)
     cargs = to_cpu(list(args))
     ckwargs = {k: to_cpu(v) for k, v in kwargs.items()}
@@ -86,7 +89,11 @@ def check_finite(func, out):
             a.block_until_ready()
             if not bool(jnp.all(jnp.isfinite(a))):
                 frame = _user_frame()
-                where = f" at {frame.filename}:{frame.lineno}: {linecache.getline(frame.filename, frame.lineno).strip()}" if frame else ""
+                where = (
+                    f" at {frame.filename}:{frame.lineno}: {linecache.getline(frame.filename, frame.lineno).strip()}"
+                    if frame
+                    else ""
+                )
                 kind = "NaN" if bool(jnp.any(jnp.isnan(a))) else "Inf"
                 raise NonFiniteError(f"torchtpu debug mode: {func} produced {kind}{where}")
 

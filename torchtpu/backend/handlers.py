@@ -3,6 +3,7 @@ the kind of its plan (plans.py): functional ops run (execute.py) and wrap fresh 
 views add a step to the view chain, mutating ops compute new values functionally and write
 them back through the storage (views.py), custom ops go to their handler (optable.custom).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,10 +28,22 @@ aten = torch.ops.aten
 
 # ----------------------------------------------------------------------------- entry point
 
-_LIKE_FACTORIES = frozenset({
-    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like,
-    aten.randint_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_empty_strided, aten.new_full,
-})
+_LIKE_FACTORIES = frozenset(
+    {
+        aten.empty_like,
+        aten.zeros_like,
+        aten.ones_like,
+        aten.full_like,
+        aten.rand_like,
+        aten.randn_like,
+        aten.randint_like,
+        aten.new_zeros,
+        aten.new_ones,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.new_full,
+    }
+)
 _NO_KWARGS: dict = {}
 
 
@@ -173,18 +186,27 @@ def write_value(t, new, resize=False):
     if new.dtype != jdt:
         src = dtypes.to_torch_dtype(new.dtype)
         if not torch.can_cast(src, t.dtype) and not STATE.trace_depth and not getattr(t, "_tt_allow_cast", False):
-            raise RuntimeError(f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(t.dtype)}")
+            raise RuntimeError(
+                f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(t.dtype)}"
+            )
         new = cast(new, jdt)
     write(t, new)
 
 
 def _pretty(dt):
-    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
-            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16",
-            torch.complex64: "ComplexFloat"}.get(dt, str(dt))
+    return {
+        torch.float32: "Float",
+        torch.float64: "Double",
+        torch.int64: "Long",
+        torch.int32: "Int",
+        torch.bool: "Bool",
+        torch.float16: "Half",
+        torch.bfloat16: "BFloat16",
+        torch.complex64: "ComplexFloat",
+    }.get(dt, str(dt))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cast_fn(dtype):
     return jax.jit(lambda a: a.astype(dtype))
 
@@ -200,8 +222,11 @@ def resize_tensor(t: TpuTensor, shape):
     if t._vw:
         raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
     # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead.
-    set_meta(aten.set_.source_Storage_storage_offset,
-              (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))), {})
+    set_meta(
+        aten.set_.source_Storage_storage_offset,
+        (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))),
+        {},
+    )
     st = t._st
     st.shape = tuple(shape)
     st.array = None
@@ -249,9 +274,9 @@ def _view(func, args, kwargs):
     if meta is None:
         if func not in LOWERINGS:
             raise unsupported(func)
-        m = torch.empty_strided(
-            (_meta_storage_numel(base),), (1,), dtype=base.dtype, device="meta"
-        ).as_strided(tuple(base.shape), base.stride(), base.storage_offset())
+        m = torch.empty_strided((_meta_storage_numel(base),), (1,), dtype=base.dtype, device="meta").as_strided(
+            tuple(base.shape), base.stride(), base.storage_offset()
+        )
         with no_dispatch():
             out = func(m, *statics)
         if isinstance(out, (list, tuple)):
@@ -260,8 +285,11 @@ def _view(func, args, kwargs):
             meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
         _VIEW_META[key] = meta
     st = base._st
-    if (type(meta) is tuple and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
-            and func not in _VALUE_CHANGING_VIEWS):
+    if (
+        type(meta) is tuple
+        and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
+        and func not in _VALUE_CHANGING_VIEWS
+    ):
         # alias, detach, same-shape view/expand...: the same elements of the same storage,
         # so no extra view step (parameters stay bases, and optimizer updates stay cheap)
         return TpuTensor(st, base._vw, meta[0], meta[3], strides=meta[1], offset=meta[2])
@@ -276,7 +304,8 @@ def _view(func, args, kwargs):
         if st.order is NOT_DENSE:
             raise NotImplementedError(
                 f"torchtpu: as_strided on a tensor made with strides {tuple(base.stride())} that leave gaps or "
-                "overlap; make it with contiguous strides (torch.empty) or call .contiguous() first")
+                "overlap; make it with contiguous strides (torch.empty) or call .contiguous() first"
+            )
         step = step + (st.order,)
     return TpuTensor(st, base._vw + (step,), s, d, strides=stride, offset=off)
 
@@ -298,8 +327,11 @@ def _inplace_view(func, args, kwargs):
     packet = getattr(aten, name.rstrip("_"))
     names = [a.name for a in func._schema.arguments]
     fop = next(
-        (getattr(packet, o) for o in packet.overloads()
-         if [a.name for a in getattr(packet, o)._schema.arguments] == names),
+        (
+            getattr(packet, o)
+            for o in packet.overloads()
+            if [a.name for a in getattr(packet, o)._schema.arguments] == names
+        ),
         None,
     )
     if fop is None:

@@ -21,6 +21,7 @@ tpu tensor), and restore what a swap loses but `.data =` keeps:
 
 Buffers are reassigned (`module._buffers[name] = fn(buf)`), as PyTorch does on every device.
 """
+
 from __future__ import annotations
 
 import torch

@@ -18,10 +18,11 @@ Options:
 - random=True: the lowering takes a keyword argument `key`, a JAX PRNG key drawn from the
   device generator.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

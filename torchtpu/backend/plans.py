@@ -8,6 +8,7 @@
 - custom ops have a bespoke handler (optable.custom); composite ops run their ATen
   decomposition.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,14 +27,30 @@ SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
 
 # Ops that make a tensor "like" their input: the result keeps the input's mesh layout (so
 # optimizer moments made with zeros_like(param) are sharded like the parameter).
-_LIKE_OPS = frozenset([f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint")]
-                       + ["aten::clone"])
+_LIKE_OPS = frozenset(
+    [f"aten::{n}_like" for n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint")] + ["aten::clone"]
+)
 
 
 class OpPlan:
     __slots__ = (
-        "func", "kind", "arg_names", "dyn_pos", "dyn_kw", "impl", "mutated", "returns_alias",
-        "functional", "lowering", "random", "jit", "name", "executables", "like", "int_returns", "post",
+        "func",
+        "kind",
+        "arg_names",
+        "dyn_pos",
+        "dyn_kw",
+        "impl",
+        "mutated",
+        "returns_alias",
+        "functional",
+        "lowering",
+        "random",
+        "jit",
+        "name",
+        "executables",
+        "like",
+        "int_returns",
+        "post",
     )
 
 
@@ -49,8 +66,9 @@ def _functional_variant(func):
     if packet is None:
         return None
     # the functional twin takes the same arguments minus the out= tensors
-    want = [(a.name, str(a.type)) for a in schema.arguments
-            if not (a.alias_info and a.alias_info.is_write and a.kwarg_only)]
+    want = [
+        (a.name, str(a.type)) for a in schema.arguments if not (a.alias_info and a.alias_info.is_write and a.kwarg_only)
+    ]
     candidates = [getattr(packet, o) for o in packet.overloads()]
     candidates = [c for c in candidates if c is not func and not c._schema.is_mutable]
     for cand in candidates:
@@ -77,7 +95,8 @@ def _plan(func) -> OpPlan:
     p.lowering = LOWERINGS.get(func)
     static = p.lowering.static if p.lowering else frozenset()
     p.dyn_pos = frozenset(
-        i for i, a in enumerate(schema.arguments)
+        i
+        for i, a in enumerate(schema.arguments)
         if str(a.type) in SCALAR_TYPES and not a.kwarg_only and a.name not in static
     )
     p.dyn_kw = frozenset(
@@ -132,7 +151,7 @@ def has_composite_implicit(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decomposition_table():
     from torch._decomp import decomposition_table
 

@@ -4,6 +4,7 @@ Each random op draws `fold_in(PRNGKey(seed), offset)` and advances the offset, s
 is a traced input of the op's executable (no recompiles) and the stream is reproducible
 under torch.manual_seed.
 """
+
 from __future__ import annotations
 
 import threading

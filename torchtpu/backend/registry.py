@@ -6,6 +6,7 @@ it gets the dispatcher's services from here: running an op's plan (`plan_for`, `
 wrapping results (`wrap`), writing a mutated argument (`write_value`), reading values
 (`array_of`, `to_cpu`) and re-dispatching (`dispatch`).
 """
+
 from __future__ import annotations
 
 from .execute import device_index_of, run, wrap
@@ -17,6 +18,22 @@ from .state import CONFIG, is_tracing
 from .views import array_of
 
 __all__ = [
-    "CONFIG", "CUSTOM", "LOWERINGS", "POST", "Lowering", "array_of", "aten", "bind", "custom", "device_index_of",
-    "dispatch", "is_tracing", "lower", "plan_for", "run", "to_cpu", "wrap", "write_value",
+    "CONFIG",
+    "CUSTOM",
+    "LOWERINGS",
+    "POST",
+    "Lowering",
+    "array_of",
+    "aten",
+    "bind",
+    "custom",
+    "device_index_of",
+    "dispatch",
+    "is_tracing",
+    "lower",
+    "plan_for",
+    "run",
+    "to_cpu",
+    "wrap",
+    "write_value",
 ]

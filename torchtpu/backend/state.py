@@ -12,6 +12,7 @@ set it in one way:
   which torchtpu.compile installs to find a step's state (None when unused, which keeps the
   eager hot path free of them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,6 @@ class CacheStats:
     """Eager executable cache counters. A miss is a trace + compile of a new signature."""
 
     def __init__(self):
-        self.hits = 0
         self.misses = 0
         self.calls = 0
 
@@ -39,7 +39,7 @@ class CacheStats:
         return {"hits": self.calls - self.misses, "misses": self.misses, "calls": self.calls}
 
     def reset(self):
-        self.hits = self.misses = self.calls = 0
+        self.misses = self.calls = 0
 
 
 STATS = CacheStats()

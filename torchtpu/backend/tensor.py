@@ -8,6 +8,7 @@ Views alias through a shared `Storage`. The storage holds the array of the *base
 reading applies the chain, writing scatters back through it. In-place ops on bases, which is
 what optimizers do to parameters, simply replace `storage.array` (views.py reads and writes).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -176,7 +177,9 @@ def memory_order(shape, strides):
     PyTorch would have); NOT_DENSE when the strides leave gaps or overlap."""
     shape, strides = tuple(shape), tuple(strides)
     if len(strides) != len(shape):
-        raise RuntimeError(f"empty_strided: {len(shape)} sizes {list(shape)} but {len(strides)} strides {list(strides)}")
+        raise RuntimeError(
+            f"empty_strided: {len(shape)} sizes {list(shape)} but {len(strides)} strides {list(strides)}"
+        )
     if 0 in shape or strides == contiguous_strides(shape):
         return None
     dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -strides[d])

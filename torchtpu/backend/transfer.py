@@ -1,4 +1,5 @@
 """Moving data between CPU, tpu devices and JAX: copy_, _to_copy, item, to_jax/from_jax."""
+
 from __future__ import annotations
 
 import jax
@@ -115,7 +116,11 @@ def _resize_(args, kwargs):
 @custom(aten.set_.source_Tensor)
 def _set_source_tensor(args, kwargs):
     t, src = args
-    set_meta(aten.set_.source_Tensor, (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")), {})
+    set_meta(
+        aten.set_.source_Tensor,
+        (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")),
+        {},
+    )
     t._st = storage_of(src)
     t._vw = src._vw
     t._vc = None
@@ -146,7 +151,9 @@ def _is_pinned(args, kwargs):
 def to_jax(t: torch.Tensor) -> jax.Array:
     """The `jax.Array` holding a tpu tensor's values (zero-copy)."""
     if not isinstance(t, TpuTensor):
-        raise TypeError(f"torchtpu.to_jax expects a tensor on the tpu device, got one on {t.device}; call .to('tpu') first")
+        raise TypeError(
+            f"torchtpu.to_jax expects a tensor on the tpu device, got one on {t.device}; call .to('tpu') first"
+        )
     return array_of(t)
 
 

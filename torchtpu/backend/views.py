@@ -4,6 +4,7 @@ A base tensor's values are its storage's array. A view's values are read by appl
 chain of view steps to that array, and written by scattering through the same chain. A view
 step is (op, static args, output index[, memory order]); reading applies each op's lowering.
 """
+
 from __future__ import annotations
 
 import functools
@@ -119,7 +120,7 @@ def _chain_fn(chain, base):
 STORAGE_RELATIVE = {aten.as_strided.default}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_chain(chain):
     return jax.jit(functools.partial(_chain_fn, chain))
 
@@ -139,7 +140,7 @@ def _scatter_fn(chain, base, new):
     return flat.reshape(base.shape)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_scatter(chain):
     return jax.jit(functools.partial(_scatter_fn, chain), donate_argnums=())
 
@@ -149,5 +150,3 @@ def scatter_chain(chain, base, new):
         return _scatter_fn(chain, base, new)
     out = _jitted_scatter(chain)(base, new)
     return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
-
-

@@ -10,6 +10,7 @@ See mesh.py (meshes), placements.py (placements <-> PartitionSpec), dtensor.py
 fsdp.py (fully_shard), batch.py (the batch over the data-parallel axes), params.py (parameter
 layouts, materialize), collectives.py (functional collectives, local_map, loss_parallel).
 """
+
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: F401
 from torch.distributed.tensor.parallel import (  # noqa: F401
     ColwiseParallel,

@@ -6,9 +6,8 @@ and its linear outputs, and tensor parallelism's activation constraints all read
     pin = batch_pinner(dp_mesh); h = pin(h)                   # a sharding constraint inside programs
     spec = P(placements.batch_entry(mesh.jax_mesh, axes, h.shape[0]), ...)    # (placements.py)
 """
+
 from __future__ import annotations
-
-
 
 import torch
 from jax.sharding import PartitionSpec as P
@@ -17,8 +16,14 @@ from torch.distributed.tensor import Replicate, Shard
 from . import placements as pl
 from .mesh import DeviceMesh
 
-__all__ = ["DATA_PARALLEL_DIMS", "batch_placements", "host_rows", "place_batch", "activation_batch_axes",
-           "batch_pinner"]
+__all__ = [
+    "DATA_PARALLEL_DIMS",
+    "batch_placements",
+    "host_rows",
+    "place_batch",
+    "activation_batch_axes",
+    "batch_pinner",
+]
 
 # The job mesh's dims that split the batch (HSDP: replicas x shards).
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")

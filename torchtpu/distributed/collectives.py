@@ -14,6 +14,7 @@ Inside `fn`, PyTorch's functional collectives on tpu tensors
 `lax.psum` / `all_gather` / `psum_scatter` / `all_to_all`. The group is a mesh dimension:
 one of torchtpu's `DeviceMesh`es (1-D, or `(mesh, dim)`), or its dimension name ("tp").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,7 +57,7 @@ def group_name(group) -> str:
 
 def _axes(name: str) -> tuple[str, ...]:
     if name.startswith(_PREFIX):
-        return tuple(name[len(_PREFIX):].split("+"))
+        return tuple(name[len(_PREFIX) :].split("+"))
     mesh = current_mesh()
     if mesh is not None:
         root = mesh.root()
@@ -182,7 +183,9 @@ def _spec(mesh, placements, ndim):
     return pl.spec_for(mesh, placements, ndim)
 
 
-def local_map(func, out_placements, in_placements=None, in_grad_placements=None, device_mesh=None, *, redistribute_inputs=True):
+def local_map(
+    func, out_placements, in_placements=None, in_grad_placements=None, device_mesh=None, *, redistribute_inputs=True
+):
     """Run `func` on each device's local pieces (torch's experimental `local_map`)."""
     mesh = device_mesh or current_mesh()
     if mesh is None:
@@ -197,7 +200,9 @@ def local_map(func, out_placements, in_placements=None, in_grad_placements=None,
             if p is None:
                 raise ValueError(f"local_map: argument {i} is a tensor but its in_placements entry is None")
             in_specs.append(_spec(mesh, p, args[i].dim()))
-        single = not isinstance(out_placements, (list, tuple)) or (out_placements and isinstance(out_placements[0], (Shard, Replicate, Partial)))
+        single = not isinstance(out_placements, (list, tuple)) or (
+            out_placements and isinstance(out_placements[0], (Shard, Replicate, Partial))
+        )
         outs = [out_placements] if single else list(out_placements)
         tensors = [args[i] if isinstance(args[i], TpuTensor) else args[i].to("tpu") for i in tensor_idx]
         result = _LocalMap.apply(func, args, tensor_idx, mesh, in_specs, outs, *tensors)
@@ -228,11 +233,11 @@ class _LocalMap(torch.autograd.Function):
         env = [(a, n) for a, n in mesh.jax_mesh.shape.items()]
         shapes = jax.make_jaxpr(body, axis_env=env, return_shape=True)(*local_in)[1]
         out_specs = tuple(_spec(mesh, p, len(s.shape)) for p, s in zip(outs, shapes))
-        f = jax.shard_map(lambda *xs: body(*xs), mesh=mesh.jax_mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                          check_vma=False)
+        f = jax.shard_map(
+            lambda *xs: body(*xs), mesh=mesh.jax_mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False
+        )
         res, vjp = jax.vjp(f, *arrays)
         ctx.vjp = vjp
-        ctx.n_in = len(arrays)
         return tuple(new_base(r, 0, dt) for r, dt in zip(res, info["dtypes"]))
 
     @staticmethod
@@ -254,7 +259,9 @@ def _local_shape(shape, spec, mesh):
 # ----------------------------------------------------------------------------- loss parallelism
 
 
-def vocab_parallel_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", mesh=None, vocab_placements=None):
+def vocab_parallel_cross_entropy(
+    logits, target, *, ignore_index=-100, reduction="mean", mesh=None, vocab_placements=None
+):
     """Cross-entropy of logits whose last (vocabulary) dim is sharded, without gathering them:
     the log-sum-exp reduces over the vocabulary shards and the target logit is picked by a
     one-hot mask (an elementwise product), so only per-row scalars cross devices."""
@@ -286,14 +293,23 @@ class _LossParallelMode(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.cross_entropy:
             inp, target = args[0], args[1]
-            if (kwargs.get("weight") is None and not kwargs.get("label_smoothing") and target.dtype != inp.dtype
-                    and inp.device.type == "tpu"):
+            if (
+                kwargs.get("weight") is None
+                and not kwargs.get("label_smoothing")
+                and target.dtype != inp.dtype
+                and inp.device.type == "tpu"
+            ):
                 tp = self.mesh
                 placements = (Shard(-1),) if tp is not None and tp.ndim == 1 else None
                 # (the mode is off while this runs, so the torch calls below dispatch normally)
                 return vocab_parallel_cross_entropy(
-                    inp, target, ignore_index=kwargs.get("ignore_index", -100),
-                    reduction=kwargs.get("reduction", "mean"), mesh=tp, vocab_placements=placements)
+                    inp,
+                    target,
+                    ignore_index=kwargs.get("ignore_index", -100),
+                    reduction=kwargs.get("reduction", "mean"),
+                    mesh=tp,
+                    vocab_placements=placements,
+                )
         return func(*args, **kwargs)
 
 

@@ -19,6 +19,7 @@ inside a program: in eager mode it moves the array, under `torchtpu.compile` and
 `torch.compile` it becomes `jax.lax.with_sharding_constraint`. Its backward constrains the
 gradient to `grad_spec` (the layout the input had), as DTensor's redistribute does.
 """
+
 from __future__ import annotations
 
 import jax
@@ -82,8 +83,9 @@ def _register_post():
 _register_post()
 
 
-def shard_as(t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=None, unconstrained=(),
-             batch_axes=()) -> torch.Tensor:
+def shard_as(
+    t: torch.Tensor, mesh: DeviceMesh, placements, *, grad_placements=None, unconstrained=(), batch_axes=()
+) -> torch.Tensor:
     """`t` laid out on `mesh` by `placements` (a sharding constraint inside programs).
 
     The gradient is laid out by `grad_placements` (default: no constraint). `batch_axes`: global
@@ -120,7 +122,9 @@ def _remember(t, mesh, placements):
 # ----------------------------------------------------------------------------- distribute_tensor
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements=None, *, src_data_rank: int | None = 0) -> torch.Tensor:
+def distribute_tensor(
+    tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements=None, *, src_data_rank: int | None = 0
+) -> torch.Tensor:
     """Lay `tensor` out over `device_mesh` (torch's `distribute_tensor`).
 
     A CPU tensor goes straight from host memory to its shards; a tpu tensor is resharded.
@@ -224,7 +228,9 @@ def _redistribute(self, device_mesh=None, placements=None, *, async_op=False, fo
     placements = tuple(placements)
     for i, p in enumerate(placements):
         if isinstance(p, Partial) and not (target == mesh and isinstance(cur[i], Partial)):
-            raise RuntimeError("redistributing to Partial is not supported (as in DTensor): Partial comes from computation")
+            raise RuntimeError(
+                "redistributing to Partial is not supported (as in DTensor): Partial comes from computation"
+            )
     x = self if forward_dtype is None else self.to(forward_dtype)
     _check_divisible(self.shape, target, placements)
     return shard_as(x, target, placements, grad_placements=cur if target == mesh else None)

@@ -16,6 +16,7 @@ cast_forward_inputs)`): the module computes with parameters cast to `param_dtype
 gradients are cast to `reduce_dtype` before the reduction and to the parameter's own dtype
 (the fp32 master copy) after it.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -110,7 +111,9 @@ def fully_shard(
         if dim is None:
             warnings.warn(
                 f"fully_shard: {type(owner).__name__}.{name} of shape {tuple(p.shape)} has no dim divisible by "
-                f"the {n} data-parallel shards; it stays replicated", stacklevel=2)
+                f"the {n} data-parallel shards; it stays replicated",
+                stacklevel=2,
+            )
             continue
         entries[dim].extend(shard_axes)
         set_layout(owner, name, mesh, entries)

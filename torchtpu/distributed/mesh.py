@@ -10,11 +10,12 @@ dimension spans both axes (registered on the root, so `root["dp"]` finds it afte
 Placements on a sub-mesh only talk about that sub-mesh's axes; the other axes of the global
 mesh are left to the program (see placements.py).
 """
+
 from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -23,8 +24,14 @@ from jax.sharding import Mesh
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initialize"]
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               local_device_ids=None, *, init_timeout_seconds: int = 300) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids=None,
+    *,
+    init_timeout_seconds: int = 300,
+) -> bool:
     """Join this process to a multi-host job (`jax.distributed.initialize`); True if it joined one.
 
     Where the job's coordinator comes from, first match wins:
@@ -107,7 +114,9 @@ def _coordinator_from_torchelastic(rank: int, timeout_seconds: int) -> str:
 class DeviceMesh:
     """A view of the global JAX mesh: `dims[i]` is the tuple of JAX axis names of mesh dim i."""
 
-    def __init__(self, jax_mesh: Mesh, dims: Sequence[tuple[str, ...]], names: Sequence[str], root: "DeviceMesh | None" = None):
+    def __init__(
+        self, jax_mesh: Mesh, dims: Sequence[tuple[str, ...]], names: Sequence[str], root: DeviceMesh | None = None
+    ):
         self.jax_mesh = jax_mesh
         self.dims = tuple(tuple(d) for d in dims)
         self._names = tuple(names)
@@ -155,7 +164,7 @@ class DeviceMesh:
         ids = ids.reshape(self.shape + (-1,))[..., 0] if rest else ids.reshape(self.shape)
         return torch.as_tensor(ids)
 
-    def root(self) -> "DeviceMesh":
+    def root(self) -> DeviceMesh:
         return self._root or self
 
     def _index(self, mesh_dim) -> int:
@@ -167,7 +176,7 @@ class DeviceMesh:
             raise KeyError(f"mesh has no dimension named {mesh_dim!r}; its dimensions are {self._names}")
         return self._names.index(mesh_dim)
 
-    def __getitem__(self, names) -> "DeviceMesh":
+    def __getitem__(self, names) -> DeviceMesh:
         if isinstance(names, str):
             names = (names,)
         names = tuple(names)
@@ -186,7 +195,7 @@ class DeviceMesh:
             raise ValueError(f"mesh dimensions {names} overlap")
         return DeviceMesh(self.jax_mesh, dims, names, root)
 
-    def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """One mesh dimension spanning all of this mesh's axes (torch's DeviceMesh._flatten)."""
         axes = tuple(a for d in self.dims for a in d)
         name = mesh_dim_name or "_".join(self._names)
@@ -287,7 +296,9 @@ def init_device_mesh(
     over the data-centre network, the rest lies inside a slice on the chip interconnect.
     """
     if device_type != "tpu":
-        raise ValueError(f"torchtpu.distributed.init_device_mesh builds meshes of tpu devices, got device_type={device_type!r}")
+        raise ValueError(
+            f"torchtpu.distributed.init_device_mesh builds meshes of tpu devices, got device_type={device_type!r}"
+        )
     shape = tuple(int(n) for n in mesh_shape)
     if not shape or any(n < 1 for n in shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive sizes, got {tuple(mesh_shape)}")

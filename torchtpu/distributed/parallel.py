@@ -18,6 +18,7 @@ Tensors stay global: `use_local_output` has nothing to convert (see dtensor.py),
 code that reshapes with -1 for the head count works unchanged. The batch dim (dim 0) of
 activations is left to XLA, so data parallelism on the other mesh axes composes.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -54,7 +55,9 @@ __all__ = ["parallelize_module"]
 _ACT = (0,)  # activation dims left to XLA: the batch dim
 
 
-def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None, parallelize_plan=None, *, src_data_rank=0) -> nn.Module:
+def parallelize_module(
+    module: nn.Module, device_mesh: DeviceMesh | None = None, parallelize_plan=None, *, src_data_rank=0
+) -> nn.Module:
     """Apply a tensor-parallel plan (a style, or {submodule path: style}) to `module`."""
     mesh = device_mesh or current_mesh()
     if mesh is None:
@@ -65,12 +68,16 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         _apply(module, mesh, parallelize_plan, type(module).__name__)
         return module
     if not isinstance(parallelize_plan, dict):
-        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(parallelize_plan).__name__}")
+        raise TypeError(
+            f"parallelize_plan must be a ParallelStyle or a dict of them, got {type(parallelize_plan).__name__}"
+        )
     for path, style in parallelize_plan.items():
         targets = _match(module, path)
         if not targets:
             names = [n for n, _ in module.named_modules() if n][:12]
-            raise ValueError(f"parallelize plan key {path!r} matches no submodule of {type(module).__name__}; submodules include {names}")
+            raise ValueError(
+                f"parallelize plan key {path!r} matches no submodule of {type(module).__name__}; submodules include {names}"
+            )
         for name, m in targets:
             if isinstance(style, dict):
                 parallelize_module(m, mesh, style)
@@ -94,7 +101,9 @@ def _match(module, path: str):
 
 def _tp_axes(mesh: DeviceMesh, style) -> tuple[str, ...]:
     if mesh.ndim != 1:
-        raise ValueError(f"{type(style).__name__} needs a 1-D tensor-parallel mesh, got {mesh} (select it with mesh['tp'])")
+        raise ValueError(
+            f"{type(style).__name__} needs a 1-D tensor-parallel mesh, got {mesh} (select it with mesh['tp'])"
+        )
     return mesh.dims[0]
 
 
@@ -161,7 +170,9 @@ def _layout(t, mesh, placement, grad_placement):
     if grad_placement is not None:
         grad = (Replicate() if isinstance(grad_placement, Partial) else grad_placement,)
     # the batch dim (0) goes over the data-parallel axes, so XLA keeps activations batch-split
-    return shard_as(t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=activation_batch_axes(mesh))
+    return shard_as(
+        t, mesh, (placement,), grad_placements=grad, unconstrained=_ACT, batch_axes=activation_batch_axes(mesh)
+    )
 
 
 def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
@@ -200,8 +211,14 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
         _apply(module, mesh, style.prepare_module_output, name)
     elif isinstance(style, PrepareModuleInput):
         _tp_axes(mesh, style)
-        _input_hook(module, mesh, style.input_layouts, style.desired_input_layouts,
-                    style.input_kwarg_layouts, style.desired_input_kwarg_layouts)
+        _input_hook(
+            module,
+            mesh,
+            style.input_layouts,
+            style.desired_input_layouts,
+            style.input_kwarg_layouts,
+            style.desired_input_kwarg_layouts,
+        )
     elif isinstance(style, PrepareModuleOutput):
         _tp_axes(mesh, style)
         outs, desired = style.output_layouts, style.desired_output_layouts

@@ -12,6 +12,7 @@ the parameter (`module_record(module).layouts[name]`), so it survives `to_empty(
   (and no host) ever holds a whole model; `init_weights()` then writes in place, keeping the
   layout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,11 @@ from typing import Any
 
 import jax
 import torch
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ..backend.views import array_of
 from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
+from ..backend.views import array_of
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -194,5 +196,18 @@ def local_bytes(tensors) -> dict:
     return out
 
 
-__all__ = ["materialize", "local_bytes", "apply_layout", "set_layout", "layout_of", "get_layout", "ParamLayout",
-           "ModuleRecord", "module_record", "through_layout", "use_parameter", "release_parameter", "Storage"]
+__all__ = [
+    "materialize",
+    "local_bytes",
+    "apply_layout",
+    "set_layout",
+    "layout_of",
+    "get_layout",
+    "ParamLayout",
+    "ModuleRecord",
+    "module_record",
+    "through_layout",
+    "use_parameter",
+    "release_parameter",
+    "Storage",
+]

@@ -19,16 +19,28 @@ Sharding constraints inside programs go through one op, `torchtpu::shard`, whose
 string (so it can be part of a cache key): "<mesh id>:<entry>;<entry>;..." where an entry is
 "" (not split), "?" (left to XLA) or axis names joined by "+".
 """
+
 from __future__ import annotations
 
 import math
 
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .mesh import DeviceMesh
 
-__all__ = ["spec_for", "placements_for", "sharding_for", "encode", "decode", "batch_entry", "Shard", "Replicate", "Partial"]
+__all__ = [
+    "spec_for",
+    "placements_for",
+    "sharding_for",
+    "encode",
+    "decode",
+    "batch_entry",
+    "Shard",
+    "Replicate",
+    "Partial",
+]
 
 
 def _norm_dim(d: int, ndim: int, what) -> int:
@@ -85,7 +97,7 @@ def placements_for(sharding, ndim: int, mesh: DeviceMesh) -> tuple[Placement, ..
         for d, entry in enumerate(spec):
             e = _entry_axes(entry)
             for k in range(len(e) - len(axes) + 1):
-                if e[k:k + len(axes)] == axes:
+                if e[k : k + len(axes)] == axes:
                     found = d
                     break
             if found is not None:

@@ -34,6 +34,7 @@ The loop must feed each block's output straight to the next block with the same 
 arguments. Anything else (work between blocks, a loop that stops early, other arguments per
 block) raises an error naming it instead of computing something different.
 """
+
 from __future__ import annotations
 
 import jax
@@ -140,14 +141,18 @@ def _check_identical(children) -> None:
     first = _structure(children[0])
     buffers = [x for x in first if x[0] == "buffer"]
     if buffers:
-        raise ValueError(f"scan_layers: the blocks hold buffers ({buffers[0][1] or type(children[0]).__name__}."
-                         f"{buffers[0][2]}), which the layer scan does not carry; run these blocks unscanned")
+        raise ValueError(
+            f"scan_layers: the blocks hold buffers ({buffers[0][1] or type(children[0]).__name__}."
+            f"{buffers[0][2]}), which the layer scan does not carry; run these blocks unscanned"
+        )
     for i, c in enumerate(children[1:], 1):
         other = _structure(c)
         if other != first:
             diff = next((a, b) for a, b in zip(first + [None] * len(other), other + [None] * len(first)) if a != b)
-            raise ValueError(f"scan_layers: block {i} differs from block 0 ({diff[1]} vs {diff[0]}); only identical "
-                             "blocks (same class, parameters, layouts and hooks) can be scanned")
+            raise ValueError(
+                f"scan_layers: block {i} differs from block 0 ({diff[1]} vs {diff[0]}); only identical "
+                "blocks (same class, parameters, layouts and hooks) can be scanned"
+            )
 
 
 # ----------------------------------------------------------------------------- one traced pass
@@ -180,7 +185,8 @@ class _Run:
             raise ScanError(
                 f"scan_layers: the loop over the {n} scanned blocks stopped after {self.called} of them, but the scan "
                 "ran all of them; scanned blocks must all be called in one loop (turn the layer scan off, "
-                "[tpu] scan_layers = false, for models that skip blocks)")
+                "[tpu] scan_layers = false, for models that skip blocks)"
+            )
 
 
 class _PassThrough:
@@ -194,19 +200,28 @@ class _PassThrough:
             raise ScanError(
                 f"scan_layers: block {self.index} was not called on block {self.index - 1}'s output; a scanned loop "
                 "must feed each block's output straight to the next block (turn the layer scan off, "
-                "[tpu] scan_layers = false, for models that do work between blocks)")
+                "[tpu] scan_layers = false, for models that do work between blocks)"
+            )
         a0, k0 = run.args
-        if len(args) != len(a0) or any(x is not y for x, y in zip(args, a0)) or k0.keys() != kwargs.keys() or any(
-                kwargs[k] is not k0[k] for k in k0):
-            raise ScanError(f"scan_layers: block {self.index} got other arguments than block 0; scanned blocks must all "
-                            "get the same extra arguments (turn the layer scan off, [tpu] scan_layers = false)")
+        if (
+            len(args) != len(a0)
+            or any(x is not y for x, y in zip(args, a0))
+            or k0.keys() != kwargs.keys()
+            or any(kwargs[k] is not k0[k] for k in k0)
+        ):
+            raise ScanError(
+                f"scan_layers: block {self.index} got other arguments than block 0; scanned blocks must all "
+                "get the same extra arguments (turn the layer scan off, [tpu] scan_layers = false)"
+            )
         run.called += 1
         return h
 
     def __getattr__(self, name):
-        raise ScanError(f"scan_layers: attribute {name!r} of a scanned block was read while tracing the loop over "
-                        "the blocks; scanned loops may only call the blocks (turn the layer scan off, "
-                        "[tpu] scan_layers = false)")
+        raise ScanError(
+            f"scan_layers: attribute {name!r} of a scanned block was read while tracing the loop over "
+            "the blocks; scanned loops may only call the blocks (turn the layer scan off, "
+            "[tpu] scan_layers = false)"
+        )
 
 
 # ----------------------------------------------------------------------------- the scan
@@ -225,7 +240,8 @@ def _scan_blocks(run: _Run, h, args, kwargs):
         if isinstance(x, torch.Tensor) and x.requires_grad:
             raise NotImplementedError(
                 "scan_layers: an argument of the scanned blocks other than the first requires grad; the layer scan "
-                "differentiates only the carried activation and the parameters (turn it off: [tpu] scan_layers = false)")
+                "differentiates only the carried activation and the parameters (turn it off: [tpu] scan_layers = false)"
+            )
     template = run.children[0]
     slots = _param_slots(template)
     per_block = [[m._parameters[n] for m, n in _param_slots(c)] for c in run.children]
@@ -234,8 +250,17 @@ def _scan_blocks(run: _Run, h, args, kwargs):
         key = tpu_random.TRACED.next()
     else:
         key = tpu_random.next_key_data(storage_of(h).device_index)
-    job = _Job(run, template, slots, len(run.children), flat, spec, key, storage_of(h).device_index,
-               [p.dtype for p in per_block[0]])
+    job = _Job(
+        run,
+        template,
+        slots,
+        len(run.children),
+        flat,
+        spec,
+        key,
+        storage_of(h).device_index,
+        [p.dtype for p in per_block[0]],
+    )
     return _ScanFunction.apply(job, h, *params)
 
 
@@ -256,13 +281,15 @@ class _Job:
 
     def call_block(self, h_t, param_ts, extra, index):
         """Run the template block on tensors wrapping this iteration's values."""
-        flat = [new_base(a, self.device_index, x.dtype) if isinstance(x, TpuTensor) else x
-                for a, x in zip(extra, self.flat)]
+        flat = [
+            new_base(a, self.device_index, x.dtype) if isinstance(x, TpuTensor) else x for a, x in zip(extra, self.flat)
+        ]
         args, kwargs = tree_unflatten(flat, self.spec)
         saved = [m._parameters[n] for m, n in self.slots]
         prev_keys = tpu_random.TRACED
         tpu_random.TRACED = tpu_random.TracedKeys(
-            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(self.key), index)))
+            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(self.key), index))
+        )
         try:
             for (m, n), t in zip(self.slots, param_ts):
                 m._parameters[n] = t
@@ -320,8 +347,10 @@ class _ScanFunction(torch.autograd.Function):
             with torch.no_grad():
                 out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
-                raise ScanError(f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
-                                f"{h_dtype}, got {_describe(out)}")
+                raise ScanError(
+                    f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
+                    f"{h_dtype}, got {_describe(out)}"
+                )
             # the block's input is the only activation kept for the backward (full recomputation)
             return array_of(out), carry
 

@@ -12,6 +12,7 @@ loaded for topology descriptions only and never becomes a JAX backend.
     compiled = aot_compile(jax.jit(step).lower(*abstract_args))   # or .compile()
     print(format_report(compile_report(compiled, mesh)))
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ import importlib.util
 import math
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -53,6 +54,7 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 GiB = 1024**3
 GB = 10**9
 
+
 @dataclasses.dataclass(frozen=True)
 class ChipSpec:
     """One TPU chip, from Google's published figures."""
@@ -77,9 +79,15 @@ CHIPS = {
 }
 _KIND_ALIASES = {
     "v4": "v4",
-    "v5lite": "v5e", "v5e": "v5e", "v5litepod": "v5e",
-    "v5": "v5p", "v5p": "v5p",
-    "v6lite": "v6e", "v6e": "v6e", "v6": "v6e", "trillium": "v6e",
+    "v5lite": "v5e",
+    "v5e": "v5e",
+    "v5litepod": "v5e",
+    "v5": "v5p",
+    "v5p": "v5p",
+    "v6lite": "v6e",
+    "v6e": "v6e",
+    "v6": "v6e",
+    "trillium": "v6e",
 }
 
 
@@ -131,16 +139,20 @@ def _quiet_libtpu_env(name: str):
     """
     from torchtpu._platform import has_tpu_chips
 
-    values = {} if has_tpu_chips() else {
-        "TPU_SKIP_MDS_QUERY": "1",
-        "TPU_ACCELERATOR_TYPE": _accelerator_type(name),
-        "TPU_WORKER_HOSTNAMES": "localhost",
-        "TPU_WORKER_ID": "0",
-        # libtpu takes /tmp/libtpu_lockfile so that one process owns the chips; a second
-        # process (pytest-xdist workers, a user's second shell) would fail with "ABORTED ...
-        # lockfile". Compile-only devices own no chips, so several processes may load libtpu.
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    }
+    values = (
+        {}
+        if has_tpu_chips()
+        else {
+            "TPU_SKIP_MDS_QUERY": "1",
+            "TPU_ACCELERATOR_TYPE": _accelerator_type(name),
+            "TPU_WORKER_HOSTNAMES": "localhost",
+            "TPU_WORKER_ID": "0",
+            # libtpu takes /tmp/libtpu_lockfile so that one process owns the chips; a second
+            # process (pytest-xdist workers, a user's second shell) would fail with "ABORTED ...
+            # lockfile". Compile-only devices own no chips, so several processes may load libtpu.
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        }
+    )
     added = [k for k in values if k not in os.environ]
     for k in added:
         os.environ[k] = values[k]
@@ -155,7 +167,7 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _devices(name: str) -> tuple:
     if not libtpu_available():
         raise TopologyError(
@@ -318,13 +330,18 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
         "flops_total": flops * len(devices),
         "bytes_accessed_per_device": float(ca.get("bytes accessed", 0.0)),
         # XLA reports a negative optimal_seconds when its cost model cannot time the program
-        "estimated_step_seconds": (float(ca["optimal_seconds"]) if float(ca.get("optimal_seconds", -1.0)) > 0 else None),
+        "estimated_step_seconds": (
+            float(ca["optimal_seconds"]) if float(ca.get("optimal_seconds", -1.0)) > 0 else None
+        ),
         "peak_bf16_flops_per_device": peak_flops,
         "compute_bound_seconds": flops / peak_flops if peak_flops else None,
         # a roofline bound from XLA's own flop and byte counts (not a simulation: no overlap of
         # collectives, no precision passes); it is what remains when XLA gives no estimate
-        "roofline_seconds": (max(flops / peak_flops, float(ca.get("bytes accessed", 0.0)) / (spec["hbm_bandwidth"] / per_chip))
-                             if spec else None),
+        "roofline_seconds": (
+            max(flops / peak_flops, float(ca.get("bytes accessed", 0.0)) / (spec["hbm_bandwidth"] / per_chip))
+            if spec
+            else None
+        ),
         "collectives": count_collectives(text),
         "wide_types": wide_types(text),
         "while_loops": while_loops(text),
@@ -355,8 +372,11 @@ def format_report(report: dict) -> str:
     mem = report["memory"]
     fits = report["fits"]
     rows = [
-        ("device", f"{report['device_kind']} ({report['chip']}) x {report['num_devices']}"
-                   + (f", {report['devices_per_chip']} per chip" if report["devices_per_chip"] > 1 else "")),
+        (
+            "device",
+            f"{report['device_kind']} ({report['chip']}) x {report['num_devices']}"
+            + (f", {report['devices_per_chip']} per chip" if report["devices_per_chip"] > 1 else ""),
+        ),
         ("HBM needed / device", _bytes(report["hbm_bytes_needed"])),
         ("HBM available / device", _bytes(report["hbm_bytes_available"])),
         ("fits", "-" if fits is None else ("yes" if fits else "NO")),
@@ -379,7 +399,9 @@ def format_report(report: dict) -> str:
 # ----------------------------------------------------------------------------- what the program holds
 
 # A shape in HLO text: element type, then dimensions.
-_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]")
+_SHAPE = re.compile(
+    r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]"
+)
 WIDE_TYPES = ("s64", "u64", "f64", "c64", "c128")
 
 
@@ -417,8 +439,9 @@ def while_loops(hlo_text: str) -> list[dict]:
     for m in _WHILE.finditer(hlo_text):
         cond = _computation(hlo_text, m.group(2))
         consts = dict(re.findall(r"%([\w.\-]+) = [su]32\[\]\S* constant\((\d+)\)", cond))
-        trips = [int(consts[c]) for c in re.findall(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", cond)
-                 if c in consts]
+        trips = [
+            int(consts[c]) for c in re.findall(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", cond) if c in consts
+        ]
         loops.append({"name": m.group(1), "body": m.group(3), "trip_count": max(trips) if trips else None})
     return loops
 
@@ -433,8 +456,9 @@ def largest_temporaries(dump_folder: str, count: int = 8) -> list[dict]:
     """
     import glob
 
-    reports = sorted(glob.glob(os.path.join(dump_folder, "*after_optimizations-memory-usage-report.txt")),
-                     key=os.path.getmtime)
+    reports = sorted(
+        glob.glob(os.path.join(dump_folder, "*after_optimizations-memory-usage-report.txt")), key=os.path.getmtime
+    )
     if not reports:
         return []
     rows = []
@@ -471,12 +495,18 @@ def depth_extrapolated_cost(report_a: dict, report_b: dict, depth_a: int, depth_
     """
     if not 0 <= depth_a < depth_b:
         raise ValueError(f"depths must satisfy 0 <= depth_a < depth_b, got {depth_a} and {depth_b}")
-    out = {"method": f"XLA cost model on unrolled {depth_a}- and {depth_b}-layer programs, extrapolated to "
-                     f"{depth} layers"}
+    out = {
+        "method": f"XLA cost model on unrolled {depth_a}- and {depth_b}-layer programs, extrapolated to {depth} layers"
+    }
     for key in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds", "roofline_seconds"):
         a, b = report_a.get(key), report_b.get(key)
         out[key] = None if a is None or b is None else a + (depth - depth_a) * (b - a) / (depth_b - depth_a)
-    out["per_layer"] = {k: (None if report_a.get(k) is None or report_b.get(k) is None
-                            else (report_b[k] - report_a[k]) / (depth_b - depth_a))
-                        for k in ("flops_per_device", "estimated_step_seconds")}
+    out["per_layer"] = {
+        k: (
+            None
+            if report_a.get(k) is None or report_b.get(k) is None
+            else (report_b[k] - report_a[k]) / (depth_b - depth_a)
+        )
+        for k in ("flops_per_device", "estimated_step_seconds")
+    }
     return out

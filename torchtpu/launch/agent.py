@@ -17,6 +17,7 @@ this module adds is what a TPU job needs on top of plain `torchrun`:
   attempt, in `DIR/attempt_<n>/host_<I>.stdout.log` / `.stderr.log`.
 - A last line naming the host and what happened to its process, for the launcher and the user.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,9 +69,15 @@ def _logs_specs(log_dir: str | None, host_index: int):
                 stderrs[local_rank] = os.path.join(folder, f"{name}.stderr.log")
                 errors[local_rank] = os.path.join(folder, f"{name}.error.json")
                 envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = errors[local_rank]
-            return LogsDest(stdouts, stderrs, dict(stdouts), dict(stderrs), errors,
-                            os.path.join(folder, f"host_{host_index}.filtered_stdout.log"),
-                            os.path.join(folder, f"host_{host_index}.filtered_stderr.log"))
+            return LogsDest(
+                stdouts,
+                stderrs,
+                dict(stdouts),
+                dict(stderrs),
+                errors,
+                os.path.join(folder, f"host_{host_index}.filtered_stdout.log"),
+                os.path.join(folder, f"host_{host_index}.filtered_stderr.log"),
+            )
 
     return HostLogs()
 
@@ -85,15 +92,19 @@ def host_index(value: str, offset: int = 0) -> int:
     try:  # a Cloud TPU VM knows its worker number from the metadata server
         return int(_tpu_metadata("agent-worker-number")) + offset
     except Exception:  # noqa: BLE001
-        raise SystemExit(f"{PROG}: --host-index auto: no $TORCHTPU_HOST_INDEX, $TPU_WORKER_ID or "
-                         "$JOB_COMPLETION_INDEX and no TPU VM metadata server; pass --host-index N") from None
+        raise SystemExit(
+            f"{PROG}: --host-index auto: no $TORCHTPU_HOST_INDEX, $TPU_WORKER_ID or "
+            "$JOB_COMPLETION_INDEX and no TPU VM metadata server; pass --host-index N"
+        ) from None
 
 
 def _tpu_metadata(key: str) -> str:
     import urllib.request
 
-    req = urllib.request.Request(f"http://metadata.google.internal/computeMetadata/v1/instance/attributes/{key}",
-                                 headers={"Metadata-Flavor": "Google"})
+    req = urllib.request.Request(
+        f"http://metadata.google.internal/computeMetadata/v1/instance/attributes/{key}",
+        headers={"Metadata-Flavor": "Google"},
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         return r.read().decode().strip()
 
@@ -109,8 +120,10 @@ def rdzv_endpoint(value: str) -> str:
         first = _tpu_metadata("worker-network-endpoints").split(",")[0]
         return f"{first.split(':')[2]}:{port}"
     except Exception:  # noqa: BLE001
-        raise SystemExit(f"{PROG}: --rdzv-endpoint {value}: not on a Cloud TPU VM (no worker-network-endpoints in "
-                         "its metadata) and no $TORCHTPU_RDZV_HOST; pass --rdzv-endpoint HOST:PORT") from None
+        raise SystemExit(
+            f"{PROG}: --rdzv-endpoint {value}: not on a Cloud TPU VM (no worker-network-endpoints in "
+            "its metadata) and no $TORCHTPU_RDZV_HOST; pass --rdzv-endpoint HOST:PORT"
+        ) from None
 
 
 def resolve_command(cmd: list[str]) -> list[str]:
@@ -154,18 +167,29 @@ def _use_torchtpu_agent() -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description="One host of a torchtpu job under torchelastic.")
     p.add_argument("--nnodes", type=int, required=True, help="hosts in the job")
-    p.add_argument("--host-index", default="auto",
-                   help="this host's index (logs, messages; host 0 serves the rendezvous). auto: "
-                        "$TORCHTPU_HOST_INDEX, $TPU_WORKER_ID, $JOB_COMPLETION_INDEX or the TPU VM's worker number")
-    p.add_argument("--host-offset", type=int, default=0,
-                   help="added to an auto host index (slice number x hosts per slice, for multislice)")
+    p.add_argument(
+        "--host-index",
+        default="auto",
+        help="this host's index (logs, messages; host 0 serves the rendezvous). auto: "
+        "$TORCHTPU_HOST_INDEX, $TPU_WORKER_ID, $JOB_COMPLETION_INDEX or the TPU VM's worker number",
+    )
+    p.add_argument(
+        "--host-offset",
+        type=int,
+        default=0,
+        help="added to an auto host index (slice number x hosts per slice, for multislice)",
+    )
     p.add_argument("--rdzv-endpoint", required=True, help="HOST:PORT of the rendezvous (host 0's address)")
     p.add_argument("--run-id", required=True, help="the job's id (the same on every host)")
     p.add_argument("--max-restarts", type=int, default=0, help="gang restarts allowed (default 0)")
     p.add_argument("--log-dir", default=None, help="per-attempt log folder (default: console only)")
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between health checks")
-    p.add_argument("--shutdown-timeout", type=int, default=120,
-                   help="seconds a stopped training process gets to checkpoint before SIGKILL (default 120)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=120,
+        help="seconds a stopped training process gets to checkpoint before SIGKILL (default 120)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
     args = p.parse_args(argv)
     if args.cmd and args.cmd[0] == "--":
@@ -183,12 +207,18 @@ def main(argv: list[str] | None = None) -> int:
 
     host = host_index(args.host_index, args.host_offset)
     config = LaunchConfig(
-        min_nodes=args.nnodes, max_nodes=args.nnodes, nproc_per_node=1,
-        run_id=args.run_id, rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint(args.rdzv_endpoint),
+        min_nodes=args.nnodes,
+        max_nodes=args.nnodes,
+        nproc_per_node=1,
+        run_id=args.run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint(args.rdzv_endpoint),
         # Host 0 serves the rendezvous store; the others only connect to it.
         rdzv_configs={"is_host": host == 0, "timeout": 600},
-        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
-        logs_specs=_logs_specs(args.log_dir, host), log_line_prefix_template=f"[host {host}] ",
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        logs_specs=_logs_specs(args.log_dir, host),
+        log_line_prefix_template=f"[host {host}] ",
         shutdown_timeout=args.shutdown_timeout,
     )
     os.environ["TORCHTPU_HOST_INDEX"] = str(host)
@@ -200,14 +230,19 @@ def main(argv: list[str] | None = None) -> int:
         _, failure = e.get_first_failure()
         code = failure.exitcode
         status = 128 - code if code < 0 else code
-        print(f"{PROG}: host {host}: the training process ended with {describe_exit(code)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"{PROG}: host {host}: the training process ended with {describe_exit(code)}", file=sys.stderr, flush=True
+        )
         return status if status else EXIT_FAILURE
     except SignalException as e:
         # torchelastic has passed the signal on and waited for the training process, which
         # checkpoints and exits 42 on SIGTERM.
-        print(f"{PROG}: host {host}: stopped by {e.sigval.name}; the training process was asked to checkpoint "
-              f"and exit; exit status {EXIT_RETRIABLE} (retriable)", file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: host {host}: stopped by {e.sigval.name}; the training process was asked to checkpoint "
+            f"and exit; exit status {EXIT_RETRIABLE} (retriable)",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_RETRIABLE
     return 0
 

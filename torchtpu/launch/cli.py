@@ -2,6 +2,7 @@
 
 Exit status: the job's (0 done, 42 retriable, 2 configuration or usage error, 1 other failure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
 
 
 def _positive(text: str) -> int:
@@ -80,23 +81,45 @@ def default_log_dir(cmd: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Start a torchtpu job on every host (torchelastic per host).",
-                                epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Start a torchtpu job on every host (torchelastic per host).",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="where", metavar="{local,tpu-vm,gke,skypilot}")
     sub.required = True
 
-    lo = sub.add_parser("local", help="N hosts of K XLA CPU devices on this machine",
-                        description="Run CMD as one multi-host job of N local hosts with K XLA CPU devices each.")
+    lo = sub.add_parser(
+        "local",
+        help="N hosts of K XLA CPU devices on this machine",
+        description="Run CMD as one multi-host job of N local hosts with K XLA CPU devices each.",
+    )
     lo.add_argument("--num-hosts", type=_positive, required=True)
     lo.add_argument("--devices-per-host", type=_positive, required=True)
-    lo.add_argument("--max-restarts", type=_non_negative, default=0,
-                    help="whole-job restarts after a failure (torchelastic); each resumes from the newest checkpoint")
-    lo.add_argument("--log-dir", default=None,
-                    help="per-attempt host logs (default: <dump_folder>/logs of the torchtpu-train configuration)")
-    lo.add_argument("--grace-seconds", type=float, default=10.0,
-                    help="after a host fails, how long the others get to stop on their own before being killed")
-    lo.add_argument("--shutdown-timeout", type=_positive, default=120,
-                    help="seconds a stopped host gets to write its checkpoint before SIGKILL")
+    lo.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        help="whole-job restarts after a failure (torchelastic); each resumes from the newest checkpoint",
+    )
+    lo.add_argument(
+        "--log-dir",
+        default=None,
+        help="per-attempt host logs (default: <dump_folder>/logs of the torchtpu-train configuration)",
+    )
+    lo.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=10.0,
+        help="after a host fails, how long the others get to stop on their own before being killed",
+    )
+    lo.add_argument(
+        "--shutdown-timeout",
+        type=_positive,
+        default=120,
+        help="seconds a stopped host gets to write its checkpoint before SIGKILL",
+    )
     _add_tpu_vm(sub)
     _add_gke(sub)
     _add_skypilot(sub)
@@ -131,15 +154,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG if e.code else 0
     try:
         if not cmd:
-            raise UsageError("no training command: give it after --, e.g. "
-                             "-- torchtpu-train --config train_configs/debug_model.toml")
+            raise UsageError(
+                "no training command: give it after --, e.g. -- torchtpu-train --config train_configs/debug_model.toml"
+            )
         if args.where == "local":
             from .local import run_local
 
             log_dir = args.log_dir or default_log_dir(cmd)
-            return run_local(args.num_hosts, args.devices_per_host, cmd, max_restarts=args.max_restarts,
-                             log_dir=log_dir, grace_seconds=args.grace_seconds,
-                             shutdown_timeout=args.shutdown_timeout)
+            return run_local(
+                args.num_hosts,
+                args.devices_per_host,
+                cmd,
+                max_restarts=args.max_restarts,
+                log_dir=log_dir,
+                grace_seconds=args.grace_seconds,
+                shutdown_timeout=args.shutdown_timeout,
+            )
         if args.where == "tpu-vm":
             from . import tpu_vm
 

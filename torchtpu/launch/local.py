@@ -11,6 +11,7 @@ others (after a grace period for them to notice on their own), a SIGTERM/SIGINT 
 goes to every host, and when it returns no process of the job is left (the launcher is a child
 subreaper, so processes orphaned by a dead agent are still found and killed).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,12 +48,33 @@ def host_env(base: dict[str, str], devices_per_host: int, host_index: int) -> di
     return env
 
 
-def agent_command(num_hosts: int, host_index: int, rdzv_endpoint: str, run_id: str, max_restarts: int,
-                  log_dir: str | None, cmd: list[str], python: str = sys.executable,
-                  shutdown_timeout: int | None = None) -> list[str]:
+def agent_command(
+    num_hosts: int,
+    host_index: int,
+    rdzv_endpoint: str,
+    run_id: str,
+    max_restarts: int,
+    log_dir: str | None,
+    cmd: list[str],
+    python: str = sys.executable,
+    shutdown_timeout: int | None = None,
+) -> list[str]:
     """The command line of one host's agent."""
-    out = [python, "-m", "torchtpu.launch.agent", "--nnodes", str(num_hosts), "--host-index", str(host_index),
-           "--rdzv-endpoint", rdzv_endpoint, "--run-id", run_id, "--max-restarts", str(max_restarts)]
+    out = [
+        python,
+        "-m",
+        "torchtpu.launch.agent",
+        "--nnodes",
+        str(num_hosts),
+        "--host-index",
+        str(host_index),
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--run-id",
+        run_id,
+        "--max-restarts",
+        str(max_restarts),
+    ]
     if log_dir:
         out += ["--log-dir", log_dir]
     if shutdown_timeout is not None:
@@ -78,7 +100,7 @@ def _processes():
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         yield int(entry), fields[0], int(fields[1])
 
 
@@ -115,21 +137,34 @@ def _kill_all(sig: int) -> None:
             pass
 
 
-def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restarts: int = 0,
-              log_dir: str | None = None, grace_seconds: float = 10.0, shutdown_timeout: int = 120) -> int:
+def run_local(
+    num_hosts: int,
+    devices_per_host: int,
+    cmd: list[str],
+    max_restarts: int = 0,
+    log_dir: str | None = None,
+    grace_seconds: float = 10.0,
+    shutdown_timeout: int = 120,
+) -> int:
     """Run `cmd` as a job of `num_hosts` local hosts; returns the launcher's exit status."""
     _set_child_subreaper()
     run_id = uuid.uuid4().hex[:12]
     endpoint = f"127.0.0.1:{_free_port()}"
-    print(f"{PROG}: {num_hosts} host(s) x {devices_per_host} XLA CPU device(s), rendezvous {endpoint}, run {run_id}, "
-          f"max restarts {max_restarts}" + (f", logs in {log_dir}/attempt_<n>/" if log_dir else ""), flush=True)
+    print(
+        f"{PROG}: {num_hosts} host(s) x {devices_per_host} XLA CPU device(s), rendezvous {endpoint}, run {run_id}, "
+        f"max restarts {max_restarts}" + (f", logs in {log_dir}/attempt_<n>/" if log_dir else ""),
+        flush=True,
+    )
     stop = {"signal": None}
 
     def on_signal(signum, frame):
         if stop["signal"] is None:
             stop["signal"] = signum
-            print(f"{PROG}: {signal.Signals(signum).name} received: asking every host to checkpoint and stop",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{PROG}: {signal.Signals(signum).name} received: asking every host to checkpoint and stop",
+                file=sys.stderr,
+                flush=True,
+            )
             for a in agents:
                 if a.poll() is None:
                     a.send_signal(signal.SIGTERM)
@@ -139,10 +174,15 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
     status = EXIT_FAILURE
     try:
         for i in range(num_hosts):
-            agents.append(subprocess.Popen(
-                agent_command(num_hosts, i, endpoint, run_id, max_restarts, log_dir, cmd,
-                              shutdown_timeout=shutdown_timeout),
-                env=host_env(os.environ, devices_per_host, i), start_new_session=True))
+            agents.append(
+                subprocess.Popen(
+                    agent_command(
+                        num_hosts, i, endpoint, run_id, max_restarts, log_dir, cmd, shutdown_timeout=shutdown_timeout
+                    ),
+                    env=host_env(os.environ, devices_per_host, i),
+                    start_new_session=True,
+                )
+            )
         first_failure = None  # (host, status)
         failures = []  # (host, status) of hosts that ended on their own with a failure, in the order seen
         killed = set()  # hosts this launcher killed after the grace period
@@ -156,16 +196,24 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
                 if c not in (None, 0) and first_failure is None:
                     first_failure = (i, c)
                     if stop["signal"] is None:
-                        print(f"{PROG}: host {i} failed ({describe_exit(c)}); stopping the other hosts "
-                              f"(at most {grace_seconds:.0f} s)", file=sys.stderr, flush=True)
+                        print(
+                            f"{PROG}: host {i} failed ({describe_exit(c)}); stopping the other hosts "
+                            f"(at most {grace_seconds:.0f} s)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     deadline = time.monotonic() + grace_seconds
             if all(c is not None for c in codes):
                 break
             if stop["signal"] is not None and deadline is None:
                 deadline = time.monotonic() + shutdown_timeout + grace_seconds
             if deadline is not None and time.monotonic() > deadline:
-                print(f"{PROG}: hosts {[i for i, c in enumerate(codes) if c is None]} still running after the grace "
-                      "period: killing them", file=sys.stderr, flush=True)
+                print(
+                    f"{PROG}: hosts {[i for i, c in enumerate(codes) if c is None]} still running after the grace "
+                    "period: killing them",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for i, a in enumerate(agents):
                     if a.poll() is None:
                         killed.add(i)
@@ -182,8 +230,11 @@ def run_local(num_hosts: int, devices_per_host: int, cmd: list[str], max_restart
                 status = code
             else:
                 status = EXIT_FAILURE
-            print(f"{PROG}: job failed: host {host} {describe_exit(code)}; exit status {status}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{PROG}: job failed: host {host} {describe_exit(code)}; exit status {status}",
+                file=sys.stderr,
+                flush=True,
+            )
         return status
     finally:
         # No process of the job outlives the launcher.

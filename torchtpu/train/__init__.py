@@ -3,6 +3,7 @@
 Only the configuration layer is imported here (it needs nothing beyond the standard library);
 the other modules are imported where they are used.
 """
+
 from .config_manager import load_config  # noqa: F401
 from .job_config import ConfigError, JobConfig  # noqa: F401
 from .parallel_dims import ParallelDims, validate  # noqa: F401

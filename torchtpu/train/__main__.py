@@ -1,4 +1,5 @@
 """`python -m torchtpu.train --config FILE [...]`: the same as the `torchtpu-train` command."""
+
 import sys
 
 from torchtpu.cli import train_main

@@ -33,6 +33,7 @@ deleted or overwritten: opening a folder that holds them raises `CheckpointError
     ckpt.save(step, state)                            # every `interval` steps, asynchronously
     ckpt.close()                                      # waits for the last save
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,8 @@ import jax
 import numpy as np
 import torch
 
-from torchtpu.backend.views import array_of, write
 from torchtpu.backend.tensor import TpuTensor
+from torchtpu.backend.views import array_of, write
 
 from .checkpoint_files import (
     ARRAYS,
@@ -73,7 +74,6 @@ from .checkpoint_manifest import (
     tensor_leaves,
     torch_dtype,
 )
-
 
 __all__ = [
     "CheckpointError",  # from checkpoint_files
@@ -107,7 +107,9 @@ class CheckpointManager:
     enable: False makes `save` a no-op and `latest_step()` None.
     """
 
-    def __init__(self, folder: str, interval: int, keep_latest_k: int = 0, async_mode: str = "async", enable: bool = True):
+    def __init__(
+        self, folder: str, interval: int, keep_latest_k: int = 0, async_mode: str = "async", enable: bool = True
+    ):
         if async_mode not in _ASYNC_MODES:
             raise ValueError(f"checkpoint async_mode={async_mode!r} is not one of {', '.join(_ASYNC_MODES)}")
         if int(interval) < 1:
@@ -270,7 +272,9 @@ class CheckpointManager:
         import orbax.checkpoint as ocp
 
         try:
-            return mgr.restore(int(step), args=ocp.args.Composite(**{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]["tree"]
+            return mgr.restore(int(step), args=ocp.args.Composite(**{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST][
+                "tree"
+            ]
         except Exception as e:  # noqa: BLE001
             raise corrupt_error(self.step_path(step), "manifest", e, steps, int(step)) from e
 
@@ -314,8 +318,10 @@ class CheckpointManager:
         for k in subtree:
             sub = child(children(tree), k)
             if sub is MISSING:
-                raise CheckpointError(f"checkpoint {path} has no part {keystr(subtree)}: it holds "
-                                      f"{sorted(map(str, children(tree)))}; it was written by a different program")
+                raise CheckpointError(
+                    f"checkpoint {path} has no part {keystr(subtree)}: it holds "
+                    f"{sorted(map(str, children(tree)))}; it was written by a different program"
+                )
             tree = sub
 
         # Build the abstract array tree from the manifest and the target.
@@ -331,7 +337,7 @@ class CheckpointManager:
             placed[node["array"]] = t if isinstance(t, torch.Tensor) else None
         # Tensors the target has but the checkpoint lacks: the model or optimizer differs.
         saved = {kp for kp, _ in nodes}
-        for kpath, t in tensor_leaves(target):
+        for kpath, _ in tensor_leaves(target):
             if kpath not in saved and not (kpath and kpath[0] in skipped):
                 raise CheckpointError(
                     f"checkpoint {path} has no key {keystr(kpath)} that the target needs: the checkpoint was written "
@@ -344,14 +350,21 @@ class CheckpointManager:
             # names given (the manager's standard handler insists on the whole tree).
             try:
                 reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-                arrays = reader.restore(os.path.join(path, ARRAYS), args=ocp.args.PyTreeRestore(
-                    item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                    partial_restore=True))
+                arrays = reader.restore(
+                    os.path.join(path, ARRAYS),
+                    args=ocp.args.PyTreeRestore(
+                        item=abstract,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                        partial_restore=True,
+                    ),
+                )
             except Exception as e:  # noqa: BLE001
                 raise corrupt_error(path, guess_key(e, nodes), e, steps, step) from e
         elif abstract:
             try:
-                arrays = mgr.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}))[ARRAYS]
+                arrays = mgr.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}))[
+                    ARRAYS
+                ]
             except Exception as e:  # noqa: BLE001
                 raise corrupt_error(path, guess_key(e, nodes), e, steps, step) from e
         if skipped:
@@ -420,7 +433,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
             if not st:
                 continue
             want = array_of(p).sharding
-            for key, v in st.items():
+            for v in st.values():
                 if isinstance(v, TpuTensor) and tuple(v.shape) == tuple(p.shape):
                     a = array_of(v)
                     if not a.sharding.is_equivalent_to(want, a.ndim):
@@ -464,7 +477,7 @@ def is_model_only(tree: dict) -> bool:
     return bool(node and node.get("value"))
 
 
-def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn.Module) -> None:
+def load_model_weights(manager: CheckpointManager, step: int, module: torch.nn.Module) -> None:
     """Fill `module`'s parameters and buffers in place from the "model" part of checkpoint `step`
     (a full or a model-only save). Each device reads only its shards; weights saved in another
     floating dtype (an export dtype) are cast to the module's. Nothing else is read."""
@@ -472,8 +485,10 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
     tree = manager.manifest(step)
     model = children(tree).get("model") if "dict" in tree else None
     if not model or "dict" not in model:
-        raise CheckpointError(f"checkpoint {path} holds no model weights (no 'model' part); it was not written by "
-                              "torchtpu-train: point to a torchtpu-train checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} holds no model weights (no 'model' part); it was not written by "
+            "torchtpu-train: point to a torchtpu-train checkpoint"
+        )
     saved = {_canonical(k): (k, node) for k, node in model["dict"] if "array" in node}
     own = {_canonical(k): t for k, t in module.state_dict(keep_vars=True).items()}
     missing = sorted(set(own) - set(saved))
@@ -481,18 +496,24 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
     if missing or extra:
         few = lambda names: ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")  # noqa: E731
         what = "; ".join([f"missing {few(missing)}"] * bool(missing) + [f"unexpected {few(extra)}"] * bool(extra))
-        raise CheckpointError(f"checkpoint {path} does not hold this model's weights ({what}): it was written for "
-                              "another model; use the [model] name/flavor that wrote it")
+        raise CheckpointError(
+            f"checkpoint {path} does not hold this model's weights ({what}): it was written for "
+            "another model; use the [model] name/flavor that wrote it"
+        )
     target = {}
     for canon, (key, node) in saved.items():
         t = own[canon]
         if tuple(node["shape"]) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']}{list(node['shape'])} but the model "
-                                  f"has {dtype_name(t.dtype)}{list(t.shape)}: it was written for another model; use the "
-                                  "[model] name/flavor that wrote it")
+            raise CheckpointError(
+                f"checkpoint {path} key {key!r} is {node['dtype']}{list(node['shape'])} but the model "
+                f"has {dtype_name(t.dtype)}{list(t.shape)}: it was written for another model; use the "
+                "[model] name/flavor that wrote it"
+            )
         if t.is_floating_point() != torch_dtype(node["dtype"]).is_floating_point:
-            raise CheckpointError(f"checkpoint {path} key {key!r} is {node['dtype']} but the model's is "
-                                  f"{dtype_name(t.dtype)}: it was written for another model")
+            raise CheckpointError(
+                f"checkpoint {path} key {key!r} is {node['dtype']} but the model's is "
+                f"{dtype_name(t.dtype)}: it was written for another model"
+            )
         sharding = array_of(t).sharding if isinstance(t, TpuTensor) else None
         target[key] = jax.ShapeDtypeStruct(tuple(node["shape"]), jax_dtype(node["dtype"]), sharding=sharding)
     restored = manager.restore(step, target=target, subtree=("model",))
@@ -508,5 +529,8 @@ def load_model_weights(manager: "CheckpointManager", step: int, module: torch.nn
                     a = jax.device_put(a, want.sharding)
                 write(t, a)
             else:
-                t.copy_(r.to(device=t.device, dtype=t.dtype) if isinstance(r, torch.Tensor)
-                        else torch.from_numpy(np.asarray(r)).to(t.dtype))
+                t.copy_(
+                    r.to(device=t.device, dtype=t.dtype)
+                    if isinstance(r, torch.Tensor)
+                    else torch.from_numpy(np.asarray(r)).to(t.dtype)
+                )

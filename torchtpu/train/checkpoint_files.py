@@ -7,6 +7,7 @@ unreadable checkpoint aside, and the errors that name a damaged checkpoint.
     <folder>/step_<N>.orbax-checkpoint-tmp-...   a save in progress, or one that never finished
     <folder>/step_<N>.unreadable  a damaged checkpoint set aside (never deleted)
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,11 @@ def find_partial_saves(folder: str) -> list[str]:
     """Saves that never finished (a process killed mid-save): Orbax's temporary step folders."""
     if not os.path.isdir(folder):
         return []
-    return [os.path.join(folder, e) for e in sorted(os.listdir(folder))
-            if _PARTIAL_DIR.match(e) and os.path.isdir(os.path.join(folder, e))]
+    return [
+        os.path.join(folder, e)
+        for e in sorted(os.listdir(folder))
+        if _PARTIAL_DIR.match(e) and os.path.isdir(os.path.join(folder, e))
+    ]
 
 
 def check_folder(folder: str) -> None:
@@ -84,8 +88,12 @@ def first_line(e: BaseException, limit: int = 500) -> str:
 
 def corrupt_error(path, key, e, steps, step) -> CheckpointError:
     older = [s for s in steps if s < step]
-    fix = (f"restore an earlier step (restore(step={older[-1]})) or delete {path}" if older
-           else f"delete {path} and start without resuming")
+    fix = (
+        f"restore an earlier step (restore(step={older[-1]})) or delete {path}"
+        if older
+        else f"delete {path} and start without resuming"
+    )
     return CorruptCheckpointError(
         f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {first_line(e, 240)})",
-        path)
+        path,
+    )

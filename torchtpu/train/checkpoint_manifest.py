@@ -6,6 +6,7 @@ A state is a nested structure (dicts, lists, tuples) whose leaves are tpu tensor
 `jax.Array`s, or Python scalars, strings, bytes and None. The manifest records each array's kind,
 dtype and shape, so shape and dtype mismatches are reported by key before any data is read.
 """
+
 from __future__ import annotations
 
 import base64

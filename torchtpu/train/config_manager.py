@@ -13,6 +13,7 @@ the section, the key and the value, and saying what is allowed.
 The schema itself is job_config.py. This module only imports the standard library, so `--help`
 and config errors are fast.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -208,21 +209,28 @@ def _apply_table(cfg: JobConfig, table: dict, path: tuple[str, ...], source: str
                 if isinstance(value, dict):
                     raise ConfigError(_unknown_section_message(source, here))
                 owners = [p for p, _ in _walk() if p[-1] == key]
-                hint = (f"; did you mean [{_section_name(owners[0][:-1])}] {key}?" if owners
-                        else "; every key belongs under a [section]")
+                hint = (
+                    f"; did you mean [{_section_name(owners[0][:-1])}] {key}?"
+                    if owners
+                    else "; every key belongs under a [section]"
+                )
                 raise ConfigError(f"{source}: {key} = {_short(_fmt(value))}: key outside any section{hint}")
             if isinstance(value, dict) and key not in _TORCHTITAN_ONLY_KEYS.get(path, ()):
                 raise ConfigError(_unknown_section_message(source, here))
             raise ConfigError(_unknown_key_message(source, here, f" = {_short(_fmt(value))}", cli=False))
         if spec.is_section:
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: [{_section_name(path)}] {key} = {_short(_fmt(value))}: "
-                                  f"{key} is a section; write it as [{_section_name(here)}]")
+                raise ConfigError(
+                    f"{source}: [{_section_name(path)}] {key} = {_short(_fmt(value))}: "
+                    f"{key} is a section; write it as [{_section_name(here)}]"
+                )
             _apply_table(cfg, value, here, source)
             continue
         if path == ("job",) and key == "config_file":
-            raise ConfigError(f"{source}: [job] config_file = {_short(_fmt(value))}: not allowed inside a config "
-                              "file; give the file with --config")
+            raise ConfigError(
+                f"{source}: [job] config_file = {_short(_fmt(value))}: not allowed inside a config "
+                "file; give the file with --config"
+            )
         try:
             coerced = _coerce(spec, value, cli=False)
             _check_value(spec, coerced)
@@ -251,8 +259,7 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
                     out[k] = v  # let _apply_table report the unknown key
                     continue
                 if not spec.optional:
-                    raise ConfigError(f"{source}: [{_section_name(path)}] {k} = (unset): "
-                                      f"expected {spec.describe()}")
+                    raise ConfigError(f"{source}: [{_section_name(path)}] {k} = (unset): expected {spec.describe()}")
             else:
                 out[k] = v
         return out
@@ -294,16 +301,17 @@ def _resolve_cli_key(option: str, value: str | None = None) -> tuple[tuple[str, 
         name = body.replace("-", "_")
         owners = [p for p, _ in _walk() if p[-1] == name]
         hint = f"; did you mean --{'.'.join(owners[0])}?" if owners else ""
-        raise ConfigError(f"{COMMAND_LINE}: {option}{shown}: unknown option; options are --config FILE, "
-                          f"--dry-run, --topology NAME, --debug, --help and --SECTION.KEY VALUE{hint}")
+        raise ConfigError(
+            f"{COMMAND_LINE}: {option}{shown}: unknown option; options are --config FILE, "
+            f"--dry-run, --topology NAME, --debug, --help and --SECTION.KEY VALUE{hint}"
+        )
     parts = tuple(p.replace("-", "_") for p in body.split("."))
     # Find the section prefix.
     cls: type = JobConfig
     for i, name in enumerate(parts[:-1]):
         spec = _specs(cls).get(name)
         if spec is None or not spec.is_section:
-            raise ConfigError(_unknown_section_message(COMMAND_LINE, parts[: i + 1],
-                                                       extra=f" (from {option}{shown})"))
+            raise ConfigError(_unknown_section_message(COMMAND_LINE, parts[: i + 1], extra=f" (from {option}{shown})"))
         cls = spec.base
     key = parts[-1]
     specs = _specs(cls)
@@ -312,8 +320,10 @@ def _resolve_cli_key(option: str, value: str | None = None) -> tuple[tuple[str, 
     if key.startswith("no_") and key[3:] in specs and specs[key[3:]].base is bool:
         return parts[:-1] + (key[3:],), False
     if key in specs:  # a section given as a key
-        raise ConfigError(f"{COMMAND_LINE}: {option}: [{_section_name(parts)}] is a section; "
-                          f"set one of its keys, e.g. --{'.'.join(parts)}.{next(iter(_specs(specs[key].base)))}")
+        raise ConfigError(
+            f"{COMMAND_LINE}: {option}: [{_section_name(parts)}] is a section; "
+            f"set one of its keys, e.g. --{'.'.join(parts)}.{next(iter(_specs(specs[key].base)))}"
+        )
     raise ConfigError(_unknown_key_message(COMMAND_LINE, parts, f"{shown} (from {option})", cli=True))
 
 
@@ -328,8 +338,9 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
         if token in ("-h", "--help"):
             raise HelpRequested(help_text())
         if not token.startswith("--") or token == "--":
-            raise ConfigError(f"{COMMAND_LINE}: {token!r}: unexpected argument; options look like "
-                              "--SECTION.KEY VALUE (see --help)")
+            raise ConfigError(
+                f"{COMMAND_LINE}: {token!r}: unexpected argument; options look like --SECTION.KEY VALUE (see --help)"
+            )
         option, eq, inline = token.partition("=")
         if eq:
             peek: str | None = inline
@@ -349,8 +360,10 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
                 raw = True
             if negated is not None:
                 if raw is not True:
-                    raise ConfigError(f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]} = {raw}: "
-                                      f"{option} takes no value; use --{'.'.join(path)} {raw}")
+                    raise ConfigError(
+                        f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]} = {raw}: "
+                        f"{option} takes no value; use --{'.'.join(path)} {raw}"
+                    )
                 raw = False
         else:
             if eq:
@@ -359,8 +372,10 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
                 raw = argv[i]
                 i += 1
             else:
-                raise ConfigError(f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]}: {option} needs a "
-                                  f"value ({spec.describe(cli=True)})")
+                raise ConfigError(
+                    f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]}: {option} needs a "
+                    f"value ({spec.describe(cli=True)})"
+                )
         if path == ("job", "config_file"):
             config_file = raw
             continue
@@ -444,27 +459,38 @@ def check_fields(cfg: JobConfig) -> None:
 def check_relations(cfg: JobConfig) -> None:
     flavors = MODEL_FLAVORS.get(cfg.model.name, ())
     if cfg.model.flavor not in flavors:
-        raise ConfigError(f"{describe_keys(cfg, ('model',), ['name', 'flavor'])}: unknown flavor; allowed for "
-                          f"{cfg.model.name}: {', '.join(flavors)}")
+        raise ConfigError(
+            f"{describe_keys(cfg, ('model',), ['name', 'flavor'])}: unknown flavor; allowed for "
+            f"{cfg.model.name}: {', '.join(flavors)}"
+        )
     ck = cfg.checkpoint
     if ck.initial_load_in_hf and not ck.initial_load_model_only:
-        raise ConfigError(f"{describe_keys(cfg, ('checkpoint',), ['initial_load_in_hf', 'initial_load_model_only'])}: "
-                          "Hugging Face weights hold only the model; set initial_load_model_only = true")
+        raise ConfigError(
+            f"{describe_keys(cfg, ('checkpoint',), ['initial_load_in_hf', 'initial_load_model_only'])}: "
+            "Hugging Face weights hold only the model; set initial_load_model_only = true"
+        )
     if ck.last_save_in_hf and not ck.last_save_model_only:
-        raise ConfigError(f"{describe_keys(cfg, ('checkpoint',), ['last_save_in_hf', 'last_save_model_only'])}: "
-                          "Hugging Face safetensors hold only the model; set last_save_model_only = true")
+        raise ConfigError(
+            f"{describe_keys(cfg, ('checkpoint',), ['last_save_in_hf', 'last_save_model_only'])}: "
+            "Hugging Face safetensors hold only the model; set last_save_model_only = true"
+        )
     if ck.last_save_in_hf and (not ck.enable or ck.load_only):
-        raise ConfigError(f"{describe_keys(cfg, ('checkpoint',), ['last_save_in_hf', 'enable', 'load_only'])}: "
-                          "the Hugging Face folder is written with the final checkpoint; set enable = true and "
-                          "load_only = false")
+        raise ConfigError(
+            f"{describe_keys(cfg, ('checkpoint',), ['last_save_in_hf', 'enable', 'load_only'])}: "
+            "the Hugging Face folder is written with the final checkpoint; set enable = true and "
+            "load_only = false"
+        )
     for section in (("training", "dataloader"), ("validation", "dataloader")):
         dl = _get(cfg, section)
         if dl.num_workers == 0:
-            for key, bad in (("persistent_workers", dl.persistent_workers), ("prefetch_factor",
-                                                                             dl.prefetch_factor is not None)):
+            for key, bad in (
+                ("persistent_workers", dl.persistent_workers),
+                ("prefetch_factor", dl.prefetch_factor is not None),
+            ):
                 if bad:
-                    raise ConfigError(f"{describe_keys(cfg, section, ['num_workers', key])}: {key} needs "
-                                      "num_workers > 0")
+                    raise ConfigError(
+                        f"{describe_keys(cfg, section, ['num_workers', key])}: {key} needs num_workers > 0"
+                    )
 
 
 def _is_remote(path: str) -> bool:
@@ -476,10 +502,11 @@ def _check_path(cfg: JobConfig, section: str, key: str, what: str) -> None:
     if not value or _is_remote(value):
         return
     if not os.path.exists(os.path.expanduser(value)):
-        raise ConfigError(f"{describe_keys(cfg, (section,), [key])}: {what} not found (relative paths are from "
-                          f"{os.getcwd()}); give an existing path" + (' or "" for the bundled tokenizer'
-                                                                     if key == "hf_assets_path" else
-                                                                     " or leave the key out"))
+        raise ConfigError(
+            f"{describe_keys(cfg, (section,), [key])}: {what} not found (relative paths are from "
+            f"{os.getcwd()}); give an existing path"
+            + (' or "" for the bundled tokenizer' if key == "hf_assets_path" else " or leave the key out")
+        )
 
 
 def check_paths(cfg: JobConfig) -> None:
@@ -527,22 +554,34 @@ def xla_env_updates(cfg: JobConfig, environ: dict[str, str] | None = None) -> di
 def _wrap(text: str, indent: str, width: int = 100) -> list[str]:
     import textwrap
 
-    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent,
-                         break_on_hyphens=False, break_long_words=False) or [indent]
+    return textwrap.wrap(
+        text,
+        width=width,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+        break_long_words=False,
+    ) or [indent]
 
 
 def help_text(prog: str = "torchtpu-train") -> str:
     lines = [
         f"usage: {prog} --config FILE [--SECTION.KEY VALUE ...] [--dry-run] [--topology NAME] [--debug]",
         "",
-        *_wrap("Train a torchtitan Llama 3 model on TPU chips (or on XLA CPU devices). Every value starts at "
-               "the default listed below, is replaced by the TOML file given with --config, then by "
-               "--SECTION.KEY options (later options win). In the TOML file a key is written under its "
-               "[SECTION] header.", ""),
+        *_wrap(
+            "Train a torchtitan Llama 3 model on TPU chips (or on XLA CPU devices). Every value starts at "
+            "the default listed below, is replaced by the TOML file given with --config, then by "
+            "--SECTION.KEY options (later options win). In the TOML file a key is written under its "
+            "[SECTION] header.",
+            "",
+        ),
         "",
-        *_wrap("Booleans: --SECTION.KEY sets true; --SECTION.no-KEY sets false; --SECTION.KEY true|false also "
-               "works. Lists: comma-separated (--compile.components model,loss). Optional keys: the value "
-               "'none' unsets them. --SECTION.KEY=VALUE and hyphens for underscores are accepted.", ""),
+        *_wrap(
+            "Booleans: --SECTION.KEY sets true; --SECTION.no-KEY sets false; --SECTION.KEY true|false also "
+            "works. Lists: comma-separated (--compile.components model,loss). Optional keys: the value "
+            "'none' unsets them. --SECTION.KEY=VALUE and hyphens for underscores are accepted.",
+            "",
+        ),
         "",
         "general options:",
         "  -h, --help            show this help and exit",

@@ -1,4 +1,5 @@
 """The trainer's console lines: `[torchtpu-train] ...`, printed by the first process only."""
+
 from __future__ import annotations
 
 __all__ = ["log"]

@@ -50,6 +50,7 @@ Resuming: the state is (epoch, file, document, token offset) of the first token 
 plus the shuffle seed, so restoring re-reads from that document (and keeps the saved run's order even
 if the new run was given another seed); no token buffer is stored.
 """
+
 from __future__ import annotations
 
 import glob as _glob
@@ -59,7 +60,7 @@ import json
 import os
 import re
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -81,9 +82,9 @@ _HF_KNOWN = {
     "c4_validation": ("allenai/c4", "en", "validation"),
 }
 _FIX_HINT = (
-    "Use dataset = \"bundled\" (validation: \"bundled_validation\") for the corpus shipped with torchtpu, "
+    'Use dataset = "bundled" (validation: "bundled_validation") for the corpus shipped with torchtpu, '
     "set dataset_path to local .txt/.jsonl/.parquet files (a file, folder or glob), or name a Hugging Face dataset "
-    "(\"c4\" or \"org/name\") on a machine with network access."
+    '("c4" or "org/name") on a machine with network access.'
 )
 
 
@@ -174,8 +175,7 @@ def _find_files(dataset_path: str) -> list[str]:
             files += [os.path.join(root, n) for n in names if not n.startswith(".") and _has_ext(n, _ALL_EXTENSIONS)]
         if not files:
             raise FileNotFoundError(
-                f"dataset_path {path} is a folder with no .txt, .jsonl/.json(.gz) or .parquet files in it. "
-                + _FIX_HINT
+                f"dataset_path {path} is a folder with no .txt, .jsonl/.json(.gz) or .parquet files in it. " + _FIX_HINT
             )
     elif any(ch in path for ch in "*?["):
         files = [p for p in _glob.glob(path, recursive=True) if os.path.isfile(p)]
@@ -188,7 +188,7 @@ def _find_files(dataset_path: str) -> list[str]:
     if unknown:
         raise ValueError(
             f"cannot read {unknown[0]}: torchtpu reads .txt (blank-line separated documents), "
-            f".jsonl/.json(.gz) (a \"text\" field per line) and .parquet (a \"text\" column) files"
+            f'.jsonl/.json(.gz) (a "text" field per line) and .parquet (a "text" column) files'
         )
     return files
 
@@ -245,9 +245,11 @@ def _jsonl_documents(path: str, start: int):
                 try:
                     record = json.loads(line)
                 except ValueError as exc:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON ({exc}); expected one JSON object per line") from exc
+                    raise ValueError(
+                        f"{path}:{lineno} is not valid JSON ({exc}); expected one JSON object per line"
+                    ) from exc
                 if not isinstance(record, dict) or "text" not in record:
-                    raise ValueError(f"{path}:{lineno} has no \"text\" field; each JSON line needs one")
+                    raise ValueError(f'{path}:{lineno} has no "text" field; each JSON line needs one')
                 yield index, str(record["text"])
             index += 1
 
@@ -257,7 +259,7 @@ def _parquet_documents(path: str, start: int):
 
     pf = pq.ParquetFile(path)
     if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path} has no \"text\" column (columns: {', '.join(pf.schema_arrow.names)})")
+        raise ValueError(f'{path} has no "text" column (columns: {", ".join(pf.schema_arrow.names)})')
     first = 0
     for g in range(pf.num_row_groups):
         rows = pf.metadata.row_group(g).num_rows
@@ -287,12 +289,16 @@ class _HFStreamSource(_Source):
         rows = itertools.islice(iter(self._ds), start, None)
         for i, row in enumerate(rows, start):
             if "text" not in row:
-                raise ValueError(f"{self.name}: rows have no \"text\" column (columns: {', '.join(row)})")
+                raise ValueError(f'{self.name}: rows have no "text" column (columns: {", ".join(row)})')
             yield i, row["text"] or ""
 
 
 def _check_network(what: str) -> None:
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")]
+    offline = [
+        v
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+    ]
     if offline:
         raise ConnectionError(
             f"dataset {what!r} streams from the Hugging Face hub, but {offline[0]} is set (offline). " + _FIX_HINT
@@ -330,7 +336,7 @@ def _make_source(dataset: str, dataset_path: str | None, seed: int, dp_rank: int
         return _BundledSource(seed, split=BUNDLED_SPLITS[name])
     if name == "c4_test":
         raise ValueError(
-            "dataset \"c4_test\" is a sample that lives in torchtitan's source repository, not in the "
+            'dataset "c4_test" is a sample that lives in torchtitan\'s source repository, not in the '
             "installed package. " + _FIX_HINT
         )
     if name in _HF_KNOWN or re.fullmatch(r"[\w.-]+/[\w.-]+", name):
@@ -346,8 +352,16 @@ def _make_source(dataset: str, dataset_path: str | None, seed: int, dp_rank: int
 class TokenBatchLoader:
     """Iterator of (inputs, labels) numpy int64 arrays of shape (local_batch_size, seq_len)."""
 
-    def __init__(self, source: _Source, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world_size: int, infinite: bool = True):
+    def __init__(
+        self,
+        source: _Source,
+        tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        infinite: bool = True,
+    ):
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be positive")
         if not 0 <= dp_rank < dp_world_size:
@@ -460,7 +474,11 @@ class TokenBatchLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("source", self.source.name), ("dp_world_size", self.dp_world_size), ("dp_rank", self.dp_rank)):
+        for key, mine in (
+            ("source", self.source.name),
+            ("dp_world_size", self.dp_world_size),
+            ("dp_rank", self.dp_rank),
+        ):
             if key in state and state[key] != mine:
                 raise ValueError(
                     f"data loader state was saved with {key}={state[key]!r} but this loader has {key}={mine!r}; "
@@ -468,8 +486,9 @@ class TokenBatchLoader:
                 )
         if "seed" in state:  # the shuffle order of the saved run, even if this run drew another seed
             self.source.reseed(int(state["seed"]))
-        self._set_position(int(state["epoch"]), int(state["file"]), int(state["doc"]), int(state["global_doc"]),
-                           int(state["offset"]))
+        self._set_position(
+            int(state["epoch"]), int(state["file"]), int(state["doc"]), int(state["global_doc"]), int(state["offset"])
+        )
         self.batches = int(state.get("batches", 0))
 
 
@@ -522,14 +541,23 @@ class GlobalBatchLoader:
         if saved != self.global_rows:
             raise ValueError(
                 f"data loader state is for a global batch of {saved} row streams but this loader has "
-                f"{self.global_rows}; resume with the same global batch (or start the data from scratch)")
+                f"{self.global_rows}; resume with the same global batch (or start the data from scratch)"
+            )
         streams = state["streams"]
         for r, s in zip(self.rows, self.streams):
             s.load_state_dict(streams[r])
 
 
-def build_global_batch_loader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, global_rows: int,
-                              rows=None, seed: int = 0, infinite: bool = True) -> GlobalBatchLoader:
+def build_global_batch_loader(
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer,
+    seq_len: int,
+    global_rows: int,
+    rows=None,
+    seed: int = 0,
+    infinite: bool = True,
+) -> GlobalBatchLoader:
     """Rows `rows` (default: all) of a global batch of `global_rows` row streams. See the module docstring."""
     shared = {}
 
@@ -541,8 +569,9 @@ def build_global_batch_loader(dataset: str, dataset_path: str | None, tokenizer,
             shared["bundled"] = src
         return src
 
-    return GlobalBatchLoader(make_source, tokenizer, seq_len, global_rows, range(global_rows) if rows is None else rows,
-                             infinite)
+    return GlobalBatchLoader(
+        make_source, tokenizer, seq_len, global_rows, range(global_rows) if rows is None else rows, infinite
+    )
 
 
 def token_ids_int32(ids, vocab_size: int):
@@ -555,6 +584,8 @@ def token_ids_int32(ids, vocab_size: int):
 
     ids = np.asarray(ids)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())} is outside "
-                         f"the model's vocabulary [0, {vocab_size}); use the model's own tokenizer")
+        raise ValueError(
+            f"token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())} is outside "
+            f"the model's vocabulary [0, {vocab_size}); use the model's own tokenizer"
+        )
     return ids.astype(np.int32)

@@ -17,6 +17,7 @@ compile-only devices when `[tpu] topology` names one) and prints:
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,12 @@ def _compile_step(trainer):
     placements = batch_placements(trainer.mesh)
     # One micro-batch: with accumulation the step repeats the same forward/backward over the
     # same buffers, so memory is one micro-batch's; time and FLOPs are scaled to the step.
-    batch = [(td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
-              td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements))]
+    batch = [
+        (
+            td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
+            td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
+        )
+    ]
     return trainer.step_fn.compile_for(batch)
 
 
@@ -78,9 +83,13 @@ def step_estimate(trainer, report: dict) -> dict:
     depth = trainer.model_args.n_layers
     loops = report.get("while_loops") or []
     if depth <= COSTING_DEPTHS[1] and not loops:
-        return {"method": "XLA cost model on the whole program (no loops)", **{
-            k: report[k] for k in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds",
-                                   "roofline_seconds")}}
+        return {
+            "method": "XLA cost model on the whole program (no loops)",
+            **{
+                k: report[k]
+                for k in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds", "roofline_seconds")
+            },
+        }
     try:
         small = []
         cfg = unrolled(trainer.cfg)
@@ -92,13 +101,16 @@ def step_estimate(trainer, report: dict) -> dict:
     except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
         method = "XLA cost model on the whole program"
         if loops:
-            method += (f" (it has {len(loops)} while loop(s), whose bodies XLA costs once: no time estimate; FLOPs "
-                       "too low)")
-        return {"method": f"{method}; depth extrapolation failed: {type(e).__name__}: {e}",
-                "flops_per_device": report["flops_per_device"],
-                "bytes_accessed_per_device": report["bytes_accessed_per_device"],
-                "estimated_step_seconds": report["estimated_step_seconds"] if not loops else None,
-                "roofline_seconds": report.get("roofline_seconds")}
+            method += (
+                f" (it has {len(loops)} while loop(s), whose bodies XLA costs once: no time estimate; FLOPs too low)"
+            )
+        return {
+            "method": f"{method}; depth extrapolation failed: {type(e).__name__}: {e}",
+            "flops_per_device": report["flops_per_device"],
+            "bytes_accessed_per_device": report["bytes_accessed_per_device"],
+            "estimated_step_seconds": report["estimated_step_seconds"] if not loops else None,
+            "roofline_seconds": report.get("roofline_seconds"),
+        }
 
 
 def _gib(n: float) -> str:
@@ -113,12 +125,14 @@ def dry_run(trainer) -> int:
     from .model_builder import ac_settings
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
-        raise RuntimeError("this torchtpu build cannot compile a step ahead of time (compile_for / "
-                           "torchtpu.distributed.empty are missing)")
+        raise RuntimeError(
+            "this torchtpu build cannot compile a step ahead of time (compile_for / "
+            "torchtpu.distributed.empty are missing)"
+        )
     dims = trainer.dims
     accum = dims.grad_accum_steps
     keep = os.environ.get("TORCHTPU_DRY_RUN_DUMP")  # a folder to keep XLA's dump of the step in
-    with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-")) as dump:
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-") as dump:
         t0 = time.perf_counter()
         try:
             with dump_compiles_to(dump):
@@ -128,8 +142,12 @@ def dry_run(trainer) -> int:
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
                 raise
             first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
-            print(f"torchtpu-train: dry run: the step does NOT fit in device memory on {_where(trainer)}: the XLA "
-                  f"compiler says: {first}; {_fit_hint(trainer)}", file=sys.stderr, flush=True)
+            print(
+                f"torchtpu-train: dry run: the step does NOT fit in device memory on {_where(trainer)}: the XLA "
+                f"compiler says: {first}; {_fit_hint(trainer)}",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         t_compile = time.perf_counter() - t0
         report = compile_report(compiled, trainer.mesh.jax_mesh)
@@ -137,34 +155,41 @@ def dry_run(trainer) -> int:
     del compiled
 
     if accum > 1:
-        print(f"(program compiled for 1 of {accum} micro-batches; memory, FLOPs and XLA's figures below are per "
-              "micro-batch program, the step-time, tokens/s and MFU lines scale them to the whole step)", flush=True)
+        print(
+            f"(program compiled for 1 of {accum} micro-batches; memory, FLOPs and XLA's figures below are per "
+            "micro-batch program, the step-time, tokens/s and MFU lines scale them to the whole step)",
+            flush=True,
+        )
     print(format_report(report), flush=True)
     lines = [f"compile time            {t_compile:.1f} s"]
     if temps:
-        lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse "
-                     "it)")
+        lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse it)")
         for g in temps:
             lines.append(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
     wide = {k: v for k, v in report["wide_types"].items() if v}
     if wide:
-        lines.append(f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate "
-                     "with X64 calls)")
+        lines.append(
+            f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate with X64 calls)"
+        )
 
     tokens = dims.tokens_per_step
     chips = dims.world_size
     model_flops = trainer.flops_per_token * tokens
-    lines.append(f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
-                 "tokens, torchtitan's 6N + attention)")
+    lines.append(
+        f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
+        "tokens, torchtitan's 6N + attention)"
+    )
     ac_mode, _ = ac_settings(trainer.cfg)
     est = step_estimate(trainer, report)
     lines.append(f"costing method          {est['method']}")
     flops = est.get("flops_per_device")
     if flops:
         model_per_device = model_flops / accum / chips
-        lines.append(f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
-                     f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
-                     f"{recompute_factor(ac_mode):.2f}x)")
+        lines.append(
+            f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
+            f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
+            f"{recompute_factor(ac_mode):.2f}x)"
+        )
     peak = report["peak_bf16_flops_per_device"]
     seconds = est.get("estimated_step_seconds")
     if seconds and seconds > 0:
@@ -173,33 +198,45 @@ def dry_run(trainer) -> int:
         lines.append(f"estimated step          {step:.3f} s ({accum} x {seconds:.4f} s per micro-batch)")
         lines.append(f"tokens/s per chip       {tps:,.0f} (estimate)")
         if peak:
-            lines.append(f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
-                         "estimated step / chip bf16 peak)")
+            lines.append(
+                f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
+                "estimated step / chip bf16 peak)"
+            )
     else:
         bound = flops / peak * accum if flops and peak else None
         if bound:
             # every FLOP at the chip's peak is 100% utilization by construction: a bound, not an MFU
-            lines.append(f"tokens/s upper bound    {tokens / bound / chips:,.0f} per chip (every XLA FLOP at the "
-                         "chip's peak; XLA gave no time estimate, so no MFU estimate)")
+            lines.append(
+                f"tokens/s upper bound    {tokens / bound / chips:,.0f} per chip (every XLA FLOP at the "
+                "chip's peak; XLA gave no time estimate, so no MFU estimate)"
+            )
     print("\n".join(lines), flush=True)
 
     fits = report["fits"]
     if fits is False:
-        print(f"torchtpu-train: dry run: the step needs {_gib(report['hbm_bytes_needed'])} of HBM per device but a "
-              f"{report['chip']} device has {_gib(report['hbm_bytes_available'])}: it does NOT fit on "
-              f"{_where(trainer)}; {_fit_hint(trainer)}", file=sys.stderr, flush=True)
+        print(
+            f"torchtpu-train: dry run: the step needs {_gib(report['hbm_bytes_needed'])} of HBM per device but a "
+            f"{report['chip']} device has {_gib(report['hbm_bytes_available'])}: it does NOT fit on "
+            f"{_where(trainer)}; {_fit_hint(trainer)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     if fits is None:
-        print("dry run: compiled; no HBM capacity known for these devices (name a [tpu] topology to check the fit)",
-              flush=True)
+        print(
+            "dry run: compiled; no HBM capacity known for these devices (name a [tpu] topology to check the fit)",
+            flush=True,
+        )
     else:
         print("dry run: it fits", flush=True)
     return 0
 
 
 def _fit_hint(trainer) -> str:
-    hint = ("shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
-            "training.local_batch_size / seq_len")
+    hint = (
+        "shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
+        "training.local_batch_size / seq_len"
+    )
     if trainer.cfg.activation_checkpoint.mode != "full":
         hint += ', or set activation_checkpoint.mode = "full"'
     return hint

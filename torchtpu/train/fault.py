@@ -19,6 +19,7 @@ watches the steps the loop finishes; when none finished for `[comm] init_timeout
 and the first step, which compiles) or `[comm] train_timeout_seconds` (later steps), it writes
 every Python thread's stack to stderr (the host's log) and ends the process with EXIT_RETRIABLE.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -28,8 +29,20 @@ import sys
 import threading
 import time
 
-__all__ = ["ATTEMPT_ENV", "EXIT_OK", "EXIT_FAILURE", "EXIT_CONFIG", "EXIT_RETRIABLE", "Preempted", "PreemptionWatch",
-           "StepWatchdog", "attempt_number", "failure_status", "leave_job", "maybe_stall"]
+__all__ = [
+    "ATTEMPT_ENV",
+    "EXIT_OK",
+    "EXIT_FAILURE",
+    "EXIT_CONFIG",
+    "EXIT_RETRIABLE",
+    "Preempted",
+    "PreemptionWatch",
+    "StepWatchdog",
+    "attempt_number",
+    "failure_status",
+    "leave_job",
+    "maybe_stall",
+]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -47,8 +60,10 @@ class Preempted(Exception):
         self.step = step
         self.checkpoint = checkpoint
         where = f"checkpoint {checkpoint} written" if checkpoint else "checkpoints are off, nothing saved"
-        super().__init__(f"preempted (SIGTERM) after step {step}: {where}; exiting with {EXIT_RETRIABLE} "
-                         "(retriable), the next attempt resumes from the newest checkpoint")
+        super().__init__(
+            f"preempted (SIGTERM) after step {step}: {where}; exiting with {EXIT_RETRIABLE} "
+            "(retriable), the next attempt resumes from the newest checkpoint"
+        )
 
 
 # The job's attempt (1, 2, ...), the same on every host; set by torchtpu.launch.agent.
@@ -141,11 +156,14 @@ class StepWatchdog:
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
-        which = ("[comm] init_timeout_seconds" if self._steps == 0 or self._building()
-                 else "[comm] train_timeout_seconds")
-        msg = (f"{self.label}step watchdog: no training step finished in {waited:.0f} s (limit {self._limit():.0f} s, "
-               f"{which}); a host is stuck or gone. Stacks of every thread follow; exiting with "
-               f"{EXIT_RETRIABLE} (retriable)")
+        which = (
+            "[comm] init_timeout_seconds" if self._steps == 0 or self._building() else "[comm] train_timeout_seconds"
+        )
+        msg = (
+            f"{self.label}step watchdog: no training step finished in {waited:.0f} s (limit {self._limit():.0f} s, "
+            f"{which}); a host is stuck or gone. Stacks of every thread follow; exiting with "
+            f"{EXIT_RETRIABLE} (retriable)"
+        )
         try:
             sys.stdout.flush()
             print(msg, file=sys.stderr, flush=True)
@@ -173,8 +191,10 @@ def failure_status(error: BaseException) -> tuple[int, str]:
     In a multi-process job an XLA runtime error is how a collective reports a peer that is gone
     (gloo: "Connection reset by peer"): the job is retriable, 42. Anything else is 1."""
     if _in_multiprocess_job() and type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
-        return EXIT_RETRIABLE, f"; a collective failed, another host is probably gone: exiting with {EXIT_RETRIABLE} " \
-                               "(retriable)"
+        return (
+            EXIT_RETRIABLE,
+            f"; a collective failed, another host is probably gone: exiting with {EXIT_RETRIABLE} (retriable)",
+        )
     return EXIT_FAILURE, ""
 
 
@@ -197,5 +217,7 @@ def maybe_stall(step: int, process_index: int) -> None:
         return
     host, at, seconds = (float(x) for x in spec.split(":"))
     if int(host) == process_index and int(at) == step:
-        print(f"{STALL_ENV}: process {process_index} stalls {seconds:.0f} s in step {step}", file=sys.stderr, flush=True)
+        print(
+            f"{STALL_ENV}: process {process_index} stalls {seconds:.0f} s in step {step}", file=sys.stderr, flush=True
+        )
         time.sleep(seconds)

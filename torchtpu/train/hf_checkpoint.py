@@ -14,6 +14,7 @@ reads the whole heads it overlaps), so no process ever holds more than its share
 plus one device shard. Writing gathers one tensor at a time and keeps at most one output file's
 tensors (`max_shard_bytes`) in host memory; only process 0 writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,16 @@ import torch
 
 from torchtpu.models.llama3.hf import HFNames, check_hf_config, hf_config
 
-__all__ = ["HFCheckpointError", "HFFolder", "is_hf_folder", "load_hf_arrays", "load_hf_into_model",
-           "save_hf", "save_model_as_hf", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = [
+    "HFCheckpointError",
+    "HFFolder",
+    "is_hf_folder",
+    "load_hf_arrays",
+    "load_hf_into_model",
+    "save_hf",
+    "save_model_as_hf",
+    "DEFAULT_MAX_SHARD_BYTES",
+]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -40,7 +49,8 @@ class HFCheckpointError(ValueError):
 
 def is_hf_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG)) and (
-        os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX)))
+        os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
+    )
 
 
 class HFFolder:
@@ -49,8 +59,9 @@ class HFFolder:
     def __init__(self, folder: str):
         self.folder = os.path.abspath(os.path.expanduser(str(folder)))
         if not os.path.isdir(self.folder):
-            raise HFCheckpointError(f"{self.folder} is not a folder; point to a Hugging Face model folder "
-                                    f"({CONFIG} + {SINGLE} or {INDEX})")
+            raise HFCheckpointError(
+                f"{self.folder} is not a folder; point to a Hugging Face model folder ({CONFIG} + {SINGLE} or {INDEX})"
+            )
         cfg_path = os.path.join(self.folder, CONFIG)
         if not os.path.isfile(cfg_path):
             raise HFCheckpointError(f"{self.folder} has no {CONFIG}; point to a Hugging Face model folder")
@@ -139,12 +150,14 @@ def _match(hf: HFFolder, names: HFNames, targets: dict) -> dict[str, str]:
         raise HFCheckpointError(
             f"{where} lacks {len(missing)} tensor(s) the model needs: {', '.join(ex)}"
             f"{' ...' if len(missing) > 3 else ''} (config.json says num_hidden_layers = "
-            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for")
+            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for"
+        )
     if extra:
         raise HFCheckpointError(
             f"{where} holds {len(extra)} tensor(s) this model has no place for: {', '.join(extra[:3])}"
             f"{' ...' if len(extra) > 3 else ''} (config.json says num_hidden_layers = "
-            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for")
+            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for"
+        )
     for tt in targets:  # in the model's order: the embedding first
         hf_name = to_hf[tt]
         shape, _ = hf.info(hf_name)
@@ -154,7 +167,8 @@ def _match(hf: HFFolder, names: HFNames, targets: dict) -> dict[str, str]:
             what = "vocabulary size" if vocab else "shape"
             raise HFCheckpointError(
                 f"{hf_name} in {where} is {list(shape)} but the model's {tt} is {list(want)} ({what} mismatch); "
-                "use the [model] flavor these weights were made for")
+                "use the [model] flavor these weights were made for"
+            )
     return to_hf
 
 
@@ -191,7 +205,7 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
                     t = hf.read(hf_name, tuple(slice(lo, hi) for lo, hi in b))
                 else:
                     # the shard's rows come from the (whole-head) HF rows perm[lo:hi]
-                    rows = perm[b[0][0]:b[0][1]]
+                    rows = perm[b[0][0] : b[0][1]]
                     lo, hi = int(rows.min()), int(rows.max()) + 1
                     block = hf.read(hf_name, (slice(lo, hi),) + tuple(slice(a, z) for a, z in b[1:]))
                     t = block[torch.from_numpy(rows - lo)]
@@ -210,8 +224,8 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
 def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
     """Fill a torchtitan Llama 3 model's parameters (tpu tensors, any sharding) in place from a
     Hugging Face folder; each parameter keeps its own sharding and dtype."""
-    from torchtpu.backend.views import array_of, write
     from torchtpu.backend.tensor import TpuTensor
+    from torchtpu.backend.views import array_of, write
 
     from .checkpoint import canonical_name
 
@@ -238,8 +252,16 @@ def _plan_files(entries: list[tuple[str, int]], max_shard_bytes: int) -> list[li
     return files
 
 
-def save_hf(folder: str, entries: list[tuple[str, tuple]], fetch, model_args, dtype: torch.dtype,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, write: bool = True, config_extra: dict | None = None) -> str:
+def save_hf(
+    folder: str,
+    entries: list[tuple[str, tuple]],
+    fetch,
+    model_args,
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    write: bool = True,
+    config_extra: dict | None = None,
+) -> str:
     """Write torchtitan-named tensors as a Hugging Face folder, one tensor fetched at a time.
 
     entries: [(torchtitan name, shape)] in the order to write; fetch(name) -> the full tensor (CPU)
@@ -256,8 +278,10 @@ def save_hf(folder: str, entries: list[tuple[str, tuple]], fetch, model_args, dt
     tmp = folder + ".tmp"
     if write:
         if os.path.exists(folder) and not (is_hf_folder(folder) or not os.listdir(folder)):
-            raise HFCheckpointError(f"{folder} exists and is not a Hugging Face model folder; it will not be "
-                                    "overwritten: choose another output folder")
+            raise HFCheckpointError(
+                f"{folder} exists and is not a Hugging Face model folder; it will not be "
+                "overwritten: choose another output folder"
+            )
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     single = len(files) == 1
@@ -298,8 +322,8 @@ def gather_to_cpu(t: torch.Tensor) -> torch.Tensor:
     import jax
 
     from torchtpu.backend import dtypes
-    from torchtpu.backend.views import array_of
     from torchtpu.backend.tensor import TpuTensor
+    from torchtpu.backend.views import array_of
 
     if not isinstance(t, TpuTensor):
         return t.detach().cpu()
@@ -313,8 +337,14 @@ def gather_to_cpu(t: torch.Tensor) -> torch.Tensor:
     return dtypes.numpy_to_torch(host, t.dtype)
 
 
-def save_model_as_hf(folder: str, model: torch.nn.Module, model_args, dtype: torch.dtype,
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, config_extra: dict | None = None) -> str:
+def save_model_as_hf(
+    folder: str,
+    model: torch.nn.Module,
+    model_args,
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    config_extra: dict | None = None,
+) -> str:
     """Write a torchtitan Llama 3 model (tpu tensors, any sharding) as a Hugging Face folder.
     Every process calls it (the gathers are collective); process 0 writes."""
     import jax
@@ -323,5 +353,13 @@ def save_model_as_hf(folder: str, model: torch.nn.Module, model_args, dtype: tor
 
     own = {canonical_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
     entries = [(k, tuple(t.shape)) for k, t in own.items()]
-    return save_hf(folder, entries, lambda n: gather_to_cpu(own[n].detach()), model_args, dtype,
-                   max_shard_bytes, write=jax.process_index() == 0, config_extra=config_extra)
+    return save_hf(
+        folder,
+        entries,
+        lambda n: gather_to_cpu(own[n].detach()),
+        model_args,
+        dtype,
+        max_shard_bytes,
+        write=jax.process_index() == 0,
+        config_extra=config_extra,
+    )

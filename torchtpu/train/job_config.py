@@ -11,6 +11,7 @@ several keys are in config_manager.py; resolving the parallel degrees for a devi
 parallel_dims.validate. This module only imports the standard library, so `--help` and config
 errors are fast.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,9 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
 
@@ -96,8 +98,14 @@ def _not_supported(default: Any, why: str) -> Check:
 
 def _state_parts(v):
     bad = [c for c in v if c not in ("optimizer", "lr_scheduler", "dataloader")]
-    return None if not bad else (f"cannot exclude {bad[0]!r}; allowed: optimizer, lr_scheduler, dataloader (the "
-                                 "model weights and the step are always restored)")
+    return (
+        None
+        if not bad
+        else (
+            f"cannot exclude {bad[0]!r}; allowed: optimizer, lr_scheduler, dataloader (the "
+            "model weights and the step are always restored)"
+        )
+    )
 
 
 def _selective_ac_option(v):
@@ -138,12 +146,16 @@ def topology_num_devices(topology: str) -> int:
 @dataclass
 class Job:
     config_file: str | None = _opt(None, "The TOML file the values were read from; give it with --config.")
-    dump_folder: str = _opt("./outputs", "Folder that receives everything the run writes: checkpoints, "
-                            "TensorBoard events, profiler traces, saved configs.")
+    dump_folder: str = _opt(
+        "./outputs",
+        "Folder that receives everything the run writes: checkpoints, "
+        "TensorBoard events, profiler traces, saved configs.",
+    )
     description: str = _opt("default job", "Free-form description of the run, shown in the logs.")
     print_config: bool = _opt(False, "Print the fully resolved configuration as TOML and exit without training.")
-    save_config_file: str | None = _opt(None, "If set, the trainer writes the resolved configuration to this "
-                                        "file name inside dump_folder.")
+    save_config_file: str | None = _opt(
+        None, "If set, the trainer writes the resolved configuration to this file name inside dump_folder."
+    )
 
 
 @dataclass
@@ -152,13 +164,19 @@ class Profiling:
     save_traces_folder: str = _opt("profile_traces", "Sub-folder of dump_folder for profiler traces.")
     profile_freq: int = _opt(10, "Record one trace window every this many steps.", check=_positive)
     profiler_active: int = _opt(1, "Number of steps recorded in each trace window.", check=_positive)
-    profiler_warmup: int = _opt(3, "Steps traced and discarded just before each recorded window (torchtitan's "
-                                "torch.profiler schedule). Only the default is accepted: jax.profiler cannot "
-                                "discard part of a trace, so a recorded window always starts cold.",
-                                check=_not_supported(3, "jax.profiler cannot trace steps and discard them"))
-    enable_memory_snapshot: bool = _opt(False, "Save a device-memory profile (which buffers hold device memory, "
-                                        "pprof format) every profile_freq steps, as "
-                                        "<save_memory_snapshot_folder>/iteration_<step>/memory.prof.")
+    profiler_warmup: int = _opt(
+        3,
+        "Steps traced and discarded just before each recorded window (torchtitan's "
+        "torch.profiler schedule). Only the default is accepted: jax.profiler cannot "
+        "discard part of a trace, so a recorded window always starts cold.",
+        check=_not_supported(3, "jax.profiler cannot trace steps and discard them"),
+    )
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "Save a device-memory profile (which buffers hold device memory, "
+        "pprof format) every profile_freq steps, as "
+        "<save_memory_snapshot_folder>/iteration_<step>/memory.prof.",
+    )
     save_memory_snapshot_folder: str = _opt("memory_snapshot", "Sub-folder of dump_folder for memory profiles.")
 
 
@@ -166,12 +184,16 @@ class Profiling:
 class Metrics:
     log_freq: int = _opt(10, "Report loss, tokens/s and MFU every this many steps.", check=_positive)
     enable_tensorboard: bool = _opt(False, "Also write the metrics as TensorBoard events.")
-    disable_color_printing: bool = _opt(False, "Log to the terminal without ANSI colours (colours are only "
-                                        "ever used when stdout is a terminal).")
+    disable_color_printing: bool = _opt(
+        False, "Log to the terminal without ANSI colours (colours are only ever used when stdout is a terminal)."
+    )
     save_tb_folder: str = _opt("tb", "Sub-folder of dump_folder for TensorBoard events.")
-    save_for_all_ranks: bool = _opt(False, "Write metrics from every host (process) instead of only the first: "
-                                    "host r>0 writes metrics_rank_<r>.jsonl and TensorBoard events under "
-                                    "<save_tb_folder>/rank_<r>; the console shows only the first host's.")
+    save_for_all_ranks: bool = _opt(
+        False,
+        "Write metrics from every host (process) instead of only the first: "
+        "host r>0 writes metrics_rank_<r>.jsonl and TensorBoard events under "
+        "<save_tb_folder>/rank_<r>; the console shows only the first host's.",
+    )
     enable_wandb: bool = _opt(False, "Also send the metrics to Weights & Biases.")
 
 
@@ -179,9 +201,12 @@ class Metrics:
 class Model:
     name: str = _opt("llama3", "Model family, by its torchtitan name.", choices=tuple(MODEL_FLAVORS))
     flavor: str = _opt("debugmodel", "Size of the model within the family (llama3: debugmodel, 8B, 70B, 405B).")
-    hf_assets_path: str = _opt("", "Folder with the model's Hugging Face files (tokenizer.json or "
-                               "tokenizer.model, config.json, optionally *.safetensors). Empty: the small "
-                               "tokenizer bundled with torchtpu, meant for the debug model.")
+    hf_assets_path: str = _opt(
+        "",
+        "Folder with the model's Hugging Face files (tokenizer.json or "
+        "tokenizer.model, config.json, optionally *.safetensors). Empty: the small "
+        "tokenizer bundled with torchtpu, meant for the debug model.",
+    )
 
 
 @dataclass
@@ -197,76 +222,127 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = _opt(200, "Steps of linear warm-up from near zero to optimizer.lr.", check=_non_negative)
-    total_steps: int | None = _opt(None, "Length of the schedule in steps; unset means training.steps. "
-                                   "Lets a short run follow a long run's curve.", check=_positive)
-    decay_ratio: float | None = _opt(None, "Fraction of the schedule spent decaying. Unset: decay starts "
-                                     "right after warm-up; otherwise the rate stays flat until the last "
-                                     "decay_ratio of the steps (warmup-stable-decay).", check=_fraction)
+    total_steps: int | None = _opt(
+        None,
+        "Length of the schedule in steps; unset means training.steps. Lets a short run follow a long run's curve.",
+        check=_positive,
+    )
+    decay_ratio: float | None = _opt(
+        None,
+        "Fraction of the schedule spent decaying. Unset: decay starts "
+        "right after warm-up; otherwise the rate stays flat until the last "
+        "decay_ratio of the steps (warmup-stable-decay).",
+        check=_fraction,
+    )
     decay_type: str = _opt("linear", "Shape of the decay.", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = _opt(0.0, "The rate decays to optimizer.lr times this factor, not below.",
-                                check=_fraction)
+    min_lr_factor: float = _opt(0.0, "The rate decays to optimizer.lr times this factor, not below.", check=_fraction)
 
 
 @dataclass
 class DataLoader:
-    num_workers: int = _opt(0, "Background worker processes that prepare batches. Only 0 (batches are read "
-                            "and tokenized in the training process, while the devices run the previous "
-                            "step) is supported yet.",
-                            check=_not_supported(0, "batches are prepared in the training process"))
-    persistent_workers: bool = _opt(False, "Keep the workers alive between passes over the data (needs "
-                                    "num_workers > 0, so not supported yet).",
-                                    check=_not_supported(False, "there are no data-loading workers"))
-    prefetch_factor: int | None = _opt(None, "Batches each worker prepares ahead (needs num_workers > 0, so not "
-                                       "supported yet).",
-                                       check=_not_supported(None, "there are no data-loading workers"))
+    num_workers: int = _opt(
+        0,
+        "Background worker processes that prepare batches. Only 0 (batches are read "
+        "and tokenized in the training process, while the devices run the previous "
+        "step) is supported yet.",
+        check=_not_supported(0, "batches are prepared in the training process"),
+    )
+    persistent_workers: bool = _opt(
+        False,
+        "Keep the workers alive between passes over the data (needs num_workers > 0, so not supported yet).",
+        check=_not_supported(False, "there are no data-loading workers"),
+    )
+    prefetch_factor: int | None = _opt(
+        None,
+        "Batches each worker prepares ahead (needs num_workers > 0, so not supported yet).",
+        check=_not_supported(None, "there are no data-loading workers"),
+    )
 
 
 @dataclass
 class Training:
-    dataset: str = _opt("c4_test", 'Dataset name: "bundled" (the small corpus shipped with torchtpu), '
-                        '"c4", "c4_test", ... (see the data loader for the full list).')
-    dataset_path: str | None = _opt(None, "Local folder or file to read the dataset from instead of "
-                                    "downloading it.")
+    dataset: str = _opt(
+        "c4_test",
+        'Dataset name: "bundled" (the small corpus shipped with torchtpu), '
+        '"c4", "c4_test", ... (see the data loader for the full list).',
+    )
+    dataset_path: str | None = _opt(None, "Local folder or file to read the dataset from instead of downloading it.")
     local_batch_size: int = _opt(8, "Sequences per data-parallel rank in each micro-batch.", check=_positive)
-    global_batch_size: int = _opt(-1, "Sequences per optimizer step over all ranks; -1 means local_batch_size "
-                                  "x data-parallel degree. A multiple of that product accumulates gradients "
-                                  "over global / (local x dp) micro-batches.", check=_minus_one_or_positive)
+    global_batch_size: int = _opt(
+        -1,
+        "Sequences per optimizer step over all ranks; -1 means local_batch_size "
+        "x data-parallel degree. A multiple of that product accumulates gradients "
+        "over global / (local x dp) micro-batches.",
+        check=_minus_one_or_positive,
+    )
     seq_len: int = _opt(2048, "Tokens per sequence.", check=_positive)
     max_norm: float = _opt(1.0, "Clip the global gradient norm to this value.", check=_positive)
     steps: int = _opt(10000, "Optimizer steps to train for.", check=_positive)
-    dtype: str = _opt("float32", "Storage dtype of parameters, gradients and optimizer state. bfloat16 trains "
-                      "fully in bf16 with no fp32 master copy.", choices=("bfloat16", "float32"))
-    mixed_precision_param: str = _opt("bfloat16", "Dtype parameters are cast to for the forward and backward "
-                                      "computation (mixed precision).", choices=("bfloat16", "float32"))
-    mixed_precision_reduce: str = _opt("float32", "Dtype of gradient reductions across data-parallel ranks.",
-                                       choices=("float32",))
-    loss_chunk_size: int = _opt(2048, "Sequence positions per chunk of the loss: the output projection and "
-                                "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
-                                "logits of the whole sequence are never held. 0 computes the loss on the whole "
-                                "logits. With tensor parallelism the loss is always computed whole (its logits are "
-                                "already split over the tp ranks; chunking them is not supported yet).",
-                                check=_non_negative)
+    dtype: str = _opt(
+        "float32",
+        "Storage dtype of parameters, gradients and optimizer state. bfloat16 trains "
+        "fully in bf16 with no fp32 master copy.",
+        choices=("bfloat16", "float32"),
+    )
+    mixed_precision_param: str = _opt(
+        "bfloat16",
+        "Dtype parameters are cast to for the forward and backward computation (mixed precision).",
+        choices=("bfloat16", "float32"),
+    )
+    mixed_precision_reduce: str = _opt(
+        "float32", "Dtype of gradient reductions across data-parallel ranks.", choices=("float32",)
+    )
+    loss_chunk_size: int = _opt(
+        2048,
+        "Sequence positions per chunk of the loss: the output projection and "
+        "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
+        "logits of the whole sequence are never held. 0 computes the loss on the whole "
+        "logits. With tensor parallelism the loss is always computed whole (its logits are "
+        "already split over the tp ranks; chunking them is not supported yet).",
+        check=_non_negative,
+    )
     gc_freq: int = _opt(50, "Run Python's garbage collector every this many steps.", check=_positive)
     dataloader: DataLoader = _section(DataLoader, "Data loading for training.")
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _opt(1, "Ranks holding full replicas of the parameters (DDP; HSDP "
-                                               "when combined with sharding). 1 disables it.", check=_positive)
-    data_parallel_shard_degree: int = _opt(-1, "Ranks the parameters, gradients and optimizer state are "
-                                           "sharded over (FSDP). -1 takes all devices left over by the other "
-                                           "degrees; 1 disables it.", check=_minus_one_or_positive)
-    tensor_parallel_degree: int = _opt(1, "Ranks each layer's weights are split over (tensor parallelism with "
-                                       "sequence parallelism). 1 disables it.", check=_positive)
-    pipeline_parallel_degree: int = _opt(1, "Pipeline stages. Must be 1 in torchtpu.",
-                                         check=_only_one("pipeline parallelism"))
-    context_parallel_degree: int = _opt(1, "Ranks a sequence is split over (context parallelism). Must be 1 "
-                                        "in torchtpu.", check=_only_one("context parallelism"))
-    num_slices: int = _opt(1, "TPU slices the job spans (Multislice, connected over the data-center network, "
-                           "DCN). The mesh axis named by dcn_axis is split across slices.", check=_positive)
-    dcn_axis: str = _opt("dp_replicate", "Mesh axis that crosses slice boundaries when num_slices > 1; its "
-                         "degree must be a multiple of num_slices.", choices=("dp_replicate", "dp_shard"))
+    data_parallel_replicate_degree: int = _opt(
+        1,
+        "Ranks holding full replicas of the parameters (DDP; HSDP when combined with sharding). 1 disables it.",
+        check=_positive,
+    )
+    data_parallel_shard_degree: int = _opt(
+        -1,
+        "Ranks the parameters, gradients and optimizer state are "
+        "sharded over (FSDP). -1 takes all devices left over by the other "
+        "degrees; 1 disables it.",
+        check=_minus_one_or_positive,
+    )
+    tensor_parallel_degree: int = _opt(
+        1,
+        "Ranks each layer's weights are split over (tensor parallelism with sequence parallelism). 1 disables it.",
+        check=_positive,
+    )
+    pipeline_parallel_degree: int = _opt(
+        1, "Pipeline stages. Must be 1 in torchtpu.", check=_only_one("pipeline parallelism")
+    )
+    context_parallel_degree: int = _opt(
+        1,
+        "Ranks a sequence is split over (context parallelism). Must be 1 in torchtpu.",
+        check=_only_one("context parallelism"),
+    )
+    num_slices: int = _opt(
+        1,
+        "TPU slices the job spans (Multislice, connected over the data-center network, "
+        "DCN). The mesh axis named by dcn_axis is split across slices.",
+        check=_positive,
+    )
+    dcn_axis: str = _opt(
+        "dp_replicate",
+        "Mesh axis that crosses slice boundaries when num_slices > 1; its degree must be a multiple of num_slices.",
+        choices=("dp_replicate", "dp_shard"),
+    )
 
 
 @dataclass
@@ -274,111 +350,182 @@ class Checkpoint:
     enable: bool = _opt(False, "Save checkpoints, and resume from the newest one in the checkpoint folder.")
     folder: str = _opt("checkpoint", "Sub-folder of dump_folder holding the checkpoints (step-N folders).")
     interval: int = _opt(500, "Save every this many steps.", check=_positive)
-    initial_load_path: str | None = _opt(None, "Checkpoint to start from when the checkpoint folder is still "
-                                         "empty (e.g. pre-trained weights); ignored once the run has "
-                                         "checkpoints of its own.")
-    initial_load_model_only: bool = _opt(True, "Load only the model weights from initial_load_path; false "
-                                         "also restores optimizer, scheduler and step.")
-    initial_load_in_hf: bool = _opt(False, "initial_load_path is a Hugging Face model folder (config.json + "
-                                    "safetensors) rather than a torchtpu checkpoint (needs "
-                                    "initial_load_model_only).")
-    last_save_model_only: bool = _opt(True, "At the end of training save only the model weights; false saves "
-                                      "the full resumable state.")
-    last_save_in_hf: bool = _opt(False, "Also write the final weights as a Hugging Face folder, "
-                                 "<folder>/hf_step_N (config.json + safetensors in export_dtype; needs "
-                                 "last_save_model_only).")
-    export_dtype: str = _opt("float32", "Dtype of the weights in the final model-only save.",
-                             choices=("float16", "bfloat16", "float32"))
-    async_mode: str = _opt("disabled", "disabled: training waits for each save; async: saves are written in "
-                           "the background; async_with_pinned_mem: the same, staging through host memory.",
-                           choices=("disabled", "async", "async_with_pinned_mem"))
+    initial_load_path: str | None = _opt(
+        None,
+        "Checkpoint to start from when the checkpoint folder is still "
+        "empty (e.g. pre-trained weights); ignored once the run has "
+        "checkpoints of its own.",
+    )
+    initial_load_model_only: bool = _opt(
+        True, "Load only the model weights from initial_load_path; false also restores optimizer, scheduler and step."
+    )
+    initial_load_in_hf: bool = _opt(
+        False,
+        "initial_load_path is a Hugging Face model folder (config.json + "
+        "safetensors) rather than a torchtpu checkpoint (needs "
+        "initial_load_model_only).",
+    )
+    last_save_model_only: bool = _opt(
+        True, "At the end of training save only the model weights; false saves the full resumable state."
+    )
+    last_save_in_hf: bool = _opt(
+        False,
+        "Also write the final weights as a Hugging Face folder, "
+        "<folder>/hf_step_N (config.json + safetensors in export_dtype; needs "
+        "last_save_model_only).",
+    )
+    export_dtype: str = _opt(
+        "float32", "Dtype of the weights in the final model-only save.", choices=("float16", "bfloat16", "float32")
+    )
+    async_mode: str = _opt(
+        "disabled",
+        "disabled: training waits for each save; async: saves are written in "
+        "the background; async_with_pinned_mem: the same, staging through host memory.",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
     keep_latest_k: int = _opt(10, "Keep only the newest k checkpoints; 0 keeps them all.", check=_non_negative)
-    load_step: int = _opt(-1, "Resume from this step's checkpoint (an error listing the steps there are if it "
-                          "does not exist); -1: the newest readable one (a save that never finished is ignored, a "
-                          "damaged checkpoint is renamed step_N.unreadable and the one before it is used).",
-                          check=_minus_one_or_non_negative)
-    exclude_from_loading: list[str] = _opt([], "Parts of the state not to restore when resuming (they are not read "
-                                           "and start fresh): optimizer, lr_scheduler, dataloader.",
-                                           check=_state_parts)
+    load_step: int = _opt(
+        -1,
+        "Resume from this step's checkpoint (an error listing the steps there are if it "
+        "does not exist); -1: the newest readable one (a save that never finished is ignored, a "
+        "damaged checkpoint is renamed step_N.unreadable and the one before it is used).",
+        check=_minus_one_or_non_negative,
+    )
+    exclude_from_loading: list[str] = _opt(
+        [],
+        "Parts of the state not to restore when resuming (they are not read "
+        "and start fresh): optimizer, lr_scheduler, dataloader.",
+        check=_state_parts,
+    )
     enable_first_step_checkpoint: bool = _opt(False, "Also save right after step 1, to prove saving works early.")
     load_only: bool = _opt(False, "Load checkpoints but never save any.")
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = _opt("selective", "Recompute activations in the backward pass instead of storing them: none, "
-                     "full (every transformer block) or selective.", choices=("selective", "full", "none"))
-    selective_ac_option: str = _opt("2", 'For mode = "selective": "N" checkpoints every N-th block; "op" '
-                                    "saves the outputs of expensive ops and recomputes the rest.",
-                                    check=_selective_ac_option)
+    mode: str = _opt(
+        "selective",
+        "Recompute activations in the backward pass instead of storing them: none, "
+        "full (every transformer block) or selective.",
+        choices=("selective", "full", "none"),
+    )
+    selective_ac_option: str = _opt(
+        "2",
+        'For mode = "selective": "N" checkpoints every N-th block; "op" '
+        "saves the outputs of expensive ops and recomputes the rest.",
+        check=_selective_ac_option,
+    )
 
 
 @dataclass
 class Compile:
-    enable: bool = _opt(False, "Accepted for torchtitan configs; changes nothing. torchtpu-train always compiles "
-                        "the whole training step (model, loss, backward, clipping, optimizer) into one XLA "
-                        "program, and the validation forward into another, whether this is true or false.")
-    components: list[str] = _opt(["model", "loss"], "Accepted for torchtitan configs; changes nothing: the model "
-                                 "and the loss are always compiled, as parts of the one program per step. "
-                                 "Allowed: model, loss.", check=_components)
-    backend: str = _opt("tpu", "The compiler: XLA, through torchtpu (torch.compile's \"tpu\" backend). Other "
-                        "backends (torchtitan's \"inductor\") do not target TPUs.", choices=("tpu",))
+    enable: bool = _opt(
+        False,
+        "Accepted for torchtitan configs; changes nothing. torchtpu-train always compiles "
+        "the whole training step (model, loss, backward, clipping, optimizer) into one XLA "
+        "program, and the validation forward into another, whether this is true or false.",
+    )
+    components: list[str] = _opt(
+        ["model", "loss"],
+        "Accepted for torchtitan configs; changes nothing: the model "
+        "and the loss are always compiled, as parts of the one program per step. "
+        "Allowed: model, loss.",
+        check=_components,
+    )
+    backend: str = _opt(
+        "tpu",
+        'The compiler: XLA, through torchtpu (torch.compile\'s "tpu" backend). Other '
+        'backends (torchtitan\'s "inductor") do not target TPUs.',
+        choices=("tpu",),
+    )
 
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _opt(300, "Time allowed for start-up and the first step: the hosts joining the job "
-                                     "(jax.distributed's initialization timeout), building the model and compiling "
-                                     "the step. Past it the step watchdog dumps every stack and exits 42.",
-                                     check=_positive)
-    train_timeout_seconds: int = _opt(100, "Step watchdog after the first step: when no step finishes in this time "
-                                      "(a host is stuck or gone), every Python stack is written to the log and the "
-                                      "process exits with 42 (retriable).", check=_positive)
+    init_timeout_seconds: int = _opt(
+        300,
+        "Time allowed for start-up and the first step: the hosts joining the job "
+        "(jax.distributed's initialization timeout), building the model and compiling "
+        "the step. Past it the step watchdog dumps every stack and exits 42.",
+        check=_positive,
+    )
+    train_timeout_seconds: int = _opt(
+        100,
+        "Step watchdog after the first step: when no step finishes in this time "
+        "(a host is stuck or gone), every Python stack is written to the log and the "
+        "process exits with 42 (retriable).",
+        check=_positive,
+    )
 
 
 @dataclass
 class Validation:
-    enable: bool = _opt(False, "Evaluate the loss and perplexity on held-out data at step 1 and every freq steps, "
-                        "as a compiled forward-only program sharded like training; logged with the training "
-                        "metrics (console, metrics.jsonl, TensorBoard, W&B) as validation/loss and "
-                        "validation/perplexity.")
-    dataset: str = _opt("c4_validation", 'Validation dataset name: "bundled_validation" (the held-out documents '
-                        'of the bundled corpus, which dataset = "bundled" never trains on), "c4_validation", a '
-                        'Hugging Face "org/name", or any name with dataset_path.')
+    enable: bool = _opt(
+        False,
+        "Evaluate the loss and perplexity on held-out data at step 1 and every freq steps, "
+        "as a compiled forward-only program sharded like training; logged with the training "
+        "metrics (console, metrics.jsonl, TensorBoard, W&B) as validation/loss and "
+        "validation/perplexity.",
+    )
+    dataset: str = _opt(
+        "c4_validation",
+        'Validation dataset name: "bundled_validation" (the held-out documents '
+        'of the bundled corpus, which dataset = "bundled" never trains on), "c4_validation", a '
+        'Hugging Face "org/name", or any name with dataset_path.',
+    )
     dataset_path: str | None = _opt(None, "Local folder or file to read the validation dataset from.")
     local_batch_size: int = _opt(8, "Validation sequences per data-parallel rank in each batch.", check=_positive)
     seq_len: int = _opt(2048, "Tokens per validation sequence.", check=_positive)
     freq: int = _opt(10, "Validate at step 1 and every this many training steps.", check=_positive)
-    steps: int = _opt(-1, "Validation batches per evaluation: -1 reads the whole validation set (with several "
-                      "hosts, as many batches as the host with the fewest has); N reads its first N batches, "
-                      "wrapping around a smaller set. Every evaluation reads the same batches.",
-                      check=_minus_one_or_positive)
+    steps: int = _opt(
+        -1,
+        "Validation batches per evaluation: -1 reads the whole validation set (with several "
+        "hosts, as many batches as the host with the fewest has); N reads its first N batches, "
+        "wrapping around a smaller set. Every evaluation reads the same batches.",
+        check=_minus_one_or_positive,
+    )
     dataloader: DataLoader = _section(DataLoader, "Data loading for validation.")
 
 
 @dataclass
 class Debug:
     seed: int | None = _opt(None, "Base random seed; unset picks a fresh one each run.", check=_non_negative)
-    deterministic: bool = _opt(False, "Make runs repeatable: seed 0 when seed is unset (instead of a fresh random "
-                               "seed each run), and PyTorch's deterministic algorithms "
-                               "(torch.use_deterministic_algorithms) for the ops that run on the host.")
+    deterministic: bool = _opt(
+        False,
+        "Make runs repeatable: seed 0 when seed is unset (instead of a fresh random "
+        "seed each run), and PyTorch's deterministic algorithms "
+        "(torch.use_deterministic_algorithms) for the ops that run on the host.",
+    )
     verbose: bool = _opt(False, "Show full tracebacks on errors and debug-level logs (same as --debug).")
 
 
 @dataclass
 class Tpu:
-    topology: str = _opt("", 'Target TPU slice, e.g. "v5p:4x4x4" (64 chips). Set: the configuration is checked '
-                         "against that many chips and --dry-run compiles for it ahead of time. Empty: the "
-                         "devices attached to this host(s).", check=_topology)
-    dry_run: bool = _opt(False, "Build and compile the train step, report memory and FLOPs, and exit without "
-                         "training (same as --dry-run).")
-    xla_flags: str = _opt("", "Extra XLA flags (appended to $XLA_FLAGS; flags already in the environment win), "
-                          'e.g. "--xla_force_host_platform_device_count=8" for 8 CPU devices.')
-    libtpu_init_args: str = _opt("", "Extra libtpu flags (appended to $LIBTPU_INIT_ARGS; flags already in the "
-                                 "environment win).")
-    scan_layers: bool = _opt(True, "Compile the model's identical transformer blocks once and run them under "
-                             "jax.lax.scan (compile time independent of depth). Applies with [activation_checkpoint] "
-                             'mode = "full" (the scan recomputes each block in backward); false: blocks unrolled.')
+    topology: str = _opt(
+        "",
+        'Target TPU slice, e.g. "v5p:4x4x4" (64 chips). Set: the configuration is checked '
+        "against that many chips and --dry-run compiles for it ahead of time. Empty: the "
+        "devices attached to this host(s).",
+        check=_topology,
+    )
+    dry_run: bool = _opt(
+        False,
+        "Build and compile the train step, report memory and FLOPs, and exit without training (same as --dry-run).",
+    )
+    xla_flags: str = _opt(
+        "",
+        "Extra XLA flags (appended to $XLA_FLAGS; flags already in the environment win), "
+        'e.g. "--xla_force_host_platform_device_count=8" for 8 CPU devices.',
+    )
+    libtpu_init_args: str = _opt(
+        "", "Extra libtpu flags (appended to $LIBTPU_INIT_ARGS; flags already in the environment win)."
+    )
+    scan_layers: bool = _opt(
+        True,
+        "Compile the model's identical transformer blocks once and run them under "
+        "jax.lax.scan (compile time independent of depth). Applies with [activation_checkpoint] "
+        'mode = "full" (the scan recomputes each block in backward); false: blocks unrolled.',
+    )
 
 
 @dataclass
@@ -433,18 +580,32 @@ _TORCHTITAN_ONLY_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("training", "dataloader"): ("pin_memory",),
     ("validation", "dataloader"): ("pin_memory",),
     ("parallelism",): (
-        "fsdp_reshard_after_forward", "disable_loss_parallel", "enable_async_tensor_parallel",
-        "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
-        "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
-        "pipeline_parallel_expert_parallel_overlap", "context_parallel_load_balancer",
-        "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
+        "fsdp_reshard_after_forward",
+        "disable_loss_parallel",
+        "enable_async_tensor_parallel",
+        "module_fqns_per_model_part",
+        "pipeline_parallel_first_stage_less_layers",
+        "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_schedule",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_microbatch_size",
+        "pipeline_parallel_expert_parallel_overlap",
+        "context_parallel_load_balancer",
+        "context_parallel_rotate_method",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
         "expert_parallel_comm_backend",
     ),
     ("checkpoint",): ("enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized", "create_seed_checkpoint"),
     ("activation_checkpoint",): (
-        "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop", "memory_budget",
-        "visualize_memory_budget_pareto", "preserve_rng_state", "determinism_check", "debug",
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "memory_budget",
+        "visualize_memory_budget_pareto",
+        "preserve_rng_state",
+        "determinism_check",
+        "debug",
     ),
     ("comm",): ("trace_buf_size", "save_traces_folder", "save_traces_file_prefix", "mode"),
     ("debug",): ("deterministic_warn_only", "moe_force_load_balance"),
@@ -479,7 +640,7 @@ class _Spec:
                 int: "an integer",
                 float: "a number",
                 str: "a string",
-                list: "a comma-separated list of strings" if cli else "a list of strings, e.g. [\"a\", \"b\"]",
+                list: "a comma-separated list of strings" if cli else 'a list of strings, e.g. ["a", "b"]',
             }[self.base]
         if self.optional:
             text += ' or "none" to unset' if cli else " (leave the key out to unset)"
@@ -503,8 +664,15 @@ def _specs(cls: type) -> dict[str, _Spec]:
             (hint,) = args
         base = list if typing.get_origin(hint) is list else hint
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        out[f.name] = _Spec(f.name, base, optional, default, f.metadata.get("help", ""),
-                            f.metadata.get("choices"), f.metadata.get("check"))
+        out[f.name] = _Spec(
+            f.name,
+            base,
+            optional,
+            default,
+            f.metadata.get("help", ""),
+            f.metadata.get("choices"),
+            f.metadata.get("check"),
+        )
     _SPECS[cls] = out
     return out
 

@@ -18,6 +18,7 @@ tensor-parallel and FSDP hooks run as usual); only its matmul is moved out of it
 the weight it reads there (mixed precision's bf16 copy), so the recomputation in backward uses
 that same weight.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ class _ChunkCrossEntropy(torch.nn.Module):
 
     def forward(self, h, weight, labels, bias=None):
         logits = F.linear(h, weight, bias).float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1).long(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(0, 1).long(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
 
 def _hidden_and_head(model, inputs):
@@ -50,8 +52,10 @@ def _hidden_and_head(model, inputs):
     its forward would use, from one call of `model` with the projection itself skipped."""
     head = model.output
     if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"chunked_cross_entropy_loss: model.output is a {type(head).__name__}, not an nn.Linear; "
-                        "set [training] loss_chunk_size = 0 for the plain loss")
+        raise TypeError(
+            f"chunked_cross_entropy_loss: model.output is a {type(head).__name__}, not an nn.Linear; "
+            "set [training] loss_chunk_size = 0 for the plain loss"
+        )
     seen = {}
 
     def forward(h):
@@ -65,8 +69,10 @@ def _hidden_and_head(model, inputs):
     finally:
         del head.forward
     if "weight" not in seen:
-        raise RuntimeError("chunked_cross_entropy_loss: the model's forward did not call model.output; "
-                           "set [training] loss_chunk_size = 0 for the plain loss")
+        raise RuntimeError(
+            "chunked_cross_entropy_loss: the model's forward did not call model.output; "
+            "set [training] loss_chunk_size = 0 for the plain loss"
+        )
     return h, seen["weight"], seen["bias"]
 
 
@@ -76,16 +82,20 @@ def chunked_cross_entropy_loss(model, inputs, labels, chunk_size: int):
 
     `model` is a decoder whose forward ends with `model.output` (an nn.Linear), as torchtitan's."""
     if chunk_size < 1:
-        raise ValueError(f"chunked_cross_entropy_loss: chunk_size must be >= 1, got {chunk_size}; use "
-                         "cross_entropy_loss for the plain loss")
+        raise ValueError(
+            f"chunked_cross_entropy_loss: chunk_size must be >= 1, got {chunk_size}; use "
+            "cross_entropy_loss for the plain loss"
+        )
     from torchtpu.backend.activation_checkpoint import checkpoint_module
 
     chunk_loss = checkpoint_module(_ChunkCrossEntropy())
     h, weight, bias = _hidden_and_head(model, inputs)
     seq = h.shape[1]
     if labels.shape != h.shape[:2]:
-        raise ValueError(f"chunked_cross_entropy_loss: labels of shape {tuple(labels.shape)} do not match the "
-                         f"model's (batch, seq) = {tuple(h.shape[:2])}")
+        raise ValueError(
+            f"chunked_cross_entropy_loss: labels of shape {tuple(labels.shape)} do not match the "
+            f"model's (batch, seq) = {tuple(h.shape[:2])}"
+        )
     total = None
     for start in range(0, seq, chunk_size):
         stop = min(start + chunk_size, seq)

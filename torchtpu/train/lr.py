@@ -16,6 +16,7 @@ LambdaLR applies it to each param group's initial lr; when that lr is a tensor (
 capturable=True and lr=torch.tensor(...)) LambdaLR writes it in place with fill_, so a compiled step
 that reads the tensor sees the new value without recompiling.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,7 +35,9 @@ def schedule_phases(warmup_steps: int, decay_ratio: float | None, training_steps
     total = int(training_steps)
     warmup = int(warmup_steps)
     if warmup > total:
-        warnings.warn(f"lr warmup_steps ({warmup}) is more than the {total} training steps; using {total}")
+        warnings.warn(
+            f"lr warmup_steps ({warmup}) is more than the {total} training steps; using {total}", stacklevel=2
+        )
         warmup = total
     if decay_ratio is None:
         decay = total - warmup
@@ -43,7 +46,8 @@ def schedule_phases(warmup_steps: int, decay_ratio: float | None, training_steps
         if warmup + decay > total:
             warnings.warn(
                 f"lr warmup ({warmup}) + decay ({decay}) steps exceed the {total} training steps; "
-                f"decaying over {total - warmup}"
+                f"decaying over {total - warmup}",
+                stacklevel=2,
             )
             decay = total - warmup
     stable = total + 1 - warmup - decay
@@ -108,5 +112,11 @@ def build_lr_scheduler(
 def build_schedule(optimizer, cfg: JobConfig):
     """The LambdaLR of [lr_scheduler] over lr_scheduler.total_steps (unset: training.steps)."""
     ls = cfg.lr_scheduler
-    return build_lr_scheduler(optimizer, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor,
-                              ls.total_steps or cfg.training.steps)
+    return build_lr_scheduler(
+        optimizer,
+        ls.warmup_steps,
+        ls.decay_ratio,
+        ls.decay_type,
+        ls.min_lr_factor,
+        ls.total_steps or cfg.training.steps,
+    )

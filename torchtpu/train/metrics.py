@@ -1,15 +1,16 @@
 """Training metrics: model FLOPs per token, per-chip peak FLOP/s (for MFU), and the metrics logger.
 
-    flops = model_flops_per_token(model, model_args, seq_len)[1]
-    peak, where = peak_flops()              # (459e12, "table: TPU v5p") on a v5p chip
-    mfu = 100 * flops * tokens_per_second_per_chip / peak
+flops = model_flops_per_token(model, model_args, seq_len)[1]
+peak, where = peak_flops()              # (459e12, "table: TPU v5p") on a v5p chip
+mfu = 100 * flops * tokens_per_second_per_chip / peak
 
-    logger = MetricsLogger("outputs/run1", log_freq=10, enable_tensorboard=True, enable_wandb=False,
-                           total_steps=1000, is_main_process=(jax.process_index() == 0))
-    logger.log(step, {"loss": 3.2, "grad_norm": 0.9, "lr": 3e-4, "tps": 12000, "tflops": 80.1,
-                      "mfu": 41.2, "step_time": 0.51, "memory_gib": 60.2})
-    logger.close()
+logger = MetricsLogger("outputs/run1", log_freq=10, enable_tensorboard=True, enable_wandb=False,
+                       total_steps=1000, is_main_process=(jax.process_index() == 0))
+logger.log(step, {"loss": 3.2, "grad_norm": 0.9, "lr": 3e-4, "tps": 12000, "tflops": 80.1,
+                  "mfu": 41.2, "step_time": 0.51, "memory_gib": 60.2})
+logger.close()
 """
+
 from __future__ import annotations
 
 import datetime
@@ -175,7 +176,11 @@ def peak_flops(device_kind: str | None = None) -> tuple[float, str]:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             data = _read_cache(path)
-            data[key] = {"flops": flops, "dtype": dtype, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+            data[key] = {
+                "flops": flops,
+                "dtype": dtype,
+                "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+            }
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
@@ -325,9 +330,16 @@ class MetricsLogger:
                 parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
         if self.color:
             c = _COLORS
-            parts = [c["step"] + p + c["reset"] if p.startswith("step ")
-                     else c["loss"] + p + c["reset"] if p.startswith("loss ")
-                     else c["validation"] + p + c["reset"] if p.startswith("validation/") else p for p in parts]
+            parts = [
+                c["step"] + p + c["reset"]
+                if p.startswith("step ")
+                else c["loss"] + p + c["reset"]
+                if p.startswith("loss ")
+                else c["validation"] + p + c["reset"]
+                if p.startswith("validation/")
+                else p
+                for p in parts
+            ]
         return " | ".join(parts)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -345,7 +357,11 @@ class MetricsLogger:
             self._bar.refresh()
         elif self.console:
             print(line, flush=True)
-        numeric = {k: v for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {
+            k: v
+            for k, v in record.items()
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
@@ -386,7 +402,15 @@ def build_metrics_logger(cfg, process_index: int, total_steps: int, stdout_is_te
     m = cfg.metrics
     tty = sys.stdout.isatty() if stdout_is_terminal is None else stdout_is_terminal
     return MetricsLogger(
-        cfg.job.dump_folder, m.log_freq, m.enable_tensorboard, m.enable_wandb, run_name=cfg.job.description,
-        config_dict=cfg.to_dict(), is_main_process=process_index == 0, total_steps=total_steps,
-        tb_folder=m.save_tb_folder, color=tty and not m.disable_color_printing,
-        rank=process_index if m.save_for_all_ranks else None)
+        cfg.job.dump_folder,
+        m.log_freq,
+        m.enable_tensorboard,
+        m.enable_wandb,
+        run_name=cfg.job.description,
+        config_dict=cfg.to_dict(),
+        is_main_process=process_index == 0,
+        total_steps=total_steps,
+        tb_folder=m.save_tb_folder,
+        color=tty and not m.disable_color_printing,
+        rank=process_index if m.save_for_all_ranks else None,
+    )

@@ -2,6 +2,7 @@
 [model] flavor, the model on the meta device in training.dtype, and the settings handed to
 parallelize_llama (mixed-precision dtypes, activation recomputation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,15 +27,18 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
         raise ConfigError(f"[model] flavor = {flavor!r}: not a torchtitan llama3 flavor; allowed: {known}")
     args = dataclasses.replace(llama3_args[flavor])
     if args.attn_type != "sdpa":
-        raise ConfigError(f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
-                          "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)")
+        raise ConfigError(
+            f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
+            "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)"
+        )
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
         where = cfg.origin("model", "hf_assets_path") or "default"
         raise ConfigError(
             f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: the tokenizer has "
             f"{tokenizer_vocab_size} ids but the {cfg.model.name} {flavor} model's vocabulary has "
             f"{args.vocab_size}; use that model's tokenizer (or a flavor with a vocabulary of at least "
-            f"{tokenizer_vocab_size})")
+            f"{tokenizer_vocab_size})"
+        )
     # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
     # validation sequences too.
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
@@ -65,8 +69,7 @@ def mixed_precision_dtypes(cfg: JobConfig):
     """(param_dtype, reduce_dtype) for parallelize_llama: training.mixed_precision_param/_reduce, or None
     where they equal the parameters' own dtype (training.dtype), i.e. where there is nothing to cast."""
     own = torch_dtype(cfg.training.dtype)
-    param, reduce = (torch_dtype(cfg.training.mixed_precision_param),
-                     torch_dtype(cfg.training.mixed_precision_reduce))
+    param, reduce = (torch_dtype(cfg.training.mixed_precision_param), torch_dtype(cfg.training.mixed_precision_reduce))
     return (None if param == own else param), (None if reduce == own else reduce)
 
 
@@ -84,7 +87,10 @@ def ac_settings(cfg: JobConfig) -> tuple[str, int]:
     if ac.mode != "selective":
         return ac.mode, 1
     if ac.selective_ac_option == "op":
-        warnings.warn('activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
-                      'supported by torchtpu yet; recomputing every block (mode "full") instead', stacklevel=2)
+        warnings.warn(
+            'activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
+            'supported by torchtpu yet; recomputing every block (mode "full") instead',
+            stacklevel=2,
+        )
         return "full", 1
     return "selective", int(ac.selective_ac_option)

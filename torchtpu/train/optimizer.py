@@ -2,6 +2,7 @@
 LR schedule (lr.py) reaches a compiled step without recompiling it, and its state created up front
 so a checkpoint can be restored into it in place.
 """
+
 from __future__ import annotations
 
 from .job_config import JobConfig

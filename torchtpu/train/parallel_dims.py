@@ -6,6 +6,7 @@ configuration for a device count.
 
 This module only imports the standard library.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,32 +94,45 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
     keys = ["data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree"]
     if shard == -1:
         if num_devices % others:
-            raise ConfigError(f"{describe_keys(cfg, sec, keys)}: the other degrees multiply to {others}, which does "
-                              f"not divide the {num_devices} devices, so data_parallel_shard_degree = -1 has no "
-                              f"whole number to take; choose degrees whose product divides {num_devices}")
+            raise ConfigError(
+                f"{describe_keys(cfg, sec, keys)}: the other degrees multiply to {others}, which does "
+                f"not divide the {num_devices} devices, so data_parallel_shard_degree = -1 has no "
+                f"whole number to take; choose degrees whose product divides {num_devices}"
+            )
         shard = num_devices // others
     elif others * shard != num_devices:
-        raise ConfigError(f"{describe_keys(cfg, sec, keys)}: the degrees multiply to {others * shard} but there are "
-                          f"{num_devices} devices; their product must equal {num_devices} (or set "
-                          "data_parallel_shard_degree = -1 to use the devices left over)")
+        raise ConfigError(
+            f"{describe_keys(cfg, sec, keys)}: the degrees multiply to {others * shard} but there are "
+            f"{num_devices} devices; their product must equal {num_devices} (or set "
+            "data_parallel_shard_degree = -1 to use the devices left over)"
+        )
     if par.num_slices > 1:
         if num_devices % par.num_slices:
-            raise ConfigError(f"{describe_keys(cfg, sec, ['num_slices'])}: {num_devices} devices cannot be split "
-                              f"evenly into {par.num_slices} slices")
+            raise ConfigError(
+                f"{describe_keys(cfg, sec, ['num_slices'])}: {num_devices} devices cannot be split "
+                f"evenly into {par.num_slices} slices"
+            )
         axis_degree = {"dp_replicate": rep, "dp_shard": shard}[par.dcn_axis]
         if axis_degree % par.num_slices:
-            degree_key = {"dp_replicate": "data_parallel_replicate_degree",
-                          "dp_shard": "data_parallel_shard_degree"}[par.dcn_axis]
-            raise ConfigError(f"{describe_keys(cfg, sec, ['num_slices', 'dcn_axis', degree_key])}: the {par.dcn_axis} "
-                              f"degree ({axis_degree}) must be a multiple of num_slices ({par.num_slices})")
+            degree_key = {"dp_replicate": "data_parallel_replicate_degree", "dp_shard": "data_parallel_shard_degree"}[
+                par.dcn_axis
+            ]
+            raise ConfigError(
+                f"{describe_keys(cfg, sec, ['num_slices', 'dcn_axis', degree_key])}: the {par.dcn_axis} "
+                f"degree ({axis_degree}) must be a multiple of num_slices ({par.num_slices})"
+            )
     tr = cfg.training
     if tp > 1:
         if tr.seq_len % tp:
-            raise ConfigError(f"{describe_keys(cfg, ('training',), ['seq_len'])}: with tensor_parallel_degree = {tp} "
-                              f"(sequence parallel) seq_len must be a multiple of {tp}")
+            raise ConfigError(
+                f"{describe_keys(cfg, ('training',), ['seq_len'])}: with tensor_parallel_degree = {tp} "
+                f"(sequence parallel) seq_len must be a multiple of {tp}"
+            )
         if cfg.validation.enable and cfg.validation.seq_len % tp:
-            raise ConfigError(f"{describe_keys(cfg, ('validation',), ['seq_len'])}: with tensor_parallel_degree = "
-                              f"{tp} (sequence parallel) seq_len must be a multiple of {tp}")
+            raise ConfigError(
+                f"{describe_keys(cfg, ('validation',), ['seq_len'])}: with tensor_parallel_degree = "
+                f"{tp} (sequence parallel) seq_len must be a multiple of {tp}"
+            )
     dp = rep * shard
     micro = tr.local_batch_size * dp
     if tr.global_batch_size == -1:
@@ -126,16 +140,26 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
     else:
         global_batch = tr.global_batch_size
         if global_batch % micro:
-            raise ConfigError(f"{describe_keys(cfg, ('training',), ['global_batch_size', 'local_batch_size'])}: "
-                              f"global_batch_size must be a multiple of local_batch_size x data-parallel degree "
-                              f"= {tr.local_batch_size} x {dp} = {micro} (e.g. {micro} or {2 * micro}), or -1 "
-                              f"for {micro}")
+            raise ConfigError(
+                f"{describe_keys(cfg, ('training',), ['global_batch_size', 'local_batch_size'])}: "
+                f"global_batch_size must be a multiple of local_batch_size x data-parallel degree "
+                f"= {tr.local_batch_size} x {dp} = {micro} (e.g. {micro} or {2 * micro}), or -1 "
+                f"for {micro}"
+            )
     check_paths(cfg)
     return ParallelDims(
-        world_size=num_devices, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp,
-        local_batch_size=tr.local_batch_size, global_batch_size=global_batch,
-        grad_accum_steps=global_batch // micro, seq_len=tr.seq_len,
-        num_slices=par.num_slices, dcn_axis=par.dcn_axis,
+        world_size=num_devices,
+        dp_replicate=rep,
+        dp_shard=shard,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        local_batch_size=tr.local_batch_size,
+        global_batch_size=global_batch,
+        grad_accum_steps=global_batch // micro,
+        seq_len=tr.seq_len,
+        num_slices=par.num_slices,
+        dcn_axis=par.dcn_axis,
     )
 
 
@@ -155,5 +179,6 @@ def job_devices(cfg: JobConfig) -> list:
         raise ConfigError(
             f"[tpu] topology = {cfg.tpu.topology!r}: training on a named TPU slice needs its TPU chips; "
             f"this host has {local[0].platform} devices. Use --dry-run to compile for the topology "
-            "here, or leave topology empty to train on the attached devices")
+            "here, or leave topology empty to train on the attached devices"
+        )
     return local

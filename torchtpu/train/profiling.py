@@ -1,10 +1,11 @@
 """[profiling]: jax.profiler traces of chosen steps and device-memory profiles.
 
-    profiler = Profiler(cfg)
-    for step in ...:
-        profiler.before(step); out = step_fn(...); profiler.after(step, out)
-    profiler.close()
+profiler = Profiler(cfg)
+for step in ...:
+    profiler.before(step); out = step_fn(...); profiler.after(step, out)
+profiler.close()
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ step_N.unreadable and the one before it is used; a final model-only save resumes
 full checkpoint before it. initial_load_path starts from a torchtpu checkpoint's weights (or whole
 state) or a Hugging Face folder, and applies only while the run has no checkpoint of its own.
 """
+
 from __future__ import annotations
 
 from .console import log
@@ -28,8 +29,10 @@ def maybe_resume(trainer) -> bool:
     from .checkpoint import CorruptCheckpointError, split_step_path
 
     for partial in ck.partial_saves:
-        log(f"ignoring {partial}: an incomplete checkpoint (its save never finished, e.g. the job was killed "
-            "mid-save); it is removed")
+        log(
+            f"ignoring {partial}: an incomplete checkpoint (its save never finished, e.g. the job was killed "
+            "mid-save); it is removed"
+        )
     latest = ck.latest_step()
     while latest is not None:
         try:
@@ -39,9 +42,14 @@ def maybe_resume(trainer) -> bool:
                 raise  # the step the user asked for, not some other one
             moved = ck.set_aside(split_step_path(e.path)[1])
             latest = ck.latest_step()
-            log(f"{e} -- set it aside as {moved}; "
-                + (f"falling back to the previous checkpoint, step {latest}" if latest is not None
-                   else "no older checkpoint: starting this run from the beginning"))
+            log(
+                f"{e} -- set it aside as {moved}; "
+                + (
+                    f"falling back to the previous checkpoint, step {latest}"
+                    if latest is not None
+                    else "no older checkpoint: starting this run from the beginning"
+                )
+            )
     if cfg.initial_load_path:
         _initial_load(trainer)
     return False
@@ -59,8 +67,10 @@ def _resume_at(trainer, ck, step: int) -> bool:
             # This run already finished: its final save holds the weights only.
             load_model_weights(ck, step, trainer.model)
             trainer.step = step
-            log(f"{path} is this run's final (model-only) save: nothing left to train up to training.steps = "
-                f"{trainer.cfg.training.steps}; raise it to train on")
+            log(
+                f"{path} is this run's final (model-only) save: nothing left to train up to training.steps = "
+                f"{trainer.cfg.training.steps}; raise it to train on"
+            )
             return True
         full = [s for s in ck.all_steps() if s < step and not is_model_only(ck.manifest(s))]
         if cfg.load_step != -1 or not full:
@@ -68,10 +78,16 @@ def _resume_at(trainer, ck, step: int) -> bool:
                 f"checkpoint {path} holds only model weights (a final save with checkpoint.last_save_model_only), "
                 "so training cannot resume from it: start a new job (another job.dump_folder) with "
                 f"--checkpoint.initial_load_path {path} to train on from these weights"
-                + (f", or resume the full checkpoint of step {full[-1]} (--checkpoint.load_step {full[-1]})"
-                   if full else ""))
-        log(f"{path} holds only model weights (the final save of the previous run); resuming from the newest "
-            f"full checkpoint, step {full[-1]}")
+                + (
+                    f", or resume the full checkpoint of step {full[-1]} (--checkpoint.load_step {full[-1]})"
+                    if full
+                    else ""
+                )
+            )
+        log(
+            f"{path} holds only model weights (the final save of the previous run); resuming from the newest "
+            f"full checkpoint, step {full[-1]}"
+        )
         step = full[-1]
     trainer.restore_full(ck, step)
     log(f"attempt {attempt_number()}: resumed from {ck.step_path(trainer.step)} (step {trainer.step})")
@@ -99,18 +115,24 @@ def _initial_load(trainer) -> None:
         if step is None:
             step = src.latest_step()
             if step is None:
-                raise ConfigError(f"{where}: no checkpoint (step_N folder) in it; point it at a torchtpu-train "
-                                  "checkpoint folder or one of its step_N folders")
+                raise ConfigError(
+                    f"{where}: no checkpoint (step_N folder) in it; point it at a torchtpu-train "
+                    "checkpoint folder or one of its step_N folders"
+                )
         tree = src.manifest(step)
         if cfg.initial_load_model_only:
             load_model_weights(src, step, trainer.model)
             log(f"initial weights from {src.step_path(step)}")
         elif is_model_only(tree):
-            raise ConfigError(f"{where}: {src.step_path(step)} holds only model weights; set "
-                              "checkpoint.initial_load_model_only = true to start from them")
+            raise ConfigError(
+                f"{where}: {src.step_path(step)} holds only model weights; set "
+                "checkpoint.initial_load_model_only = true to start from them"
+            )
         else:
             trainer.restore_full(src, step)
-            log(f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} "
-                f"(step {trainer.step})")
+            log(
+                f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} "
+                f"(step {trainer.step})"
+            )
     finally:
         src.close()

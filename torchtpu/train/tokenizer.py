@@ -1,10 +1,11 @@
 """Tokenizers for the trainer: the bundled BPE, a Hugging Face tokenizer.json, or a tiktoken model.
 
-    tok = build_tokenizer(None)                       # bundled (torchtpu/train/assets/tokenizer.json)
-    tok = build_tokenizer("assets/hf/Llama-3.1-8B")   # a folder holding tokenizer.json or tokenizer.model
-    ids = tok.encode("Hello", bos=True, eos=True)
-    tok.decode(ids), tok.vocab_size, tok.bos_id, tok.eos_id
+tok = build_tokenizer(None)                       # bundled (torchtpu/train/assets/tokenizer.json)
+tok = build_tokenizer("assets/hf/Llama-3.1-8B")   # a folder holding tokenizer.json or tokenizer.model
+ids = tok.encode("Hello", bos=True, eos=True)
+tok.decode(ids), tok.vocab_size, tok.bos_id, tok.eos_id
 """
+
 from __future__ import annotations
 
 import json
@@ -103,9 +104,19 @@ class TiktokenTokenizer(Tokenizer):
         self.source = path
         ranks = load_tiktoken_bpe(path)
         n = len(ranks)
-        named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                 "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
-                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+        named = [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|reserved_special_token_0|>",
+            "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>",
+            "<|reserved_special_token_2|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+            "<|python_tag|>",
+        ]
         specials = named + [f"<|reserved_special_token_{i}|>" for i in range(3, 3 + LLAMA3_NUM_SPECIAL - len(named))]
         self._special = {tok: n + i for i, tok in enumerate(specials)}
         self._enc = tiktoken.Encoding(

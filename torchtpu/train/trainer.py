@@ -36,6 +36,7 @@ What a run does, in order:
 `Trainer(cfg)` exposes the pieces (model, optimizer, step function, data loader) for tests and
 notebooks; `Trainer.train()` runs the loop and returns the logged metrics.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,11 +82,18 @@ def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=N
 
     try:
         return build_global_batch_loader(
-            cfg.training.dataset, cfg.training.dataset_path, tokenizer, cfg.training.seq_len,
-            dims.local_batch_size * dims.dp, rows, seed=cfg.debug.seed if cfg.debug.seed is not None else 0)
+            cfg.training.dataset,
+            cfg.training.dataset_path,
+            tokenizer,
+            cfg.training.seq_len,
+            dims.local_batch_size * dims.dp,
+            rows,
+            seed=cfg.debug.seed if cfg.debug.seed is not None else 0,
+        )
     except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"[training] dataset = {cfg.training.dataset!r}, dataset_path = "
-                          f"{cfg.training.dataset_path!r}: {e}") from None
+        raise ConfigError(
+            f"[training] dataset = {cfg.training.dataset!r}, dataset_path = {cfg.training.dataset_path!r}: {e}"
+        ) from None
 
 
 def build_checkpointer(cfg: JobConfig):
@@ -95,8 +103,12 @@ def build_checkpointer(cfg: JobConfig):
         return None
     from .checkpoint import CheckpointManager
 
-    return CheckpointManager(os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
-                             keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode)
+    return CheckpointManager(
+        os.path.join(cfg.job.dump_folder, ck.folder),
+        interval=ck.interval,
+        keep_latest_k=ck.keep_latest_k,
+        async_mode=ck.async_mode,
+    )
 
 
 def save_due(cfg: JobConfig, checkpointer, step: int) -> tuple[bool, bool]:
@@ -111,8 +123,6 @@ def save_due(cfg: JobConfig, checkpointer, step: int) -> tuple[bool, bool]:
 def gc_due(cfg: JobConfig, step: int) -> bool:
     """Python's garbage collector is off during training and runs every training.gc_freq steps."""
     return step % cfg.training.gc_freq == 0
-
-
 
 
 def _memory_gib() -> float | None:
@@ -194,10 +204,14 @@ class Trainer:
         mp_param, mp_reduce = mixed_precision_dtypes(cfg)
         ac_mode, ac_every = ac_settings(cfg)
         parallelize_llama(
-            model, self.mesh,
-            sequence_parallel=dims.tp > 1, loss_parallel=dims.tp > 1,
-            param_dtype=mp_param, reduce_dtype=mp_reduce,
-            ac_mode=ac_mode, ac_every=ac_every,
+            model,
+            self.mesh,
+            sequence_parallel=dims.tp > 1,
+            loss_parallel=dims.tp > 1,
+            param_dtype=mp_param,
+            reduce_dtype=mp_reduce,
+            ac_mode=ac_mode,
+            ac_every=ac_every,
             # the layer scan recomputes every block, so it stands in for full checkpointing only;
             # a single block has nothing to scan
             scan_layers=cfg.tpu.scan_layers and ac_mode == "full" and self.model_args.n_layers > 1,
@@ -213,7 +227,6 @@ class Trainer:
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
         # to write it (the compiled program is the same: the rate is an input either way).
         self.optimizer = build_optimizer(list(model.parameters()), cfg, self.mesh, lazy=self.dry)
-        self.schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
         self.lr_scheduler = None if self.dry else build_schedule(self.optimizer, cfg)
 
         # -- the step
@@ -225,18 +238,25 @@ class Trainer:
         self.dataloader = None
         if not self.dry:
             micro = dims.local_batch_size * dims.dp
-            self.dataloader = build_train_dataloader(cfg, self.tokenizer, dims,
-                                                     self._host_rows(micro, cfg.training.seq_len))
-            self.host_batch = self.dataloader.local_batch_size
+            self.dataloader = build_train_dataloader(
+                cfg, self.tokenizer, dims, self._host_rows(micro, cfg.training.seq_len)
+            )
 
         # -- held-out evaluation ([validation])
         self.validator = None
         if not self.dry:
             from .validate import build_validator
 
-            self.validator = build_validator(cfg, self.model, self.tokenizer, dims, place=self._place,
-                                             loss_context=self._loss_context, host_rows=self._host_rows,
-                                             process_count=jax.process_count())
+            self.validator = build_validator(
+                cfg,
+                self.model,
+                self.tokenizer,
+                dims,
+                place=self._place,
+                loss_context=self._loss_context,
+                host_rows=self._host_rows,
+                process_count=jax.process_count(),
+            )
 
         # -- checkpoints
         self.checkpointer = None
@@ -320,9 +340,9 @@ class Trainer:
         checkpoint.last_save_model_only the weights only, in checkpoint.export_dtype."""
         ck = self.cfg.checkpoint
         if final and ck.last_save_model_only:
-            from .checkpoint import model_only_state
-
             import torch
+
+            from .checkpoint import model_only_state
 
             return model_only_state(self.model, self.step, getattr(torch, ck.export_dtype))
         return self.state()
@@ -336,8 +356,13 @@ class Trainer:
 
         ck = self.cfg.checkpoint
         folder = os.path.join(self.cfg.job.dump_folder, ck.folder, f"hf_step_{step}")
-        save_model_as_hf(folder, self.model, self.model_args, getattr(torch, ck.export_dtype),
-                         config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id})
+        save_model_as_hf(
+            folder,
+            self.model,
+            self.model_args,
+            getattr(torch, ck.export_dtype),
+            config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
+        )
         log(f"final weights as a Hugging Face folder: {folder}")
 
     def maybe_resume(self) -> bool:
@@ -386,10 +411,12 @@ class Trainer:
         peak, peak_src = peak_flops(self.devices[0].device_kind)
         tokens_per_step = dims.tokens_per_step
         world = dims.world_size
-        log(f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
+        log(
+            f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
             f"{dict(zip(MESH_AXES, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
             f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
-            f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}")
+            f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}"
+        )
         log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
 
         profiler = Profiler(cfg)
@@ -422,12 +449,21 @@ class Trainer:
                     dt = (now - t_last) / steps_since
                     tps = tokens_per_step / dt / world
                     tflops = self.flops_per_token * tps / 1e12
-                    rec = {"loss": loss_v, "grad_norm": gn_v, "lr": lr, "tps": tps, "tflops": tflops,
-                           "mfu": 100.0 * tflops * 1e12 / peak, "step_time": dt, "memory_gib": _memory_gib()}
+                    rec = {
+                        "loss": loss_v,
+                        "grad_norm": gn_v,
+                        "lr": lr,
+                        "tps": tps,
+                        "tflops": tflops,
+                        "mfu": 100.0 * tflops * 1e12 / peak,
+                        "step_time": dt,
+                        "memory_gib": _memory_gib(),
+                    }
                     if not math.isfinite(loss_v):
                         logger.log(step, rec)
-                        raise FloatingPointError(f"loss is {loss_v} at step {step}; lower [optimizer] lr or check "
-                                                 "the data")
+                        raise FloatingPointError(
+                            f"loss is {loss_v} at step {step}; lower [optimizer] lr or check the data"
+                        )
                     rec.update(val or {})
                     logger.log(step, rec)
                     self.history.append({"step": step, **rec})
@@ -441,8 +477,12 @@ class Trainer:
                 due, force = save_due(cfg, self.checkpointer, step)
                 if due:
                     self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
-                if (step == total_steps and self.checkpointer is not None and not cfg.checkpoint.load_only
-                        and cfg.checkpoint.last_save_in_hf):
+                if (
+                    step == total_steps
+                    and self.checkpointer is not None
+                    and not cfg.checkpoint.load_only
+                    and cfg.checkpoint.last_save_in_hf
+                ):
                     self._save_hf(step)
                 if self.watchdog is not None:
                     self.watchdog.step_done()
@@ -522,15 +562,20 @@ def _load_loader_state(loader, saved: dict, dims) -> None:
     if "streams" not in saved:
         raise ConfigError(
             "the checkpoint's data position was written by an older torchtpu (one position per host, not per "
-            "batch row); add --checkpoint.exclude_from_loading dataloader to restart the data stream")
+            "batch row); add --checkpoint.exclude_from_loading dataloader to restart the data stream"
+        )
     rows = int(saved["global_rows"])
     if rows != loader.global_rows:
-        fix = (f"resume with --training.local_batch_size {rows // dims.dp} to keep the same batches"
-               if rows % dims.dp == 0 else f"resume with a data-parallel degree that divides {rows}")
+        fix = (
+            f"resume with --training.local_batch_size {rows // dims.dp} to keep the same batches"
+            if rows % dims.dp == 0
+            else f"resume with a data-parallel degree that divides {rows}"
+        )
         raise ConfigError(
             f"the checkpoint's data position is for micro-batches of {rows} sequences; this job's are "
             f"{loader.global_rows} (training.local_batch_size {dims.local_batch_size} x {dims.dp} data-parallel "
-            f"ranks): {fix}, or add --checkpoint.exclude_from_loading dataloader to restart the data stream")
+            f"ranks): {fix}, or add --checkpoint.exclude_from_loading dataloader to restart the data stream"
+        )
     try:
         loader.load_state_dict(saved)
     except ValueError as e:
@@ -549,8 +594,10 @@ def main(cfg: JobConfig) -> int:
 
         initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            log(f"attempt {attempt_number()} (torchelastic restarts allowed: "
-                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})")
+            log(
+                f"attempt {attempt_number()} (torchelastic restarts allowed: "
+                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})"
+            )
         watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
     try:
         trainer = Trainer(cfg)

@@ -21,6 +21,7 @@
   over the same sharded parameters and the same batch layout as the training step; the losses
   stay on the devices until the one host read at the end of an evaluation.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,8 +69,16 @@ class Validator:
 
         v = self.cfg.validation
         try:
-            return build_global_batch_loader(v.dataset, v.dataset_path, self.tokenizer, v.seq_len, self.global_rows,
-                                             self.rows, seed=0, infinite=self.steps != -1)
+            return build_global_batch_loader(
+                v.dataset,
+                v.dataset_path,
+                self.tokenizer,
+                v.seq_len,
+                self.global_rows,
+                self.rows,
+                seed=0,
+                infinite=self.steps != -1,
+            )
         except (FileNotFoundError, ValueError, ConnectionError) as e:
             raise ConfigError(f"[validation] dataset = {v.dataset!r}, dataset_path = {v.dataset_path!r}: {e}") from None
 
@@ -88,7 +97,8 @@ class Validator:
                 f"[validation] dataset = {v.dataset!r}, dataset_path = {v.dataset_path!r}: the split holds fewer tokens "
                 f"than one validation batch needs: one of its {self.global_rows} row streams (one per sequence of the "
                 f"batch) has fewer than {v.seq_len + 1} tokens; lower validation.local_batch_size or seq_len, or give "
-                "a larger validation set")
+                "a larger validation set"
+            )
         return n
 
     def should_validate(self, step: int) -> bool:

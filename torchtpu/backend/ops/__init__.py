@@ -1,4 +1,5 @@
 """Op lowerings, one family per module. Importing this package fills the op table."""
+
 import importlib
 import pkgutil
 

@@ -1,4 +1,5 @@
 """nn activations and the *_backward ATen ops autograd calls for them."""
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,6 @@ def _f(*xs):
     return arrs
 
 
-def _zero_like(x):
-    return jnp.zeros_like(x)
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -29,8 +26,11 @@ def _zero_like(x):
 def relu(self):
     if self.dtype == jnp.bool_:
         return self
-    return jnp.where(self > 0, self, jnp.zeros_like(self)) if not jnp.issubdtype(self.dtype, jnp.floating) \
+    return (
+        jnp.where(self > 0, self, jnp.zeros_like(self))
+        if not jnp.issubdtype(self.dtype, jnp.floating)
         else jnp.where(jnp.isnan(self) | (self > 0), self, jnp.zeros_like(self))
+    )
 
 
 @lower(aten.relu6.default)
@@ -282,13 +282,6 @@ def glu_backward(grad_output, self, dim):
     a, b = jnp.split(x, 2, axis=dim)
     s = jax.nn.sigmoid(b)
     return jnp.concatenate([g * s, g * a * s * (1 - s)], axis=dim)
-
-
-def _prelu_weight(weight, ndim):
-    # weight has one element or one per channel (dim 1)
-    if weight.size == 1 or ndim < 2:
-        return weight.reshape(())  if weight.size == 1 else weight
-    return weight.reshape((1, -1) + (1,) * (ndim - 2))
 
 
 @lower(aten._prelu_kernel.default)

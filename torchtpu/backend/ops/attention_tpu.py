@@ -35,6 +35,7 @@ ops, torch.compile alike). A multi-device program whose attention inputs carry n
 run the kernel: JAX then raises "Mosaic kernels cannot be automatically partitioned"; run it
 with TORCHTPU_PALLAS_ATTENTION=0.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,16 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as _fa
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["enabled", "unsupported_reason", "attention_forward", "attention_backward", "kernel_costs",
-           "interpret_kernels", "interpreting", "MASK_VALUE"]
+__all__ = [
+    "enabled",
+    "unsupported_reason",
+    "attention_forward",
+    "attention_backward",
+    "kernel_costs",
+    "interpret_kernels",
+    "interpreting",
+    "MASK_VALUE",
+]
 
 MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
 _LANES = 128  # Mosaic tiles: sequence blocks are multiples of 128
@@ -95,9 +104,19 @@ def _block(n: int) -> int:
 
 def _block_sizes(L: int, S: int) -> _fa.BlockSizes:
     bq, bk = _block(L), _block(S)
-    return _fa.BlockSizes(block_q=bq, block_k_major=bk, block_k=bk, block_b=1,
-                          block_q_major_dkv=bq, block_k_major_dkv=bk, block_k_dkv=bk, block_q_dkv=bq,
-                          block_k_major_dq=bk, block_k_dq=bk, block_q_dq=bq)
+    return _fa.BlockSizes(
+        block_q=bq,
+        block_k_major=bk,
+        block_k=bk,
+        block_b=1,
+        block_q_major_dkv=bq,
+        block_k_major_dkv=bk,
+        block_k_dkv=bk,
+        block_q_dkv=bq,
+        block_k_major_dq=bk,
+        block_k_dq=bk,
+        block_q_dq=bq,
+    )
 
 
 # ----------------------------------------------------------------------------- declared costs
@@ -113,8 +132,17 @@ def _visited_fraction(L: int, S: int, bq: int, bk: int, causal: bool) -> float:
     return run / (nq * nk)
 
 
-def kernel_costs(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, *, causal: bool,
-                 itemsize: int = 2, with_bias: bool = False) -> dict:
+def kernel_costs(
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    *,
+    causal: bool,
+    itemsize: int = 2,
+    with_bias: bool = False,
+) -> dict:
     """The costs the three kernels declare to XLA for attention of these sizes (per program
     that runs them: pass per-shard sizes for a sharded program), as
     {"forward"|"backward_dkv"|"backward_dq": pallas CostEstimate}.
@@ -164,6 +192,7 @@ def _bind_pallas(fn, args, costs, interpret):
 
 
 # ----------------------------------------------------------------------------- interpret mode
+
 
 @contextlib.contextmanager
 def interpret_kernels():
@@ -226,8 +255,13 @@ def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
 def _per_shard(fn, split: _Split | None, in_ndims, out_ndims):
     if split is None:
         return fn
-    return jax.shard_map(fn, mesh=split.mesh, in_specs=tuple(split.spec(n) for n in in_ndims),
-                         out_specs=tuple(split.spec(n) for n in out_ndims), check_vma=False)
+    return jax.shard_map(
+        fn,
+        mesh=split.mesh,
+        in_specs=tuple(split.spec(n) for n in in_ndims),
+        out_specs=tuple(split.spec(n) for n in out_ndims),
+        check_vma=False,
+    )
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -277,15 +311,17 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
         alive = _rows_alive(keep, causal)
     split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
-    costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
-                         with_bias=bias is not None)
+    costs = kernel_costs(
+        b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None
+    )
 
     def kernel(q, k, v, *rest):
         bias = rest[0] if rest else None
 
         def impl(q, k, v, bias):
-            return _fa._flash_attention_impl(q, k, v, bias, None, True, causal, scale, bs.block_b, bs.block_q,
-                                             bs.block_k_major, bs.block_k, False)
+            return _fa._flash_attention_impl(
+                q, k, v, bias, None, True, causal, scale, bs.block_b, bs.block_q, bs.block_k_major, bs.block_k, False
+            )
 
         with jax.enable_x64(False):  # Mosaic index maps are 32-bit
             o, l, m = _bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
@@ -318,8 +354,9 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     di = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
     split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
-    costs = kernel_costs(b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize,
-                         with_bias=bias is not None)
+    costs = kernel_costs(
+        b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None
+    )
 
     def kernels(q, k, v, g, m, di, *rest):
         bias = rest[0] if rest else None
@@ -327,14 +364,43 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
 
         def dkv(q, k, v, bias, m, g, di):
             return _fa._flash_attention_bwd_dkv(
-                q, k, v, bias, None, ones, m, g, di, block_q_major=bs.block_q_major_dkv, block_q=bs.block_q_dkv,
-                block_k_major=bs.block_k_major_dkv, block_k=bs.block_k_dkv, sm_scale=scale, causal=causal,
-                mask_value=MASK_VALUE)
+                q,
+                k,
+                v,
+                bias,
+                None,
+                ones,
+                m,
+                g,
+                di,
+                block_q_major=bs.block_q_major_dkv,
+                block_q=bs.block_q_dkv,
+                block_k_major=bs.block_k_major_dkv,
+                block_k=bs.block_k_dkv,
+                sm_scale=scale,
+                causal=causal,
+                mask_value=MASK_VALUE,
+            )
 
         def dq(q, k, v, bias, m, g, di):
             return _fa._flash_attention_bwd_dq(
-                q, k, v, bias, None, ones, m, g, di, block_q_major=bs.block_q_dq, block_k_major=bs.block_k_major_dq,
-                block_k=bs.block_k_dq, sm_scale=scale, causal=causal, mask_value=MASK_VALUE, debug=False)[0]
+                q,
+                k,
+                v,
+                bias,
+                None,
+                ones,
+                m,
+                g,
+                di,
+                block_q_major=bs.block_q_dq,
+                block_k_major=bs.block_k_major_dq,
+                block_k=bs.block_k_dq,
+                sm_scale=scale,
+                causal=causal,
+                mask_value=MASK_VALUE,
+                debug=False,
+            )[0]
 
         with jax.enable_x64(False):
             args = (q, k, v, bias, m, g, di)

@@ -10,6 +10,7 @@ Values follow PyTorch's CPU kernels: arange computes `start + i * step` in doubl
 (integer dtypes: in int64) and casts once; linspace fills the first half from `start` and the
 second half from `end`, so both ends are exact.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,10 @@ def _finish(out, value):
 
 def _out_handler(*ops):
     """Register `fn(bound_args, out_dtype) -> jax array` as the handler of `out=` factory overloads."""
+
     def register(fn):
         for op in ops:
+
             def h(args, kwargs, _op=op):
                 b = bind(_op, args, kwargs)
                 out = b.pop("out")
@@ -71,7 +74,7 @@ def _is_int_dtype(dt: torch.dtype) -> bool:
     return not (dt.is_floating_point or dt.is_complex) and dt != torch.bool
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _arange_exe(n, jdt, integer):
     if integer:
         return jax.jit(lambda start, step: (start + step * jnp.arange(n, dtype=jnp.int64)).astype(jdt))
@@ -94,8 +97,9 @@ def _arange_values(start, end, step, out_dtype):
         raise RuntimeError("arange: step must be nonzero")
     s0, e0, st0 = size_bounds
     if (st0 > 0 and s0 > e0) or (st0 < 0 and s0 < e0):
-        raise RuntimeError(f"arange: upper bound and larger bound inconsistent with step sign "
-                           f"(start={start}, end={end}, step={step})")
+        raise RuntimeError(
+            f"arange: upper bound and larger bound inconsistent with step sign (start={start}, end={end}, step={step})"
+        )
     if all(isinstance(v, int) for v in size_bounds):
         n = max(0, -((s0 - e0) // st0)) if st0 > 0 else max(0, -((e0 - s0) // -st0))
     else:
@@ -121,7 +125,7 @@ def arange_out(b, out):
 # ----------------------------------------------------------------------------- linspace / logspace
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _linspace_exe(steps, jdt, log):
     def f(start, end, base):
         i = jnp.arange(steps, dtype=jnp.float64)
@@ -159,14 +163,16 @@ def _linspace(b, out, log):
     return _linspace_exe(steps, jdt, log)(np.float64(start), np.float64(end), np.float64(base))
 
 
-@_out_handler(aten.linspace.out, aten.linspace.Tensor_Tensor_out, aten.linspace.Tensor_Scalar_out,
-              aten.linspace.Scalar_Tensor_out)
+@_out_handler(
+    aten.linspace.out, aten.linspace.Tensor_Tensor_out, aten.linspace.Tensor_Scalar_out, aten.linspace.Scalar_Tensor_out
+)
 def linspace_out(b, out):
     return _linspace(b, out, log=False)
 
 
-@_out_handler(aten.logspace.out, aten.logspace.Tensor_Tensor_out, aten.logspace.Tensor_Scalar_out,
-              aten.logspace.Scalar_Tensor_out)
+@_out_handler(
+    aten.logspace.out, aten.logspace.Tensor_Tensor_out, aten.logspace.Tensor_Scalar_out, aten.logspace.Scalar_Tensor_out
+)
 def logspace_out(b, out):
     return _linspace(b, out, log=True)
 
@@ -174,7 +180,7 @@ def logspace_out(b, out):
 # ----------------------------------------------------------------------------- eye, full
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eye_exe(n, m, jdt):
     return jax.jit(lambda: jnp.eye(n, m, dtype=jdt))
 
@@ -227,8 +233,7 @@ def _jdt(dtype, default):
 @lower(aten.full_like.default)
 def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     jdt = _jdt(dtype, self.dtype)
-    return jnp.full(self.shape, fill_value).astype(jdt) if jdt != jnp.bool_ else \
-        jnp.full(self.shape, fill_value != 0)
+    return jnp.full(self.shape, fill_value).astype(jdt) if jdt != jnp.bool_ else jnp.full(self.shape, fill_value != 0)
 
 
 @lower(aten.zeros_like.default)
@@ -308,8 +313,14 @@ def _bounds_as_numbers(default_op):
     to the bounds' device."""
 
     def handler(args, kwargs):
-        vals = [np.asarray(array_of(a)).reshape(()).item() if isinstance(a, TpuTensor)
-                else a.item() if isinstance(a, torch.Tensor) else a for a in args]
+        vals = [
+            np.asarray(array_of(a)).reshape(()).item()
+            if isinstance(a, TpuTensor)
+            else a.item()
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
         return default_op(*vals, **kwargs)
 
     return handler

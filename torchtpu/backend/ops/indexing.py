@@ -11,6 +11,7 @@ eagerly (jit=False) and turns a mask into integer positions with `nonzero` on th
 mask; the integer work itself still runs as one cached XLA executable. `index_put` with a
 mask keeps a static shape and works in compiled programs too (see `_mask_put`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -87,8 +88,9 @@ def index(self, indices):
     if len(indices) > self.ndim:
         raise IndexError(f"too many indices for tensor of dimension {self.ndim} (got {len(indices)})")
     _check_bounds(self, indices)
-    indices = [None if ix is None else ix.astype(jnp.int64) if ix.dtype not in (jnp.int32, jnp.int64) else ix
-               for ix in indices]
+    indices = [
+        None if ix is None else ix.astype(jnp.int64) if ix.dtype not in (jnp.int32, jnp.int64) else ix for ix in indices
+    ]
     if all(_concrete(ix) for ix in indices if ix is not None) and _concrete(self):
         return _INDEX_JIT(self, indices)
     return _index_fn(self, indices)
@@ -127,9 +129,13 @@ def _mask_put(self, mask, values, accumulate):
     rest = self.shape[k:]
     mask = mask.astype(jnp.bool_)
     if values.ndim > len(rest) and values.shape[values.ndim - len(rest) - 1] != 1:
-        vals = values.reshape((-1,) + rest) if values.ndim == len(rest) + 1 else jnp.broadcast_to(
-            values, values.shape[: values.ndim - len(rest) - 1] + values.shape[values.ndim - len(rest) - 1:]
-        ).reshape((-1,) + rest)
+        vals = (
+            values.reshape((-1,) + rest)
+            if values.ndim == len(rest) + 1
+            else jnp.broadcast_to(
+                values, values.shape[: values.ndim - len(rest) - 1] + values.shape[values.ndim - len(rest) - 1 :]
+            ).reshape((-1,) + rest)
+        )
         vals = jnp.broadcast_to(vals, (vals.shape[0],) + rest)
         pos = jnp.cumsum(mask.reshape(-1).astype(jnp.int32)) - 1
         pos = jnp.clip(pos, 0, max(vals.shape[0] - 1, 0))
@@ -139,7 +145,7 @@ def _mask_put(self, mask, values, accumulate):
             gathered = vals[pos].astype(self.dtype)
         gathered = gathered.reshape(self.shape)
     else:
-        v = values.reshape(values.shape[values.ndim - len(rest):]) if values.ndim > len(rest) else values
+        v = values.reshape(values.shape[values.ndim - len(rest) :]) if values.ndim > len(rest) else values
         gathered = jnp.broadcast_to(v.astype(self.dtype), self.shape)
     m = mask.reshape(mask.shape + (1,) * len(rest))
     if accumulate:
@@ -160,7 +166,10 @@ def index_put_impl(self, indices, values, accumulate=False):
     if bools and (len(indices) == 1 or all(ix is None for ix in indices[1:])) and bools == [0] and indices[0].ndim >= 1:
         mask = indices[0]
         if mask.shape == self.shape[: mask.ndim] and (
-            not _concrete(mask) or values.ndim == 0 or values.size == 1 or not _concrete(values)
+            not _concrete(mask)
+            or values.ndim == 0
+            or values.size == 1
+            or not _concrete(values)
             or values.ndim <= self.ndim - mask.ndim
         ):
             return _mask_put(self, mask, values, accumulate)
@@ -209,8 +218,7 @@ def _full_index(index, dim):
         else:
             shape = [1] * index.ndim
             shape[d] = index.shape[d]
-            idx.append(lax.broadcasted_iota(jnp.int64 if index.dtype == jnp.int64 else jnp.int32,
-                                            tuple(shape), d))
+            idx.append(lax.broadcasted_iota(jnp.int64 if index.dtype == jnp.int64 else jnp.int32, tuple(shape), d))
     return tuple(idx)
 
 
@@ -300,11 +308,17 @@ def _identity(reduce, dtype):
     if reduce == "prod":
         return jnp.ones((), dtype)
     if reduce == "amax":
-        return jnp.array(-jnp.inf, dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.array(
-            jnp.iinfo(dtype).min if dtype != jnp.bool_ else False, dtype)
+        return (
+            jnp.array(-jnp.inf, dtype)
+            if jnp.issubdtype(dtype, jnp.floating)
+            else jnp.array(jnp.iinfo(dtype).min if dtype != jnp.bool_ else False, dtype)
+        )
     if reduce == "amin":
-        return jnp.array(jnp.inf, dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.array(
-            jnp.iinfo(dtype).max if dtype != jnp.bool_ else True, dtype)
+        return (
+            jnp.array(jnp.inf, dtype)
+            if jnp.issubdtype(dtype, jnp.floating)
+            else jnp.array(jnp.iinfo(dtype).max if dtype != jnp.bool_ else True, dtype)
+        )
     raise RuntimeError(f"torchtpu: reduce argument must be one of sum, prod, mean, amax, amin; got {reduce!r}")
 
 
@@ -341,8 +355,13 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     if index.size == 0:
         return self
     if self.ndim == 0:
-        return _reduce_into(self.reshape(1), (jnp.zeros(1, jnp.int32),), jnp.asarray(src).reshape(-1)[:1].astype(self.dtype),
-                            reduce, include_self).reshape(())
+        return _reduce_into(
+            self.reshape(1),
+            (jnp.zeros(1, jnp.int32),),
+            jnp.asarray(src).reshape(-1)[:1].astype(self.dtype),
+            reduce,
+            include_self,
+        ).reshape(())
     dim, index, src = _prep_scatter(self, dim, index, src)
     return _reduce_into(self, _full_index(index, dim), src, reduce, include_self)
 
@@ -360,8 +379,10 @@ def _source_along(self, dim, index, source):
     dim = _dim(dim, max(self.ndim, 1))
     shape = list(self.shape)
     shape[dim] = index.size
-    return jnp.broadcast_to(jnp.asarray(source).reshape(tuple(shape)) if jnp.size(source) == np.prod(shape)
-                            else jnp.asarray(source), tuple(shape)).astype(self.dtype)
+    return jnp.broadcast_to(
+        jnp.asarray(source).reshape(tuple(shape)) if jnp.size(source) == np.prod(shape) else jnp.asarray(source),
+        tuple(shape),
+    ).astype(self.dtype)
 
 
 def _scalar_self(fn):
@@ -487,8 +508,8 @@ def take_along_dim(self, indices, dim=None):
     shp_s[dim] = 1
     shp_i[dim] = 1
     b = jnp.broadcast_shapes(tuple(shp_s), tuple(shp_i))
-    s_shape = b[:dim] + (self.shape[dim],) + b[dim + 1:]
-    i_shape = b[:dim] + (indices.shape[dim],) + b[dim + 1:]
+    s_shape = b[:dim] + (self.shape[dim],) + b[dim + 1 :]
+    i_shape = b[:dim] + (indices.shape[dim],) + b[dim + 1 :]
     return jnp.take_along_axis(jnp.broadcast_to(self, s_shape), jnp.broadcast_to(indices, i_shape), axis=dim)
 
 
@@ -532,8 +553,11 @@ def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
     _need_concrete("unique", self)
     a = np.asarray(self)
     vals, inv, counts = _unique_np(a, sorted, return_inverse, return_counts)
-    return (jnp.asarray(vals, self.dtype), jnp.asarray(inv) if return_inverse else jnp.zeros(0, jnp.int64),
-            jnp.asarray(counts) if return_counts else jnp.zeros(0, jnp.int64))
+    return (
+        jnp.asarray(vals, self.dtype),
+        jnp.asarray(inv) if return_inverse else jnp.zeros(0, jnp.int64),
+        jnp.asarray(counts) if return_counts else jnp.zeros(0, jnp.int64),
+    )
 
 
 @lower(aten._unique.default, jit=False)
@@ -568,8 +592,11 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         inv = np.cumsum(starts) - 1
     bounds = np.flatnonzero(np.concatenate([starts, [True]]))
     counts = np.diff(bounds)
-    return (jnp.asarray(vals, self.dtype), jnp.asarray(inv.astype(np.int64)) if return_inverse else jnp.zeros(0, jnp.int64),
-            jnp.asarray(counts.astype(np.int64)) if return_counts else jnp.zeros(0, jnp.int64))
+    return (
+        jnp.asarray(vals, self.dtype),
+        jnp.asarray(inv.astype(np.int64)) if return_inverse else jnp.zeros(0, jnp.int64),
+        jnp.asarray(counts.astype(np.int64)) if return_counts else jnp.zeros(0, jnp.int64),
+    )
 
 
 @lower(aten.unique_dim.default, jit=False)
@@ -585,15 +612,21 @@ def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False
     else:
         order = np.lexsort(flat.T[::-1]) if flat.shape[1] else np.arange(n)
         srt = flat[order]
-        starts = np.concatenate([[True], np.any(srt[1:] != srt[:-1], axis=1)]) if flat.shape[1] else np.concatenate(
-            [[True], np.zeros(n - 1, bool)])
+        starts = (
+            np.concatenate([[True], np.any(srt[1:] != srt[:-1], axis=1)])
+            if flat.shape[1]
+            else np.concatenate([[True], np.zeros(n - 1, bool)])
+        )
         group = np.cumsum(starts) - 1
         inv = np.empty(n, np.int64)
         inv[order] = group
         vals = np.moveaxis(moved[order][starts], 0, dim)
         counts = np.diff(np.flatnonzero(np.concatenate([starts, [True]])))
-    return (jnp.asarray(vals, self.dtype), jnp.asarray(inv.astype(np.int64)) if return_inverse else jnp.zeros(0, jnp.int64),
-            jnp.asarray(np.asarray(counts, np.int64)) if return_counts else jnp.zeros(0, jnp.int64))
+    return (
+        jnp.asarray(vals, self.dtype),
+        jnp.asarray(inv.astype(np.int64)) if return_inverse else jnp.zeros(0, jnp.int64),
+        jnp.asarray(np.asarray(counts, np.int64)) if return_counts else jnp.zeros(0, jnp.int64),
+    )
 
 
 @lower(aten.repeat_interleave.Tensor, jit=False)

@@ -10,6 +10,7 @@ LAPACK-style outputs follow PyTorch: pivots are 1-based int32, `info` is int32 (
 i > 0 = the i-th leading minor/diagonal is singular), and `_linalg_check_errors` raises the
 same errors PyTorch does in eager mode.
 """
+
 from __future__ import annotations
 
 import jax
@@ -179,7 +180,7 @@ def cdist_forward(x1, x2, p, compute_mode):
         return jnp.sum(d, axis=-1)
     if p == 2:
         return jnp.sqrt(jnp.sum(d * d, axis=-1))
-    return jnp.sum(d ** p, axis=-1) ** (1.0 / p)
+    return jnp.sum(d**p, axis=-1) ** (1.0 / p)
 
 
 @lower(aten._cdist_backward.default, static=("p",))
@@ -200,8 +201,9 @@ def cdist_backward(grad, x1, x2, p, cdist):
         out = jnp.where(dist == 0, 0, diff / jnp.where(dist == 0, 1, dist))
     elif p < 2:
         ad = jnp.abs(diff)
-        out = jnp.where((dist == 0) | (ad == 0), 0,
-                        jnp.sign(diff) * ad ** (p - 1) / jnp.where(dist == 0, 1, dist) ** (p - 1))
+        out = jnp.where(
+            (dist == 0) | (ad == 0), 0, jnp.sign(diff) * ad ** (p - 1) / jnp.where(dist == 0, 1, dist) ** (p - 1)
+        )
     else:
         out = jnp.where(dist == 0, 0, diff * jnp.abs(diff) ** (p - 2) / jnp.where(dist == 0, 1, dist) ** (p - 1))
     res = jnp.sum(out * g, axis=-2)
@@ -264,8 +266,9 @@ def _lu_solve_perm(lu, perm, B, adjoint=False):
         return lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)
     # A^H = U^H L^H P^T  ->  X = P L^-H U^-H B
     y = lax.linalg.triangular_solve(lu, B, left_side=True, lower=False, transpose_a=True, conjugate_a=True)
-    y = lax.linalg.triangular_solve(lu, y, left_side=True, lower=True, unit_diagonal=True,
-                                    transpose_a=True, conjugate_a=True)
+    y = lax.linalg.triangular_solve(
+        lu, y, left_side=True, lower=True, unit_diagonal=True, transpose_a=True, conjugate_a=True
+    )
     inv = jnp.argsort(perm, axis=-1)
     return _permute_rows(y, inv)
 
@@ -277,8 +280,9 @@ def _pivots_to_perm(pivots, m):
 @lower(aten.linalg_lu_factor_ex.default)
 def lu_factor_ex(A, pivot=True, check_errors=False):
     if not pivot:
-        raise RuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the tpu device; "
-                           "call it with pivot=True")
+        raise RuntimeError(
+            "linalg.lu_factor: LU without pivoting is not implemented on the tpu device; call it with pivot=True"
+        )
     lu, piv, _ = _lu(A)
     return lu, piv, _singular_info(lu) * (A.shape[-1] == A.shape[-2])
 
@@ -286,7 +290,9 @@ def lu_factor_ex(A, pivot=True, check_errors=False):
 @lower(aten.linalg_lu.default)
 def linalg_lu(A, pivot=True):
     if not pivot:
-        raise RuntimeError("linalg.lu: LU without pivoting is not implemented on the tpu device; call it with pivot=True")
+        raise RuntimeError(
+            "linalg.lu: LU without pivoting is not implemented on the tpu device; call it with pivot=True"
+        )
     lu, piv, perm = _lu(A)
     m, n = A.shape[-2:]
     k = min(m, n)
@@ -405,17 +411,23 @@ def linalg_check_errors(info, api_name, is_matrix):
     if info.ndim == 0:
         where = ""
     if code < 0:
-        raise RuntimeError(f"{api_name}: {where}Argument {-code} has illegal value. Most certainly there is a bug "
-                           "in the implementation calling the backend library.")
+        raise RuntimeError(
+            f"{api_name}: {where}Argument {-code} has illegal value. Most certainly there is a bug "
+            "in the implementation calling the backend library."
+        )
     if "cholesky" in api_name:
-        raise torch_linalg_error(f"{api_name}: {where}The factorization could not be completed because the input "
-                                 f"is not positive-definite (the leading minor of order {code} is not positive-definite).")
+        raise torch_linalg_error(
+            f"{api_name}: {where}The factorization could not be completed because the input "
+            f"is not positive-definite (the leading minor of order {code} is not positive-definite)."
+        )
     if "solve" in api_name:
         raise torch_linalg_error(f"{api_name}: {where}The solver failed because the input matrix is singular.")
     if "inv" in api_name or "lu" in api_name:
-        raise torch_linalg_error(f"{api_name}: {where}The diagonal element {code} is zero, the "
-                                 f"{'inversion' if 'inv' in api_name else 'solve'} could not be completed because "
-                                 "the input matrix is singular.")
+        raise torch_linalg_error(
+            f"{api_name}: {where}The diagonal element {code} is zero, the "
+            f"{'inversion' if 'inv' in api_name else 'solve'} could not be completed because "
+            "the input matrix is singular."
+        )
     raise torch_linalg_error(f"{api_name}: {where}The algorithm failed to converge (error code {code}).")
 
 
@@ -490,8 +502,9 @@ def _tri_solve(A, B, upper, left, unit, transpose=False):
     A = jnp.triu(A) if upper else jnp.tril(A)
     if B.size == 0 or A.size == 0:
         return jnp.zeros(B.shape, dt)
-    return lax.linalg.triangular_solve(A.astype(dt), B.astype(dt), left_side=left, lower=not upper,
-                                       transpose_a=transpose, unit_diagonal=unit)
+    return lax.linalg.triangular_solve(
+        A.astype(dt), B.astype(dt), left_side=left, lower=not upper, transpose_a=transpose, unit_diagonal=unit
+    )
 
 
 @lower(aten.linalg_solve_triangular.default)

@@ -5,6 +5,7 @@
 - histogram / histogramdd: counts through a segment sum, edges like PyTorch's linspace;
 - segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,7 +72,8 @@ def allclose(args, kwargs):
     a, b = _array(values["self"]), _array(values["other"])
     if a.dtype != b.dtype:
         raise RuntimeError(
-            f"allclose: self ({a.dtype}) and other ({b.dtype}) must have the same dtype; convert one first")
+            f"allclose: self ({a.dtype}) and other ({b.dtype}) must have the same dtype; convert one first"
+        )
     try:
         jnp.broadcast_shapes(a.shape, b.shape)
     except ValueError:
@@ -254,12 +256,13 @@ def _segment_ids(lengths, offsets, axis_len):
 def _segment_layout(data, lengths, offsets, axis):
     axis = axis + data.ndim if axis < 0 else axis
     outer = data.shape[:axis]
-    inner = data.shape[axis + 1:]
+    inner = data.shape[axis + 1 :]
     L = data.shape[axis]
     ids, lens, nseg, rows = _segment_ids(lengths, offsets, L)
     if rows != math.prod(outer):
         raise RuntimeError(
-            f"segment_reduce: lengths/offsets must have the shape of data's dims before axis {axis}, plus one")
+            f"segment_reduce: lengths/offsets must have the shape of data's dims before axis {axis}, plus one"
+        )
     flat_ids = (ids + jnp.arange(rows, dtype=jnp.int64)[:, None] * (nseg + 1)).reshape(-1)
     return axis, outer, inner, L, flat_ids, lens, nseg, rows
 
@@ -312,7 +315,7 @@ def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=
 
 @lower(aten._segment_reduce_backward.default)
 def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0, initial=None):
-    axis_, outer, inner, L, flat_ids, lens, nseg, rows = _segment_layout(data, lengths, offsets, axis)
+    _, outer, inner, L, flat_ids, lens, nseg, rows = _segment_layout(data, lengths, offsets, axis)
     shape2 = (rows, nseg) + inner
 
     def gather(v):  # (R, S, *inner) -> value of each data position's segment, 0 outside segments
@@ -369,7 +372,7 @@ def renorm(self, p, dim, maxnorm):
     elif isinstance(p, (int, float)) and p == 2:
         norm = jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=True))
     else:
-        norm = jnp.sum(a ** p, axis=axes, keepdims=True) ** (1.0 / p)
+        norm = jnp.sum(a**p, axis=axes, keepdims=True) ** (1.0 / p)
     factor = jnp.where(norm > maxnorm, maxnorm / (norm + 1e-7), 1.0).astype(x.dtype)
     return (x * factor).astype(self.dtype)
 

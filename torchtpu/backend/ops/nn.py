@@ -6,6 +6,7 @@ Resampling uses static index/weight tables computed with numpy at trace time in 
 precision PyTorch's CPU kernels use, applied one spatial dimension at a time. Backward
 ops are VJPs of the forward lowerings (these ops are linear in their input).
 """
+
 from __future__ import annotations
 
 import math
@@ -101,8 +102,9 @@ def _resample_dim(x, axis, L, o, mode, align_corners, scale, ftype):
         l1 = (src - i0.astype(ftype)).astype(ftype)
         l0 = (ftype(1) - l1).astype(ftype)
         shp = _bshape(x.ndim, axis, o)
-        return (_take(x, i0, axis) * jnp.asarray(l0.reshape(shp), x.dtype)
-                + _take(x, i1, axis) * jnp.asarray(l1.reshape(shp), x.dtype))
+        return _take(x, i0, axis) * jnp.asarray(l0.reshape(shp), x.dtype) + _take(x, i1, axis) * jnp.asarray(
+            l1.reshape(shp), x.dtype
+        )
     if mode == "cubic":
         src = _linear_source(L, o, align_corners, scale, True, ftype)
         fl = np.floor(src)
@@ -141,7 +143,7 @@ def upsample(x, output_size, scales, mode, align_corners=False):
 def _out_size(input, n, output_size, scale_factors):
     if output_size is not None:
         return list(output_size), None
-    spatial = input.shape[input.ndim - n:]
+    spatial = input.shape[input.ndim - n :]
     sf = list(scale_factors)
     return [int(math.floor(float(s) * f)) for s, f in zip(spatial, sf)], sf
 
@@ -152,6 +154,7 @@ def _reg_upsample(n, name, mode, has_align):
     bwd = getattr(aten, name + "_backward").default
 
     if has_align:
+
         @lower(default)
         def fwd(self, output_size, align_corners, *scales):
             return upsample(self, list(output_size), list(scales) if scales else None, mode, align_corners)
@@ -164,10 +167,12 @@ def _reg_upsample(n, name, mode, has_align):
         @lower(bwd)
         def backward(grad_output, output_size, input_size, align_corners, *scales):
             x = jnp.zeros(tuple(input_size), grad_output.dtype)
-            _, vjp = jax.vjp(lambda t: upsample(t, list(output_size), list(scales) if scales else None, mode,
-                                                align_corners), x)
+            _, vjp = jax.vjp(
+                lambda t: upsample(t, list(output_size), list(scales) if scales else None, mode, align_corners), x
+            )
             return vjp(grad_output)[0]
     else:
+
         @lower(default)
         def fwd(self, output_size, *scales):
             return upsample(self, list(output_size), list(scales) if scales else None, mode)
@@ -211,9 +216,14 @@ def _im2col(x, kernel_size, dilation, padding, stride):
     cols = []
     for i in range(kh):
         for j in range(kw):
-            cols.append(lax.slice(xp, (0, 0, i * dh, j * dw),
-                                  (n, c, i * dh + (oh - 1) * sh + 1, j * dw + (ow - 1) * sw + 1),
-                                  (1, 1, sh, sw)))
+            cols.append(
+                lax.slice(
+                    xp,
+                    (0, 0, i * dh, j * dw),
+                    (n, c, i * dh + (oh - 1) * sh + 1, j * dw + (ow - 1) * sw + 1),
+                    (1, 1, sh, sw),
+                )
+            )
     out = jnp.stack(cols, axis=2).reshape(n, c * kh * kw, oh * ow)
     return out if batched else out[0]
 
@@ -322,10 +332,12 @@ def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners
         ty = iy - y0
         x0i = x0.astype(jnp.int32)
         y0i = y0.astype(jnp.int32)
-        out = (gather(y0i, x0i) * ((1 - tx) * (1 - ty))[:, None]
-               + gather(y0i, x0i + 1) * (tx * (1 - ty))[:, None]
-               + gather(y0i + 1, x0i) * ((1 - tx) * ty)[:, None]
-               + gather(y0i + 1, x0i + 1) * (tx * ty)[:, None])
+        out = (
+            gather(y0i, x0i) * ((1 - tx) * (1 - ty))[:, None]
+            + gather(y0i, x0i + 1) * (tx * (1 - ty))[:, None]
+            + gather(y0i + 1, x0i) * ((1 - tx) * ty)[:, None]
+            + gather(y0i + 1, x0i + 1) * (tx * ty)[:, None]
+        )
     elif interpolation_mode == 1:  # nearest (round half to even, like nearbyint)
         out = gather(jnp.round(iy).astype(jnp.int32), jnp.round(ix).astype(jnp.int32))
     elif interpolation_mode == 2:  # bicubic
@@ -402,8 +414,17 @@ def _bag_ids(indices, offsets, include_last_offset):
     return bag, nb
 
 
-def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
-                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+def _embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
     if indices.ndim == 2:
         b, l = indices.shape
         offsets = jnp.arange(b, dtype=jnp.int64) * l
@@ -439,8 +460,18 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
 
 
 @lower(aten._embedding_bag_dense_backward.default)
-def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
-                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+def _embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights,
+    padding_idx=-1,
+):
     acc = _acc_dtype(grad)
     g = grad.astype(acc)
     out = jnp.zeros((num_weights, grad.shape[1]), acc)
@@ -472,10 +503,20 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
 
 
 @lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
-def _embedding_bag_lowering(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
-                            per_sample_weights=None, include_last_offset=False, padding_idx=-1):
-    return _embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
-                          include_last_offset, padding_idx)
+def _embedding_bag_lowering(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    return _embedding_bag(
+        weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx
+    )
 
 
 # ----------------------------------------------------------------------------- fused RNN cells
@@ -589,7 +630,8 @@ def _no_dropout(op, p):
     if p:
         raise NotImplementedError(
             f"torchtpu: {op} with dropout_p={p} is not supported; call "
-            "torch.nn.functional.scaled_dot_product_attention instead")
+            "torch.nn.functional.scaled_dot_product_attention instead"
+        )
 
 
 @lower(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -599,20 +641,43 @@ def _sdpa_flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_m
 
 
 @lower(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def _sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
-                             scale=None):
+def _sdpa_flash_cpu_backward(
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
+):
     _no_dropout("_scaled_dot_product_flash_attention_for_cpu_backward", dropout_p)
     _, vjp = jax.vjp(lambda q, k, v: _attention(q, k, v, attn_mask, is_causal, scale)[0], query, key, value)
     return vjp(grad_out.astype(query.dtype))
 
 
 @lower(aten._embedding_bag_backward.default)
-def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
-                            scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+def _embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights,
+    padding_idx=-1,
+):
     if sparse:
         raise NotImplementedError("torchtpu: embedding_bag(sparse=True) gradients are not supported; use sparse=False")
-    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
-                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+    return _embedding_bag_dense_backward(
+        grad,
+        indices,
+        offset2bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
 
 
 # ----------------------------------------------------------------------------- fused attention
@@ -672,6 +737,7 @@ def _fused_forward(query, key, value, mask, is_causal, scale):
     if n == 1:
         out, lse = _block_attention(q, k, v, mask, is_causal, sc, 0, S)
     else:
+
         def one(i):
             start = i * size
             qb = lax.dynamic_slice_in_dim(q, start, size, axis=q.ndim - 2)
@@ -696,6 +762,7 @@ def _fused_backward(grad_out, query, key, value, mask, is_causal, scale):
     if n == 1:
         dq, dk, dv = block_grads(0, q, g, mask)
     else:
+
         def step(carry, i):
             start = i * size
             qb = lax.dynamic_slice_in_dim(q, start, size, axis=q.ndim - 2)
@@ -735,8 +802,9 @@ def _pallas_backward(grad_out, query, key, value, out, logsumexp, mask, is_causa
     q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     sc = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
     lse = logsumexp.reshape(q.shape[:-1])
-    dq, dk, dv = attention_tpu.attention_backward(_as_4d(grad_out), q, k, v, _as_4d(out), lse, mask,
-                                                  causal=bool(is_causal), scale=float(sc))
+    dq, dk, dv = attention_tpu.attention_backward(
+        _as_4d(grad_out), q, k, v, _as_4d(out), lse, mask, causal=bool(is_causal), scale=float(sc)
+    )
     if query.ndim == 3:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return dq, dk, dv
@@ -754,15 +822,17 @@ def _on_platform(blocked, pallas, arrays, mask, is_causal, scale, shapes_of=(0, 
 
     def branch(fn):
         def run(*ops):
-            return fn(*ops[:len(arrays)], ops[len(arrays)] if mask is not None else None, is_causal, scale)
+            return fn(*ops[: len(arrays)], ops[len(arrays)] if mask is not None else None, is_causal, scale)
+
         return run
 
     return lax.platform_dependent(*operands, tpu=branch(pallas), default=branch(blocked))
 
 
 @lower(aten._scaled_dot_product_fused_attention_overrideable.default)
-def _sdpa_overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
-                       *, scale=None):
+def _sdpa_overrideable(
+    query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
+):
     _no_dropout("_scaled_dot_product_fused_attention_overrideable", dropout_p)
     out, lse = _on_platform(_fused_forward, _pallas_forward, (query, key, value), attn_bias, is_causal, scale)
     if lse.ndim == 2:  # 3-D (H, L, E) inputs: PyTorch's meta gives (1, H, L)
@@ -773,13 +843,38 @@ def _sdpa_overrideable(query, key, value, attn_bias=None, dropout_p=0.0, is_caus
 
 
 @lower(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
-def _sdpa_overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
-                                cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+def _sdpa_overrideable_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    grad_input_mask,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     def blocked(grad_out, query, key, value, out, logsumexp, mask, is_causal, scale):
         return _fused_backward(grad_out, query, key, value, mask, is_causal, scale)
 
-    dq, dk, dv = _on_platform(blocked, _pallas_backward, (grad_out, query, key, value, out, logsumexp), attn_bias,
-                              is_causal, scale, shapes_of=(1, 2, 3))
+    dq, dk, dv = _on_platform(
+        blocked,
+        _pallas_backward,
+        (grad_out, query, key, value, out, logsumexp),
+        attn_bias,
+        is_causal,
+        scale,
+        shapes_of=(1, 2, 3),
+    )
     return dq, dk, dv, None
 
 
@@ -839,14 +934,15 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     C++ dispatch stub that out-of-tree Python backends cannot fill, so the op itself is
     registered for the tpu autograd key)."""
     import torch
-
     from torch.nn.attention import SDPBackend
 
     if _sdp_choice((query, key, value, attn_mask, dropout_p, is_causal), {}) == int(SDPBackend.MATH):
         return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
     return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
-        query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
+        query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale
+    )[0]
 
 
 def _register_sdpa():

@@ -4,6 +4,7 @@ The forward is one `lax.conv_general_dilated`; the backward is the VJP of that s
 lowering, so the two always agree. Low-precision inputs accumulate in float32 like
 PyTorch's CPU kernels and are cast back by the dispatcher.
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,7 +17,7 @@ _LOW = (jnp.bfloat16, jnp.float16)
 
 
 def _spatial_names(n):
-    return "".join("DHW"[3 - n:]) if n <= 3 else "".join(chr(ord("a") + i) for i in range(n))
+    return "".join("DHW"[3 - n :]) if n <= 3 else "".join(chr(ord("a") + i) for i in range(n))
 
 
 def _dims(n):
@@ -44,7 +45,8 @@ def conv_forward(input, weight, bias, stride, padding, dilation, transposed, out
         input, weight = input.astype(dt), weight.astype(dt)
     if not transposed:
         out = lax.conv_general_dilated(
-            input, weight,
+            input,
+            weight,
             window_strides=stride,
             padding=[(p, p) for p in padding],
             rhs_dilation=dilation,
@@ -69,7 +71,8 @@ def conv_forward(input, weight, bias, stride, padding, dilation, transposed, out
         lo_crop = [max(0, -lo) for lo, _ in pads]
         hi_crop = [max(0, -hi) for _, hi in pads]
         out = lax.conv_general_dilated(
-            input, w,
+            input,
+            w,
             window_strides=[1] * n,
             padding=[(max(lo, 0), max(hi, 0)) for lo, hi in pads],
             lhs_dilation=stride,
@@ -95,14 +98,28 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 
 
 @lower(aten._convolution.default)
-def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
-                 benchmark=False, deterministic=False, cudnn_enabled=True, allow_tf32=True):
+def _convolution(
+    input,
+    weight,
+    bias,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    benchmark=False,
+    deterministic=False,
+    cudnn_enabled=True,
+    allow_tf32=True,
+):
     return conv_forward(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @lower(aten.convolution_backward.default)
-def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
-                         output_padding, groups, output_mask):
+def convolution_backward(
+    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
     def f(x, w):
         return conv_forward(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
 

@@ -3,6 +3,7 @@
 They have no decomposition, so each is written here as the sequence of ATen ops it fuses
 (each of which is lowered); the fast paths only run without autograd.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,28 @@ aten = torch.ops.aten
 
 @custom(aten._transformer_encoder_layer_fwd.default)
 def transformer_encoder_layer_fwd(args, kwargs):
-    names = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
-             "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2", "norm_bias_2", "ffn_weight_1",
-             "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type")
+    names = (
+        "src",
+        "embed_dim",
+        "num_heads",
+        "qkv_weight",
+        "qkv_bias",
+        "proj_weight",
+        "proj_bias",
+        "use_gelu",
+        "norm_first",
+        "eps",
+        "norm_weight_1",
+        "norm_bias_1",
+        "norm_weight_2",
+        "norm_bias_2",
+        "ffn_weight_1",
+        "ffn_bias_1",
+        "ffn_weight_2",
+        "ffn_bias_2",
+        "mask",
+        "mask_type",
+    )
     a = dict(zip(names, args))
     a.update(kwargs)
     a.setdefault("mask", None)
@@ -27,8 +47,19 @@ def transformer_encoder_layer_fwd(args, kwargs):
 
     def attention(x):
         out, _ = torch.ops.aten._native_multi_head_attention(
-            x, x, x, dim, a["num_heads"], a["qkv_weight"], a["qkv_bias"], a["proj_weight"], a["proj_bias"],
-            a["mask"], False, True, a["mask_type"],
+            x,
+            x,
+            x,
+            dim,
+            a["num_heads"],
+            a["qkv_weight"],
+            a["qkv_bias"],
+            a["proj_weight"],
+            a["proj_bias"],
+            a["mask"],
+            False,
+            True,
+            a["mask_type"],
         )
         return out
 
@@ -49,8 +80,21 @@ def transformer_encoder_layer_fwd(args, kwargs):
 
 @custom(aten._native_multi_head_attention.default)
 def native_multi_head_attention(args, kwargs):
-    names = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight",
-             "proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type")
+    names = (
+        "query",
+        "key",
+        "value",
+        "embed_dim",
+        "num_head",
+        "qkv_weight",
+        "qkv_bias",
+        "proj_weight",
+        "proj_bias",
+        "mask",
+        "need_weights",
+        "average_attn_weights",
+        "mask_type",
+    )
     a = dict(zip(names, args))
     a.update(kwargs)
     q_in, k_in, v_in = a["query"], a["key"], a["value"]
@@ -71,7 +115,7 @@ def native_multi_head_attention(args, kwargs):
         return F.linear(x, w, bias).view(b, n, heads, hd).transpose(1, 2)
 
     q, k, v = split(q_in, wq, bq, lq), split(k_in, wk, bk, lk), split(v_in, wv, bv, lk)
-    scores = (q @ k.transpose(-2, -1)) / (hd ** 0.5)
+    scores = (q @ k.transpose(-2, -1)) / (hd**0.5)
     if mask is not None:
         if mask_type == 1:  # key padding mask (B, Lk)
             mask = mask.view(b, 1, 1, lk)

@@ -1,4 +1,5 @@
 """Loss functions (+ backward). `reduction`: 0 none, 1 mean, 2 sum (at::Reduction)."""
+
 from __future__ import annotations
 
 import jax
@@ -303,7 +304,7 @@ def _ctc_targets(targets, target_lengths, n):
     lengths = [int(v) for v in target_lengths]
     smax = max(lengths) if lengths else 0
     if targets.ndim == 2:
-        return targets[:, :max(smax, 1)].astype(jnp.int32), lengths, smax
+        return targets[:, : max(smax, 1)].astype(jnp.int32), lengths, smax
     offs = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     idx = offs[:, None] + np.arange(max(smax, 1))[None, :]
     idx = np.minimum(idx, max(targets.shape[0] - 1, 0))
@@ -324,7 +325,11 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     tg, tl, smax = _ctc_targets(targets, target_lengths, N)
     S = 2 * smax + 1
     s_idx = jnp.arange(S)
-    lab = jnp.where(s_idx[None, :] % 2 == 1, jnp.take_along_axis(tg, jnp.clip((s_idx[None, :] - 1) // 2, 0, tg.shape[1] - 1), axis=1), blank)
+    lab = jnp.where(
+        s_idx[None, :] % 2 == 1,
+        jnp.take_along_axis(tg, jnp.clip((s_idx[None, :] - 1) // 2, 0, tg.shape[1] - 1), axis=1),
+        blank,
+    )
     lab = jnp.broadcast_to(lab, (N, S))
     prev2 = jnp.concatenate([jnp.full((N, 2), -1, jnp.int32), lab[:, :-2]], axis=1)
     can_skip = (lab != blank) & (lab != prev2) & (s_idx[None, :] >= 2)
@@ -370,8 +375,9 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_i
 
 
 @lower(aten._ctc_loss_backward.default)
-def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank,
-                       zero_infinity=False):
+def _ctc_loss_backward(
+    grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity=False
+):
     # PyTorch's CTC gradient is taken w.r.t. the logits of a log_softmax: exp(lp) - posterior.
     lp = log_probs.astype(jnp.float32) if log_probs.dtype in _LOW else log_probs
     nll_fn = lambda x: jnp.sum(_ctc_forward(x, targets, input_lengths, target_lengths, blank)[0])  # noqa: E731

@@ -5,6 +5,7 @@ Backward ops are VJPs of the forward lowerings. Batch norm's running statistics 
 PyTorch exactly: new = (1 - momentum) * old + momentum * batch_stat, with the *unbiased*
 batch variance.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, ou
         for s in normalized_shape:
             n *= s
         dot = jnp.sum(gx * x, axis=axes, keepdims=True) / n
-        gi = (r * gx - x * (r ** 3) * dot).astype(input.dtype)
+        gi = (r * gx - x * (r**3) * dot).astype(input.dtype)
     if output_mask[1] and weight is not None:
         gw = jnp.sum(g * x * r, axis=batch_axes).astype(weight.dtype)
     return gi, gw
@@ -232,7 +233,8 @@ def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, e
     if not training:
         raise RuntimeError(
             "torchtpu: _native_batch_norm_legit.no_stats with training=False needs running statistics; "
-            "pass running_mean/running_var or use training=True")
+            "pass running_mean/running_var or use training=True"
+        )
     out, mean, invstd, _ = _bn_train(input, weight, bias, eps)
     return out, mean, invstd
 
@@ -264,8 +266,7 @@ def _batch_norm_no_update(input, weight, bias, running_mean, running_var, moment
     return out, _empty_like_stats(input), _empty_like_stats(input), jnp.zeros((0,), jnp.uint8)
 
 
-def _bn_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                 output_mask):
+def _bn_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
     x = _acc(input)
     g = _acc(grad_out)
     axes = _bn_axes(x)
@@ -296,18 +297,22 @@ def _bn_backward(grad_out, input, weight, running_mean, running_var, save_mean, 
 
 
 @lower(aten.native_batch_norm_backward.default)
-def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
-                               train, eps, output_mask):
-    return _bn_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                        output_mask)
+def native_batch_norm_backward(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
+    return _bn_backward(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+    )
 
 
 @lower(aten.batch_norm_backward.default)
-def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps,
-                        output_mask, reserve):
+def batch_norm_backward(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve
+):
     train = update or running_mean is None
-    return _bn_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps,
-                        output_mask)
+    return _bn_backward(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps, output_mask
+    )
 
 
 # native_batch_norm mutates running_mean / running_var without saying so in its schema:
@@ -336,11 +341,18 @@ def _install_batch_norm_handlers():
         if rm is None or rv is None:
             if not training:
                 raise RuntimeError("torchtpu: batch norm with training=False needs running_mean and running_var")
-            out = D.run(D.plan_for(no_stats), no_stats,
-                        [input, vals.get("weight"), vals.get("bias"), True, momentum, eps], {})
+            out = D.run(
+                D.plan_for(no_stats), no_stats, [input, vals.get("weight"), vals.get("bias"), True, momentum, eps], {}
+            )
             return D.wrap(tuple(out), index)
-        out = list(D.run(D.plan_for(fop), fop,
-                         [input, vals.get("weight"), vals.get("bias"), rm, rv, bool(training), momentum, eps], {}))
+        out = list(
+            D.run(
+                D.plan_for(fop),
+                fop,
+                [input, vals.get("weight"), vals.get("bias"), rm, rv, bool(training), momentum, eps],
+                {},
+            )
+        )
         if training:
             D.write_value(rm, out[3])
             D.write_value(rv, out[4])
@@ -349,10 +361,10 @@ def _install_batch_norm_handlers():
 
     names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
     D.custom(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)(
-        lambda args, kwargs: _bn(args, kwargs, names))
+        lambda args, kwargs: _bn(args, kwargs, names)
+    )
     nt_names = ["input", "weight", "bias", "running_mean", "running_var", "momentum", "eps"]
-    D.custom(aten._native_batch_norm_legit_no_training.default)(
-        lambda args, kwargs: _bn(args, kwargs, nt_names))
+    D.custom(aten._native_batch_norm_legit_no_training.default)(lambda args, kwargs: _bn(args, kwargs, nt_names))
 
 
 _install_batch_norm_handlers()

@@ -6,6 +6,7 @@ them gives (..., out_1, k_1, out_2, k_2, ...) which reduces to the pooled value;
 position maps back to the flat index into the input's spatial plane, exactly the index
 PyTorch returns. Backward ops scatter-add through those indices or use the VJP.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,7 +58,7 @@ def _gather_windows(x, tables, n):
     for i, (pos, _) in enumerate(tables):
         axis = lead + 2 * i  # previous dims each became two axes
         win = jnp.take(win, jnp.asarray(pos.reshape(-1)), axis=axis)
-        win = win.reshape(win.shape[:axis] + pos.shape + win.shape[axis + 1:])
+        win = win.reshape(win.shape[:axis] + pos.shape + win.shape[axis + 1 :])
     # now (..., o1, k1, o2, k2, ...) -> (..., o1, o2, ..., k1*k2*...)
     perm = list(range(lead)) + [lead + 2 * i for i in range(n)] + [lead + 2 * i + 1 for i in range(n)]
     win = jnp.transpose(win, perm)
@@ -109,7 +110,7 @@ def max_pool_nd(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     stride = _tup(stride, n, kernel)
     padding = _tup(padding, n, [0])
     dilation = _tup(dilation, n, [1])
-    tables = _window_tables(x.shape[x.ndim - n:], kernel, stride, padding, dilation, ceil_mode)
+    tables = _window_tables(x.shape[x.ndim - n :], kernel, stride, padding, dilation, ceil_mode)
     win, flat, valid = _gather_windows(x, tables, n)
     return _max_with_indices(win, flat, valid, x.dtype)
 
@@ -147,7 +148,7 @@ def max_pool3d(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fa
 def _scatter_to_input(grad_output, self, indices, n):
     """grad_input[..., indices] += grad_output, over the flattened spatial plane."""
     lead = self.shape[: self.ndim - n]
-    plane = math.prod(self.shape[self.ndim - n:])
+    plane = math.prod(self.shape[self.ndim - n :])
     g = grad_output.reshape(lead + (-1,))
     idx = indices.reshape(lead + (-1,)).astype(jnp.int32)
     acc = jnp.float32 if g.dtype in _LOW else g.dtype
@@ -201,7 +202,7 @@ def _adaptive_tables(spatial, output_size):
 
 def adaptive_max_nd(x, n, output_size):
     output_size = [x.shape[x.ndim - n + i] if o is None else o for i, o in enumerate(_tup(output_size, n))]
-    tables = _adaptive_tables(x.shape[x.ndim - n:], output_size)
+    tables = _adaptive_tables(x.shape[x.ndim - n :], output_size)
     win, flat, valid = _gather_windows(x, tables, n)
     return _max_with_indices(win, flat, valid, x.dtype)
 
@@ -225,7 +226,7 @@ def _adaptive_matrix(L, o, dtype):
     start, end = _adaptive_ranges(L, o)
     m = np.zeros((o, L), np.float64)
     for i in range(o):
-        m[i, start[i]:end[i]] = 1.0 / (end[i] - start[i])
+        m[i, start[i] : end[i]] = 1.0 / (end[i] - start[i])
     return m
 
 
@@ -243,7 +244,7 @@ def adaptive_avg_nd(x, n, output_size):
             # non-overlapping equal windows: a reshape and a mean
             k = int((end - start)[0])
             axis = lead + i
-            y = y.reshape(y.shape[:axis] + (o, k) + y.shape[axis + 1:])
+            y = y.reshape(y.shape[:axis] + (o, k) + y.shape[axis + 1 :])
             y = jnp.sum(y, axis=axis + 1) / k
             continue
         m = jnp.asarray(_adaptive_matrix(L, o, acc), acc)
@@ -300,8 +301,11 @@ def avg_pool_nd(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad
         excl = np.minimum(end, L) - np.maximum(start, 0)
         counts.append(incl if count_include_pad else excl)
     y = lax.reduce_window(
-        x.astype(acc), np.array(0, acc), lax.add,
-        (1,) * lead + tuple(kernel), (1,) * lead + tuple(stride),
+        x.astype(acc),
+        np.array(0, acc),
+        lax.add,
+        (1,) * lead + tuple(kernel),
+        (1,) * lead + tuple(stride),
         [(0, 0)] * lead + pads,
     )
     if divisor_override:
@@ -315,14 +319,12 @@ def avg_pool_nd(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad
 
 
 @lower(aten.avg_pool2d.default)
-def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
+def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     return avg_pool_nd(self, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
 @lower(aten.avg_pool3d.default)
-def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
+def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     return avg_pool_nd(self, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
@@ -332,18 +334,22 @@ def avg_pool1d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_i
 
 
 @lower(aten.avg_pool2d_backward.default)
-def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                        divisor_override):
-    _, vjp = jax.vjp(lambda x: avg_pool_nd(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                           divisor_override), self)
+def avg_pool2d_backward(
+    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
+    _, vjp = jax.vjp(
+        lambda x: avg_pool_nd(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), self
+    )
     return vjp(grad_output.astype(self.dtype))[0]
 
 
 @lower(aten.avg_pool3d_backward.default)
-def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                        divisor_override):
-    _, vjp = jax.vjp(lambda x: avg_pool_nd(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                           divisor_override), self)
+def avg_pool3d_backward(
+    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
+    _, vjp = jax.vjp(
+        lambda x: avg_pool_nd(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), self
+    )
     return vjp(grad_output.astype(self.dtype))[0]
 
 
@@ -379,7 +385,7 @@ def _fractional_starts(sample, L, o, k):
     """PyTorch's interval sequence for one dimension; `sample` has any leading shape."""
     if o <= 1:
         return jnp.full(sample.shape + (max(o, 0),), L - k, jnp.int32)
-    alpha = (jnp.asarray(L - k, sample.dtype) / jnp.asarray(o - 1, sample.dtype))
+    alpha = jnp.asarray(L - k, sample.dtype) / jnp.asarray(o - 1, sample.dtype)
     i = jnp.arange(o - 1, dtype=sample.dtype)
     s = sample[..., None]
     seq = (jnp.trunc((i + s) * alpha) - jnp.trunc(s * alpha)).astype(jnp.int32)

@@ -7,6 +7,7 @@ higher category (bool < integer < floating < complex). Float16/bfloat16 inputs c
 in float32 like PyTorch's CPU kernels; the dispatcher casts outputs back to the dtype
 PyTorch's meta kernel reports.
 """
+
 from __future__ import annotations
 
 import math
@@ -232,7 +233,7 @@ def _erfcx(x):
     small = jnp.exp(xs * xs) * jss.erfc(xs)
     xb = jnp.where(big, x, 30.0)
     inv2 = 1.0 / (xb * xb)
-    asym = (1.0 / (xb * math.sqrt(math.pi))) * (1 - 0.5 * inv2 + 0.75 * inv2 * inv2 - 1.875 * inv2 ** 3)
+    asym = (1.0 / (xb * math.sqrt(math.pi))) * (1 - 0.5 * inv2 + 0.75 * inv2 * inv2 - 1.875 * inv2**3)
     return jnp.where(big, asym, small)
 
 
@@ -382,8 +383,9 @@ _same_unary(_keep_int(jnp.floor), "floor", prim_names=["floor"])
 _same_unary(_keep_int(jnp.ceil), "ceil", prim_names=["ceil"])
 _same_unary(_keep_int(jnp.trunc), "trunc", "fix", prim_names=["trunc"])
 _same_unary(lambda x: x - jnp.trunc(x), "frac")
-_same_unary(lambda x: jnp.conj(x) if jnp.iscomplexobj(x) else x, "conj_physical", "_conj_physical",
-            prim_names=["conj_physical"])
+_same_unary(
+    lambda x: jnp.conj(x) if jnp.iscomplexobj(x) else x, "conj_physical", "_conj_physical", prim_names=["conj_physical"]
+)
 _same_unary(lambda x: jnp.square(x) if x.dtype != jnp.bool_ else x, "square")
 
 
@@ -407,7 +409,7 @@ def round_decimals(self, decimals=0):
     if decimals < 0:
         p = float(10 ** (-decimals))
         return jnp.round(x / p) * p
-    p = float(10 ** decimals)
+    p = float(10**decimals)
     return jnp.round(x * p) / p
 
 
@@ -519,8 +521,10 @@ def add(self, other, alpha=1):
 def sub(self, other, alpha=1):
     (a, b), dt = promote(self, other)
     if _operand(self)[1] == torch.bool or _operand(other)[1] == torch.bool:
-        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
-                           "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+        raise RuntimeError(
+            "Subtraction, the `-` operator, with a bool tensor is not supported. "
+            "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead."
+        )
     return a - _alpha(b, cast(alpha, _opmath(dt)) if not _is_number(alpha) else alpha)
 
 
@@ -710,8 +714,13 @@ _float_binary(jnp.hypot, aten.hypot.default, prims.hypot.default)
 _float_binary(jnp.copysign, aten.copysign.Tensor, aten.copysign.Scalar)
 _float_binary(jnp.logaddexp, aten.logaddexp.default)
 _float_binary(lambda a, b: jnp.logaddexp2(a, b), aten.logaddexp2.default)
-_float_binary(_hurwitz_zeta, aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar,
-              prims.zeta.default)
+_float_binary(
+    _hurwitz_zeta,
+    aten.special_zeta.default,
+    aten.special_zeta.self_scalar,
+    aten.special_zeta.other_scalar,
+    prims.zeta.default,
+)
 _float_binary(jss.gammainc, aten.igamma.default, aten.special_gammainc.default, prims.igamma.default)
 _float_binary(jss.gammaincc, aten.igammac.default, aten.special_gammaincc.default, prims.igammac.default)
 
@@ -726,10 +735,18 @@ def _xlog1py(a, b):
     return jnp.where(jnp.isnan(b), jnp.nan, jnp.where(a == 0, 0.0, a * jnp.log1p(safe))).astype(a.dtype)
 
 
-_float_binary(_xlogy, aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other,
-              aten.special_xlogy.default, aten.special_xlogy.self_scalar, aten.special_xlogy.other_scalar)
-_float_binary(_xlog1py, aten.special_xlog1py.default, aten.special_xlog1py.self_scalar,
-              aten.special_xlog1py.other_scalar)
+_float_binary(
+    _xlogy,
+    aten.xlogy.Tensor,
+    aten.xlogy.Scalar_Self,
+    aten.xlogy.Scalar_Other,
+    aten.special_xlogy.default,
+    aten.special_xlogy.self_scalar,
+    aten.special_xlogy.other_scalar,
+)
+_float_binary(
+    _xlog1py, aten.special_xlog1py.default, aten.special_xlog1py.self_scalar, aten.special_xlog1py.other_scalar
+)
 
 
 @lower(aten.nextafter.default, prims.nextafter.default)
@@ -763,10 +780,16 @@ def _binary_same(fn, *ops):
 
 _binary_same(_max_nan, aten.maximum.default, aten.max.other, prims.maximum.default)
 _binary_same(_min_nan, aten.minimum.default, aten.min.other, prims.minimum.default)
-_binary_same(lambda a, b: jnp.fmax(a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else _max_nan(a, b),
-             aten.fmax.default, prims.fmax.default)
-_binary_same(lambda a, b: jnp.fmin(a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else _min_nan(a, b),
-             aten.fmin.default, prims.fmin.default)
+_binary_same(
+    lambda a, b: jnp.fmax(a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else _max_nan(a, b),
+    aten.fmax.default,
+    prims.fmax.default,
+)
+_binary_same(
+    lambda a, b: jnp.fmin(a, b) if jnp.issubdtype(a.dtype, jnp.inexact) else _min_nan(a, b),
+    aten.fmin.default,
+    prims.fmin.default,
+)
 
 
 def _gcd(a, b):
@@ -775,8 +798,14 @@ def _gcd(a, b):
 
 _binary_same(_gcd, aten.gcd.default, prims.gcd.default)
 _binary_same(jnp.lcm, aten.lcm.default)
-_binary_same(lambda a, b: jnp.where(a == 0, b, (a > 0).astype(a.dtype)).astype(a.dtype)
-             if a.dtype != jnp.bool_ else jnp.where(a == 0, b, a), aten.heaviside.default)
+_binary_same(
+    lambda a, b: (
+        jnp.where(a == 0, b, (a > 0).astype(a.dtype)).astype(a.dtype)
+        if a.dtype != jnp.bool_
+        else jnp.where(a == 0, b, a)
+    ),
+    aten.heaviside.default,
+)
 
 
 # -- comparisons and logic
@@ -794,11 +823,16 @@ def _cmp(fn, *ops):
 _cmp(jnp.equal, aten.eq.Tensor, aten.eq.Scalar, prims.eq.default)
 _cmp(jnp.not_equal, aten.ne.Tensor, aten.ne.Scalar, prims.ne.default)
 _cmp(jnp.less, aten.lt.Tensor, aten.lt.Scalar, aten.less.Tensor, aten.less.Scalar, prims.lt.default)
-_cmp(jnp.less_equal, aten.le.Tensor, aten.le.Scalar, aten.less_equal.Tensor, aten.less_equal.Scalar,
-     prims.le.default)
+_cmp(jnp.less_equal, aten.le.Tensor, aten.le.Scalar, aten.less_equal.Tensor, aten.less_equal.Scalar, prims.le.default)
 _cmp(jnp.greater, aten.gt.Tensor, aten.gt.Scalar, aten.greater.Tensor, aten.greater.Scalar, prims.gt.default)
-_cmp(jnp.greater_equal, aten.ge.Tensor, aten.ge.Scalar, aten.greater_equal.Tensor, aten.greater_equal.Scalar,
-     prims.ge.default)
+_cmp(
+    jnp.greater_equal,
+    aten.ge.Tensor,
+    aten.ge.Scalar,
+    aten.greater_equal.Tensor,
+    aten.greater_equal.Scalar,
+    prims.ge.default,
+)
 
 
 def _logical(fn, *ops):
@@ -823,12 +857,33 @@ def _bitwise(fn, *ops):
     lower(*ops)(low)
 
 
-_bitwise(jnp.bitwise_and, aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor,
-         aten.__and__.Tensor, aten.__and__.Scalar, prims.bitwise_and.default)
-_bitwise(jnp.bitwise_or, aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.bitwise_or.Scalar_Tensor,
-         aten.__or__.Tensor, aten.__or__.Scalar, prims.bitwise_or.default)
-_bitwise(jnp.bitwise_xor, aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_xor.Scalar_Tensor,
-         aten.__xor__.Tensor, aten.__xor__.Scalar, prims.bitwise_xor.default)
+_bitwise(
+    jnp.bitwise_and,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_and.Scalar,
+    aten.bitwise_and.Scalar_Tensor,
+    aten.__and__.Tensor,
+    aten.__and__.Scalar,
+    prims.bitwise_and.default,
+)
+_bitwise(
+    jnp.bitwise_or,
+    aten.bitwise_or.Tensor,
+    aten.bitwise_or.Scalar,
+    aten.bitwise_or.Scalar_Tensor,
+    aten.__or__.Tensor,
+    aten.__or__.Scalar,
+    prims.bitwise_or.default,
+)
+_bitwise(
+    jnp.bitwise_xor,
+    aten.bitwise_xor.Tensor,
+    aten.bitwise_xor.Scalar,
+    aten.bitwise_xor.Scalar_Tensor,
+    aten.__xor__.Tensor,
+    aten.__xor__.Scalar,
+    prims.bitwise_xor.default,
+)
 
 
 def _lshift(a, b):
@@ -848,12 +903,24 @@ def _rshift(a, b):
     return jnp.where(ok, lax.shift_right_logical(a, s), jnp.zeros_like(a))
 
 
-_bitwise(_lshift, aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar,
-         aten.bitwise_left_shift.Scalar_Tensor, aten.__lshift__.Tensor, aten.__lshift__.Scalar,
-         prims.shift_left.default)
-_bitwise(_rshift, aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
-         aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Tensor, aten.__rshift__.Scalar,
-         prims.shift_right_arithmetic.default)
+_bitwise(
+    _lshift,
+    aten.bitwise_left_shift.Tensor,
+    aten.bitwise_left_shift.Tensor_Scalar,
+    aten.bitwise_left_shift.Scalar_Tensor,
+    aten.__lshift__.Tensor,
+    aten.__lshift__.Scalar,
+    prims.shift_left.default,
+)
+_bitwise(
+    _rshift,
+    aten.bitwise_right_shift.Tensor,
+    aten.bitwise_right_shift.Tensor_Scalar,
+    aten.bitwise_right_shift.Scalar_Tensor,
+    aten.__rshift__.Tensor,
+    aten.__rshift__.Scalar,
+    prims.shift_right_arithmetic.default,
+)
 
 
 # ----------------------------------------------------------------------------- ternary
@@ -972,7 +1039,7 @@ def prims_fill(self, value):
 # ----------------------------------------------------------------------------- _foreach
 
 
-def _foreach(fn, n_lists, *ops):
+def _foreach(fn, *ops):
     """Register `fn(*elementwise args)` as the functional foreach op over lists."""
 
     def low(self, *rest, **kw):
@@ -998,19 +1065,19 @@ def _fe(name, *overloads):
     return [getattr(pk, o) for o in overloads if o in pk.overloads()]
 
 
-_foreach(add, 2, *_fe("_foreach_add", "Scalar", "List", "ScalarList", "Tensor"))
-_foreach(sub, 2, *_fe("_foreach_sub", "Scalar", "List", "ScalarList"))
-_foreach(mul, 2, *_fe("_foreach_mul", "Scalar", "List", "ScalarList", "Tensor"))
-_foreach(div, 2, *_fe("_foreach_div", "Scalar", "List", "ScalarList", "Tensor"))
-_foreach(lambda s, o: _binary_max(s, o), 2, *_fe("_foreach_maximum", "Scalar", "List", "ScalarList"))
-_foreach(lambda s, o: _binary_min(s, o), 2, *_fe("_foreach_minimum", "Scalar", "List", "ScalarList"))
-_foreach(lambda s, o: clamp(s, o, None), 2, *_fe("_foreach_clamp_min", "Scalar", "List", "ScalarList"))
-_foreach(lambda s, o: clamp(s, None, o), 2, *_fe("_foreach_clamp_max", "Scalar", "List", "ScalarList"))
-_foreach(pow_, 2, *_fe("_foreach_pow", "List", "Scalar", "ScalarList"))
-_foreach(lerp, 3, *_fe("_foreach_lerp", "List", "Scalar", "ScalarList"))
-_foreach(lambda s, a, b, value=1: addcmul(s, a, b, value), 3, *_fe("_foreach_addcmul", "Scalar", "ScalarList", "Tensor"))
-_foreach(lambda s, a, b, value=1: addcdiv(s, a, b, value), 3, *_fe("_foreach_addcdiv", "Scalar", "ScalarList", "Tensor"))
-_foreach(lambda x: jnp.zeros_like(x), 1, *_fe("_foreach_zero", "default"))
+_foreach(add, *_fe("_foreach_add", "Scalar", "List", "ScalarList", "Tensor"))
+_foreach(sub, *_fe("_foreach_sub", "Scalar", "List", "ScalarList"))
+_foreach(mul, *_fe("_foreach_mul", "Scalar", "List", "ScalarList", "Tensor"))
+_foreach(div, *_fe("_foreach_div", "Scalar", "List", "ScalarList", "Tensor"))
+_foreach(lambda s, o: _binary_max(s, o), *_fe("_foreach_maximum", "Scalar", "List", "ScalarList"))
+_foreach(lambda s, o: _binary_min(s, o), *_fe("_foreach_minimum", "Scalar", "List", "ScalarList"))
+_foreach(lambda s, o: clamp(s, o, None), *_fe("_foreach_clamp_min", "Scalar", "List", "ScalarList"))
+_foreach(lambda s, o: clamp(s, None, o), *_fe("_foreach_clamp_max", "Scalar", "List", "ScalarList"))
+_foreach(pow_, *_fe("_foreach_pow", "List", "Scalar", "ScalarList"))
+_foreach(lerp, *_fe("_foreach_lerp", "List", "Scalar", "ScalarList"))
+_foreach(lambda s, a, b, value=1: addcmul(s, a, b, value), *_fe("_foreach_addcmul", "Scalar", "ScalarList", "Tensor"))
+_foreach(lambda s, a, b, value=1: addcdiv(s, a, b, value), *_fe("_foreach_addcdiv", "Scalar", "ScalarList", "Tensor"))
+_foreach(lambda x: jnp.zeros_like(x), *_fe("_foreach_zero", "default"))
 
 
 def _binary_max(s, o):
@@ -1052,12 +1119,37 @@ def _foreach_pow_scalar_base():
 _foreach_pow_scalar_base()
 
 _UNARY_FOREACH = {
-    "sqrt": "sqrt", "neg": "neg", "sign": "sign", "abs": "abs", "exp": "exp", "log": "log",
-    "reciprocal": "reciprocal", "sigmoid": "sigmoid", "tanh": "tanh", "expm1": "expm1", "log1p": "log1p",
-    "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "round",
-    "trunc": "trunc", "frac": "frac", "erf": "erf", "log2": "log2", "log10": "log10", "exp2": "exp2",
-    "lgamma": "lgamma", "tan": "tan", "sinh": "sinh", "cosh": "cosh", "asin": "asin", "acos": "acos",
-    "atan": "atan", "erfc": "erfc",
+    "sqrt": "sqrt",
+    "neg": "neg",
+    "sign": "sign",
+    "abs": "abs",
+    "exp": "exp",
+    "log": "log",
+    "reciprocal": "reciprocal",
+    "sigmoid": "sigmoid",
+    "tanh": "tanh",
+    "expm1": "expm1",
+    "log1p": "log1p",
+    "rsqrt": "rsqrt",
+    "sin": "sin",
+    "cos": "cos",
+    "floor": "floor",
+    "ceil": "ceil",
+    "round": "round",
+    "trunc": "trunc",
+    "frac": "frac",
+    "erf": "erf",
+    "log2": "log2",
+    "log10": "log10",
+    "exp2": "exp2",
+    "lgamma": "lgamma",
+    "tan": "tan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "asin": "asin",
+    "acos": "acos",
+    "atan": "atan",
+    "erfc": "erfc",
 }
 
 
@@ -1091,7 +1183,7 @@ def _foreach_norm(self, ord=2, dtype=None):
         elif ord == 2:
             out.append(jnp.sqrt(jnp.sum(a * a)))
         else:
-            out.append(jnp.sum(a ** ord) ** (1.0 / ord))
+            out.append(jnp.sum(a**ord) ** (1.0 / ord))
     return out
 
 
@@ -1116,8 +1208,6 @@ def _bessel_j(x, order):
     z = 8.0 * xl
     p = jnp.ones_like(xl)
     qq = (mu - 1) / z
-    t = jnp.ones_like(xl)
-    fac = 1.0
     # P = sum (-1)^k a_{2k} / z^{2k}, Q = sum (-1)^k a_{2k+1} / z^{2k+1}; a_m = prod_{j<=m}(mu-(2j-1)^2)/m!
     a = [1.0]
     for m in range(1, 24):
@@ -1194,14 +1284,18 @@ def _poly(kind):
 
 
 for _kind, _name in [
-    ("chebyshev_t", "special_chebyshev_polynomial_t"), ("chebyshev_u", "special_chebyshev_polynomial_u"),
-    ("chebyshev_v", "special_chebyshev_polynomial_v"), ("chebyshev_w", "special_chebyshev_polynomial_w"),
+    ("chebyshev_t", "special_chebyshev_polynomial_t"),
+    ("chebyshev_u", "special_chebyshev_polynomial_u"),
+    ("chebyshev_v", "special_chebyshev_polynomial_v"),
+    ("chebyshev_w", "special_chebyshev_polynomial_w"),
     ("shifted_chebyshev_t", "special_shifted_chebyshev_polynomial_t"),
     ("shifted_chebyshev_u", "special_shifted_chebyshev_polynomial_u"),
     ("shifted_chebyshev_v", "special_shifted_chebyshev_polynomial_v"),
     ("shifted_chebyshev_w", "special_shifted_chebyshev_polynomial_w"),
-    ("hermite_h", "special_hermite_polynomial_h"), ("hermite_he", "special_hermite_polynomial_he"),
-    ("laguerre_l", "special_laguerre_polynomial_l"), ("legendre_p", "special_legendre_polynomial_p"),
+    ("hermite_h", "special_hermite_polynomial_h"),
+    ("hermite_he", "special_hermite_polynomial_he"),
+    ("laguerre_l", "special_laguerre_polynomial_l"),
+    ("legendre_p", "special_legendre_polynomial_p"),
 ]:
     _pk = getattr(aten, _name, None)
     if _pk is not None:
@@ -1318,12 +1412,12 @@ def _airy_ai(x):
         u.append(u[-1] * (6 * k - 5) * (6 * k - 3) * (6 * k - 1) / ((2 * k - 1) * 216 * k))
     z = jnp.where(mid, 6.0, jnp.abs(x))
     zeta = 2.0 / 3.0 * z * jnp.sqrt(z)
-    pos = sum(((-1) ** k) * u[k] / zeta ** k for k in range(12))
-    ai_pos = jnp.exp(-zeta) / (2 * math.sqrt(math.pi) * z ** 0.25) * pos
+    pos = sum(((-1) ** k) * u[k] / zeta**k for k in range(12))
+    ai_pos = jnp.exp(-zeta) / (2 * math.sqrt(math.pi) * z**0.25) * pos
     even = sum(((-1) ** k) * u[2 * k] / zeta ** (2 * k) for k in range(6))
     odd = sum(((-1) ** k) * u[2 * k + 1] / zeta ** (2 * k + 1) for k in range(5))
     phase = zeta - math.pi / 4
-    ai_neg = (jnp.cos(phase) * even + jnp.sin(phase) * odd) / (math.sqrt(math.pi) * z ** 0.25)
+    ai_neg = (jnp.cos(phase) * even + jnp.sin(phase) * odd) / (math.sqrt(math.pi) * z**0.25)
     out = jnp.where(mid, series, jnp.where(x > 0, ai_pos, ai_neg))
     out = jnp.where(jnp.isposinf(x), 0.0, out)
     out = jnp.where(jnp.isneginf(x), 0.0, out)

@@ -9,6 +9,7 @@ excludes `high`. A `generator=` argument is accepted and ignored: the device gen
 
 Low-precision floating outputs (bfloat16/float16) are sampled in float32 and rounded once.
 """
+
 from __future__ import annotations
 
 import jax
@@ -67,8 +68,7 @@ lower(aten.uniform.default, random=True)(_uniform_entry)
 
 
 @lower(aten.rand_like.default, aten.rand_like.generator, random=True)
-def rand_like(self, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *,
-              key):
+def rand_like(self, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key):
     jdt = _jdt(dtype, self.dtype)
     if jnp.issubdtype(jdt, jnp.complexfloating):
         return uniform(jnp.zeros(self.shape, jdt), key=key)
@@ -76,8 +76,7 @@ def rand_like(self, generator=None, dtype=None, layout=None, device=None, pin_me
 
 
 @lower(aten.randn_like.default, aten.randn_like.generator, random=True)
-def randn_like(self, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *,
-               key):
+def randn_like(self, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key):
     jdt = _jdt(dtype, self.dtype)
     if jnp.issubdtype(jdt, jnp.complexfloating):
         # PyTorch: real and imaginary parts each with variance 1/2
@@ -116,8 +115,7 @@ def normal_tensor_tensor(mean, std, generator=None, *, key):
 
 
 @lower(aten.normal.float_float, random=True)
-def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *,
-                       key):
+def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *, key):
     jdt = _jdt(dtype, dtypes.to_jax_dtype(torch.get_default_dtype()))
     return (_normal(key, tuple(size), jdt) * std + mean).astype(jdt)
 
@@ -151,9 +149,13 @@ def _int_range_default(jdt):
     if jdt == jnp.bool_:
         return 0, 2
     if jnp.issubdtype(jdt, jnp.floating):
-        digits = {jnp.dtype(jnp.float16): 11, jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float32): 24,
-                  jnp.dtype(jnp.float64): 53}[jdt]
-        return 0, 2 ** digits + 1
+        digits = {
+            jnp.dtype(jnp.float16): 11,
+            jnp.dtype(jnp.bfloat16): 8,
+            jnp.dtype(jnp.float32): 24,
+            jnp.dtype(jnp.float64): 53,
+        }[jdt]
+        return 0, 2**digits + 1
     return 0, int(jnp.iinfo(jdt).max) + 1
 
 
@@ -163,11 +165,11 @@ def _randint(key, shape, lo, hi, jdt):
     if hi <= lo:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={lo} >= to={hi}")
     span = hi - lo
-    if span <= 2 ** 63 - 1 and lo >= -(2 ** 63) and hi <= 2 ** 63 - 1:
+    if span <= 2**63 - 1 and lo >= -(2**63) and hi <= 2**63 - 1:
         v = jax.random.randint(key, shape, lo, hi, dtype=jnp.int64)
     else:
         bits = jax.random.bits(key, shape, jnp.uint64)
-        v = (lo + (bits % np.uint64(span)).astype(jnp.int64)) if span < 2 ** 64 else bits.astype(jnp.int64)
+        v = (lo + (bits % np.uint64(span)).astype(jnp.int64)) if span < 2**64 else bits.astype(jnp.int64)
     if jdt == jnp.bool_:
         return v != 0
     return v.astype(jdt)
@@ -188,7 +190,7 @@ def _random_from(self, lo, to=None, generator=None, *, key):
     if to is None:
         _, hi = _int_range_default(self.dtype)
         if jnp.issubdtype(self.dtype, jnp.integer) and jnp.dtype(self.dtype) == jnp.int64:
-            hi = 2 ** 63  # [from, int64 max]
+            hi = 2**63  # [from, int64 max]
     else:
         hi = int(to)
     return _randint(key, self.shape, int(lo), hi, self.dtype)
@@ -206,14 +208,16 @@ lower(aten.random.__getattr__("from"), random=True)(_random_from_entry)
 
 
 @lower(aten.randint_like.default, aten.randint_like.generator, random=True)
-def randint_like(self, high, generator=None, dtype=None, layout=None, device=None, pin_memory=None,
-                 memory_format=None, *, key):
+def randint_like(
+    self, high, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
+):
     return _randint(key, self.shape, 0, int(high), _jdt(dtype, self.dtype))
 
 
 @lower(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, random=True)
-def randint_like_low(self, low, high, generator=None, dtype=None, layout=None, device=None, pin_memory=None,
-                     memory_format=None, *, key):
+def randint_like_low(
+    self, low, high, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
+):
     return _randint(key, self.shape, int(low), int(high), _jdt(dtype, self.dtype))
 
 
@@ -274,6 +278,7 @@ def multinomial(self, num_samples, replacement=False, generator=None, *, key):
 
 def _inplace_from(functional):
     """In-place op whose functional variant has another name (normal_ -> normal_functional)."""
+
     def handler(args, kwargs):
         self = args[0]
         new = run(plan_for(functional), functional, args, kwargs)

@@ -10,6 +10,7 @@ PyTorch's rules, kept here rather than left to JAX's:
   occurrence of the selected value (or of the first NaN);
 - sort is stable and orders NaN above +inf (last ascending, first descending).
 """
+
 from __future__ import annotations
 
 import math
@@ -120,7 +121,9 @@ def _wide_ok() -> bool:
 def _no_bool(name, a):
     """PyTorch's CPU kernels for these ops reject bool tensors; so do we."""
     if a.dtype == jnp.bool_:
-        raise RuntimeError(f'"{name}" is not implemented for \'Bool\' tensors; convert the tensor with .int() or .float() first')
+        raise RuntimeError(
+            f"\"{name}\" is not implemented for 'Bool' tensors; convert the tensor with .int() or .float() first"
+        )
 
 
 def _no_complex(name, a):
@@ -309,12 +312,17 @@ def _correction(unbiased=True, correction=None):
 
 def _var_mean(x, axes, correction, keepdim):
     if not _is_inexact(x):
-        raise RuntimeError(f"std and var only support floating point and complex dtypes, got {x.dtype}; "
-                           "convert the tensor with .float() first")
+        raise RuntimeError(
+            f"std and var only support floating point and complex dtypes, got {x.dtype}; "
+            "convert the tensor with .float() first"
+        )
     x = _to_float(x)
     n = _count(x.shape, axes)
-    m = jnp.mean(x, axis=axes, keepdims=True) if n else jnp.full(
-        tuple(1 if i in axes else s for i, s in enumerate(x.shape)), jnp.nan, x.dtype)
+    m = (
+        jnp.mean(x, axis=axes, keepdims=True)
+        if n
+        else jnp.full(tuple(1 if i in axes else s for i, s in enumerate(x.shape)), jnp.nan, x.dtype)
+    )
     d = x - m
     sq = (d.real * d.real + d.imag * d.imag) if _is_complex(d) else d * d
     s = jnp.sum(sq, axis=axes, keepdims=keepdim)
@@ -323,10 +331,6 @@ def _var_mean(x, axes, correction, keepdim):
     if not keepdim:
         m = jnp.squeeze(m, axes) if axes else m
     return var, m
-
-
-def _moment_args(dim, unbiased, correction):
-    return dim, _correction(unbiased, correction)
 
 
 @lower(aten.var.default, aten.var.dim, aten.var.correction)
@@ -365,7 +369,8 @@ def _vector_norm(x, ord, axes, keepdim):
     if (ord < 0 or ord == math.inf) and any(x.shape[ax] == 0 for ax in axes):
         raise RuntimeError(
             f"linalg.vector_norm cannot compute the {ord} norm on an empty dimension because the "
-            "operation does not have an identity; use ord >= 0 (not inf) or reduce over non-empty dims")
+            "operation does not have an identity; use ord >= 0 (not inf) or reduce over non-empty dims"
+        )
     a = jnp.abs(_to_float(x))
     if ord == math.inf:
         return jnp.max(a, axis=axes, keepdims=keepdim)
@@ -378,7 +383,7 @@ def _vector_norm(x, ord, axes, keepdim):
     if ord == 2:
         return jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
     p = jnp.asarray(ord, a.dtype)
-    return jnp.sum(a ** p, axis=axes, keepdims=keepdim) ** (1 / p)
+    return jnp.sum(a**p, axis=axes, keepdims=keepdim) ** (1 / p)
 
 
 @lower(aten.linalg_vector_norm.default, static=("ord",))
@@ -387,8 +392,9 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(x, ord, _axes(dim, self.ndim), keepdim)
 
 
-@lower(aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
-       static=("p",))
+@lower(
+    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype, static=("p",)
+)
 def norm(self, p=2, dim=None, keepdim=False, *, dtype=None):
     x = self.astype(_jdt(dtype)) if dtype is not None else self
     return _vector_norm(x, 2 if p is None else p, _axes(dim, self.ndim), keepdim)
@@ -715,10 +721,12 @@ def mode(self, dim=-1, keepdim=False):
     _nonempty_dim("mode", self.shape, ax)
     values, indices = _sort(self, ax, False)
     pos = lax.broadcasted_iota(_I64, self.shape, ax)
-    prev = jnp.concatenate([lax.slice_in_dim(values, 0, 1, axis=ax),
-                            lax.slice_in_dim(values, 0, n - 1, axis=ax)], axis=ax)
-    nxt = jnp.concatenate([lax.slice_in_dim(values, 1, n, axis=ax),
-                           lax.slice_in_dim(values, n - 1, n, axis=ax)], axis=ax)
+    prev = jnp.concatenate(
+        [lax.slice_in_dim(values, 0, 1, axis=ax), lax.slice_in_dim(values, 0, n - 1, axis=ax)], axis=ax
+    )
+    nxt = jnp.concatenate(
+        [lax.slice_in_dim(values, 1, n, axis=ax), lax.slice_in_dim(values, n - 1, n, axis=ax)], axis=ax
+    )
     first = pos == 0
     last = pos == n - 1
     is_start = first | (values != prev)
@@ -781,7 +789,7 @@ def histc(self, bins=100, min=0, max=0):
     lo = jnp.where(eq, lo - 1, lo)
     hi = jnp.where(eq, hi + 1, hi)
     flat = x.reshape(-1)
-    pos = ((flat - lo) / (hi - lo) * bins)
+    pos = (flat - lo) / (hi - lo) * bins
     ok = (flat >= lo) & (flat <= hi)
     pos = jnp.clip(jnp.where(ok, pos, 0), 0, bins - 1).astype(jnp.int32)
     return jnp.zeros((bins,), x.dtype).at[pos].add(ok.astype(x.dtype))

@@ -2,6 +2,7 @@
 *_scatter ops that write a view's values into a copy of its base, diagonals, and the prims
 shape ops that PyTorch's decompositions emit.
 """
+
 from __future__ import annotations
 
 import math
@@ -405,7 +406,7 @@ def collapse(a, start, end):
 @lower(prims.split_dim.default)
 def split_dim(a, dim, outer_length):
     inner = a.shape[dim] // outer_length if outer_length else 0
-    return a.reshape(a.shape[:dim] + (outer_length, inner) + a.shape[dim + 1:])
+    return a.reshape(a.shape[:dim] + (outer_length, inner) + a.shape[dim + 1 :])
 
 
 @lower(prims.squeeze.default)

@@ -8,6 +8,7 @@ ATen passes the scaling explicitly: `normalization` is 0 (none), 1 (1/sqrt(n)) o
 with n the product of the signal sizes over `dim`, whatever the direction. The transforms
 below are therefore unnormalized and the scale is applied once at the end.
 """
+
 from __future__ import annotations
 
 import math

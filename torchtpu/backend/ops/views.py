@@ -3,6 +3,7 @@
 The dispatcher keeps aliasing (see backend/tensor.py); these functions only say how to read
 the view from its parent's array. Writes through views reuse them on an index array.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -27,15 +28,28 @@ def _infer_shape(shape, size):
     return tuple(shape)
 
 
-@lower(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default,
-       aten.view_copy.default)
+@lower(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten._reshape_alias.default,
+    aten.reshape.default,
+    aten.view_copy.default,
+)
 def view(self, size, stride=None):
     return jnp.reshape(self, _infer_shape(size, self.size))
 
 
-@lower(aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, aten.alias_copy.default,
-       aten.detach_copy.default, aten.clone.default, aten.positive.default, aten.resolve_conj.default,
-       aten.resolve_neg.default)
+@lower(
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.alias_copy.default,
+    aten.detach_copy.default,
+    aten.clone.default,
+    aten.positive.default,
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
+)
 def alias(self, memory_format=None):
     return self
 
@@ -90,8 +104,14 @@ def select(self, dim, index):
     return lax.index_in_dim(self, index, axis=dim, keepdims=False)
 
 
-@lower(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_copy.default,
-       aten.squeeze_copy.dim, aten.squeeze_copy.dims)
+@lower(
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze_copy.default,
+    aten.squeeze_copy.dim,
+    aten.squeeze_copy.dims,
+)
 def squeeze(self, dim=None):
     if self.ndim == 0:
         return self
@@ -122,7 +142,7 @@ def unfold(self, dimension, size, step):
     starts = np.arange(n) * step
     idx = starts[:, None] + np.arange(size)[None, :]
     out = jnp.take(self, idx.reshape(-1), axis=d)
-    out = out.reshape(self.shape[:d] + (n, size) + self.shape[d + 1:])
+    out = out.reshape(self.shape[:d] + (n, size) + self.shape[d + 1 :])
     return jnp.moveaxis(out, d + 1, -1)
 
 

@@ -14,6 +14,7 @@ full forward over the prefix computes at those positions.
 The cache length and the batch are fixed, and the start position is a tensor, so one compiled
 program serves every decode step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class KVCache:
     values: list
 
     @classmethod
-    def empty(cls, model, batch: int, max_len: int, place) -> "KVCache":
+    def empty(cls, model, batch: int, max_len: int, place) -> KVCache:
         """Zeros for every layer, each passed through `place` (e.g. to lay it out over a mesh)."""
         a = model.model_args
         n_kv = a.n_kv_heads or a.n_heads
@@ -75,8 +76,12 @@ def forward_cached(model, tokens: torch.Tensor, start: torch.Tensor, cache: KVCa
         cache.keys[i].index_copy_(1, positions, k)
         cache.values[i].index_copy_(1, positions, v)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), cache.keys[i].transpose(1, 2), cache.values[i].transpose(1, 2),
-            attn_mask=visible, enable_gqa=attn.enable_gqa)
+            q.transpose(1, 2),
+            cache.keys[i].transpose(1, 2),
+            cache.values[i].transpose(1, 2),
+            attn_mask=visible,
+            enable_gqa=attn.enable_gqa,
+        )
         h = h + attn.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         h = h + block.feed_forward(block.ffn_norm(h))
     h = model.norm(h[:, -1, :])

@@ -13,6 +13,7 @@ rotate-half layout. This module only asks the adapter; it derives neither.
     hf_config(model_args, intermediate_size, "float32")          # config.json for LlamaForCausalLM
     check_hf_config(config, model_args)                          # a mismatch that changes the maths -> ValueError
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,9 +112,13 @@ def hf_config(model_args, dtype: str = "float32", bos_id: int | None = None, eos
     config always carries the matching "llama3" rope_scaling."""
     a = model_args
     rs = a.rope_scaling_args
-    rope_scaling = {"rope_type": "llama3", "factor": float(rs.scaling_factor),
-                    "low_freq_factor": float(rs.low_freq_factor), "high_freq_factor": float(rs.high_freq_factor),
-                    "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+    rope_scaling = {
+        "rope_type": "llama3",
+        "factor": float(rs.scaling_factor),
+        "low_freq_factor": float(rs.low_freq_factor),
+        "high_freq_factor": float(rs.high_freq_factor),
+        "original_max_position_embeddings": int(rs.original_max_position_embeddings),
+    }
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -167,9 +172,12 @@ def check_hf_config(config: dict, model_args) -> None:
     rs = a.rope_scaling_args
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        want = {"factor": rs.scaling_factor, "low_freq_factor": rs.low_freq_factor,
-                "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings}
+        want = {
+            "factor": rs.scaling_factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
         if kind != "llama3":
             problems.append(f"rope_scaling type {kind!r} but the model uses Llama 3.1 ('llama3') RoPE scaling")
         else:

@@ -21,6 +21,7 @@ same PyTorch parallel styles, so the model shards on a TPU mesh the way it does 
   `jax.lax.scan`, each recomputed in backward (so it takes the place of full activation
   checkpointing), with every block keeping its own parameters and layouts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,12 +48,16 @@ def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = True):
     act = Shard(1) if sequence_parallel else Replicate()
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=act,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     block = {
-        "attention": PrepareModuleInput(input_layouts=(act, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(act, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -94,8 +99,10 @@ def parallelize_llama(
     recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
     does) and applies no other checkpoint wrapper."""
     if scan_layers and ac_mode != "full":
-        raise ValueError(f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
-                         f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or scan_layers=False")
+        raise ValueError(
+            f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
+            f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or scan_layers=False"
+        )
     names = mesh.mesh_dim_names
     unknown = [n for n in names if n not in ("dp_replicate", "dp_shard", "tp")]
     if unknown:
@@ -106,8 +113,7 @@ def parallelize_llama(
         args = model.model_args if hasattr(model, "model_args") else None
         n_kv = getattr(args, "n_kv_heads", None) or getattr(args, "n_heads", None)
         if args is not None and (args.n_heads % n or (n_kv and n_kv % n)):
-            raise ValueError(
-                f"tensor parallel degree {n} must divide n_heads={args.n_heads} and n_kv_heads={n_kv}")
+            raise ValueError(f"tensor parallel degree {n} must divide n_heads={args.n_heads} and n_kv_heads={n_kv}")
         top, block = tp_plan(sequence_parallel, loss_parallel)
         parallelize_module(model, tp, top)
         for layer in model.layers.values():
@@ -152,8 +158,12 @@ def apply_param_cast(model: torch.nn.Module, param_dtype: torch.dtype) -> torch.
 
 
 def _cast_while_running(module: torch.nn.Module, dtype: torch.dtype, skip: set[int]) -> None:
-    owned = [(owner, name) for owner in module.modules() for name, p in owner._parameters.items()
-             if p is not None and id(p) not in skip and p.is_floating_point() and p.dtype != dtype]
+    owned = [
+        (owner, name)
+        for owner in module.modules()
+        for name, p in owner._parameters.items()
+        if p is not None and id(p) not in skip and p.is_floating_point() and p.dtype != dtype
+    ]
 
     def pre(mod, args):
         for owner, name in owned:

@@ -18,6 +18,7 @@ with 64-bit custom calls (after which XLA's cost model gives no step-time estima
   names and tensor-parallel plans are unchanged) whose forward rotates each (even, odd) pair
   of a head as (x0 cos - x1 sin, x0 sin + x1 cos): the complex product written out.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,14 +33,18 @@ def apply_real_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, rope_table: torch.
     """
     seqlen = xq.shape[1]
     if rope_table.shape[0] < seqlen:
-        raise ValueError(f"the rotary table covers {rope_table.shape[0]} positions but the input has {seqlen}; "
-                         "build the model with max_seq_len >= the training seq_len")
+        raise ValueError(
+            f"the rotary table covers {rope_table.shape[0]} positions but the input has {seqlen}; "
+            "build the model with max_seq_len >= the training seq_len"
+        )
     if rope_table.dtype == torch.int32:
         rope_table = rope_table.view(torch.float32)
     if rope_table.dtype != torch.float32:
         # torchtitan's table is complex64, i.e. float32 parts: a bf16 copy would rotate less exactly
-        raise ValueError(f"the rotary table (freqs_cis) is {rope_table.dtype}, not float32 (or its int32 bits); "
-                         "cast the model's parameters only, or call use_real_rope again after the cast")
+        raise ValueError(
+            f"the rotary table (freqs_cis) is {rope_table.dtype}, not float32 (or its int32 bits); "
+            "cast the model's parameters only, or call use_real_rope again after the cast"
+        )
     table = rope_table[:seqlen]
     cos = table[..., 0][None, :, None, :]  # (1, seq, 1, head_dim // 2)
     sin = table[..., 1][None, :, None, :]
@@ -66,7 +71,8 @@ class RealRopeAttention(_attention_class()):
             raise NotImplementedError(
                 f"RealRopeAttention supports SDPA attention without masks or positions (got attn_type="
                 f"{self.attn_type!r}, masks {'given' if attention_masks is not None else 'none'}, positions "
-                f"{'given' if positions is not None else 'none'}); leave the model's rotary embedding complex")
+                f"{'given' if positions is not None else 'none'}); leave the model's rotary embedding complex"
+            )
         if freqs_cis.is_complex():  # a table rebuilt by torchtitan's own code
             freqs_cis = torch.view_as_real(freqs_cis)
         bs, seqlen, _ = x.shape
@@ -75,8 +81,9 @@ class RealRopeAttention(_attention_class()):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_real_rotary_emb(xq, xk, freqs_cis)
-        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
-                                   enable_gqa=self.enable_gqa)
+        out = self.inner_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), enable_gqa=self.enable_gqa
+        )
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -89,8 +96,10 @@ def use_real_rope(model: torch.nn.Module) -> torch.nn.Module:
     Attention = _attention_class()
     table = getattr(model, "freqs_cis", None)
     if table is None or not hasattr(model, "_precompute_freqs_cis"):
-        raise TypeError(f"use_real_rope expects a torchtitan Llama 3 Transformer with a freqs_cis buffer, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"use_real_rope expects a torchtitan Llama 3 Transformer with a freqs_cis buffer, got "
+            f"{type(model).__name__}"
+        )
     complex_table = model._precompute_freqs_cis
 
     def precompute_real_table():

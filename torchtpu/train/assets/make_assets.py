@@ -13,6 +13,7 @@ tokenizer.json is a byte-level BPE tokenizer (vocabulary 2,000 < torchtitan debu
 trained on corpus.txt with the `tokenizers` library; ids 0 and 1 are <|begin_of_text|> and
 <|end_of_text|>. Byte-level means any UTF-8 text encodes, not only the corpus's words.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,37 +32,153 @@ BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 
 PEOPLE = [
-    ("Anna", "she", "her"), ("Ben", "he", "his"), ("Clara", "she", "her"), ("David", "he", "his"),
-    ("Emma", "she", "her"), ("Felix", "he", "his"), ("Grace", "she", "her"), ("Henry", "he", "his"),
-    ("Iris", "she", "her"), ("Jack", "he", "his"), ("Lena", "she", "her"), ("Max", "he", "his"),
-    ("Nora", "she", "her"), ("Oscar", "he", "his"), ("Paula", "she", "her"), ("Sam", "he", "his"),
-    ("Tara", "she", "her"), ("Victor", "he", "his"), ("Wendy", "she", "her"), ("Leo", "he", "his"),
+    ("Anna", "she", "her"),
+    ("Ben", "he", "his"),
+    ("Clara", "she", "her"),
+    ("David", "he", "his"),
+    ("Emma", "she", "her"),
+    ("Felix", "he", "his"),
+    ("Grace", "she", "her"),
+    ("Henry", "he", "his"),
+    ("Iris", "she", "her"),
+    ("Jack", "he", "his"),
+    ("Lena", "she", "her"),
+    ("Max", "he", "his"),
+    ("Nora", "she", "her"),
+    ("Oscar", "he", "his"),
+    ("Paula", "she", "her"),
+    ("Sam", "he", "his"),
+    ("Tara", "she", "her"),
+    ("Victor", "he", "his"),
+    ("Wendy", "she", "her"),
+    ("Leo", "he", "his"),
 ]
 ANIMALS = {
-    "cat": "meow", "dog": "woof", "cow": "moo", "duck": "quack", "sheep": "baa", "owl": "hoot",
-    "frog": "ribbit", "horse": "neigh", "pig": "oink", "lion": "roar", "goat": "maa", "mouse": "squeak",
-    "bee": "buzz", "hen": "cluck", "crow": "caw", "snake": "hiss",
+    "cat": "meow",
+    "dog": "woof",
+    "cow": "moo",
+    "duck": "quack",
+    "sheep": "baa",
+    "owl": "hoot",
+    "frog": "ribbit",
+    "horse": "neigh",
+    "pig": "oink",
+    "lion": "roar",
+    "goat": "maa",
+    "mouse": "squeak",
+    "bee": "buzz",
+    "hen": "cluck",
+    "crow": "caw",
+    "snake": "hiss",
 }
 FRUITS = {
-    "apple": "red", "banana": "yellow", "lime": "green", "orange": "orange", "plum": "purple",
-    "cherry": "red", "lemon": "yellow", "pear": "green", "grape": "purple", "peach": "pink",
+    "apple": "red",
+    "banana": "yellow",
+    "lime": "green",
+    "orange": "orange",
+    "plum": "purple",
+    "cherry": "red",
+    "lemon": "yellow",
+    "pear": "green",
+    "grape": "purple",
+    "peach": "pink",
 }
-PLACES = ["park", "garden", "market", "river", "forest", "library", "school", "beach", "farm", "hill",
-          "village", "kitchen", "bakery", "station", "lake", "field"]
-ADJS = ["big", "small", "happy", "quiet", "brave", "sleepy", "clever", "kind", "fast", "slow", "funny",
-        "gentle", "busy", "shy", "proud", "calm"]
+PLACES = [
+    "park",
+    "garden",
+    "market",
+    "river",
+    "forest",
+    "library",
+    "school",
+    "beach",
+    "farm",
+    "hill",
+    "village",
+    "kitchen",
+    "bakery",
+    "station",
+    "lake",
+    "field",
+]
+ADJS = [
+    "big",
+    "small",
+    "happy",
+    "quiet",
+    "brave",
+    "sleepy",
+    "clever",
+    "kind",
+    "fast",
+    "slow",
+    "funny",
+    "gentle",
+    "busy",
+    "shy",
+    "proud",
+    "calm",
+]
 COLORS = ["red", "blue", "green", "yellow", "white", "black", "brown", "orange", "purple", "pink", "grey"]
-OBJECTS = ["ball", "kite", "book", "hat", "box", "cup", "bell", "map", "key", "drum", "boat", "lamp",
-           "basket", "coat", "bike", "clock"]
+OBJECTS = [
+    "ball",
+    "kite",
+    "book",
+    "hat",
+    "box",
+    "cup",
+    "bell",
+    "map",
+    "key",
+    "drum",
+    "boat",
+    "lamp",
+    "basket",
+    "coat",
+    "bike",
+    "clock",
+]
 VERBS_PLACE = ["play", "run", "sleep", "read", "sing", "walk", "dance", "rest", "draw", "swim"]
 WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "cloudy", "snowy", "bright"]
 FEELINGS = ["happy", "tired", "hungry", "glad", "excited", "calm", "proud", "surprised"]
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-           "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-           "nineteen", "twenty"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
+NUMBERS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 
 
 def _cap(s: str) -> str:
@@ -88,7 +205,9 @@ def _story(rng: random.Random) -> str:
             out.append(f"{_cap(subj)} ate a {fruit}. The {fruit} was {FRUITS[fruit]}.")
         elif kind == 2:
             a, b = rng.randrange(11), rng.randrange(11)
-            out.append(f"{name} counted {a} {pet}s and {b} more. {_cap(NUMBERS[a])} plus {NUMBERS[b]} is {NUMBERS[a + b]}.")
+            out.append(
+                f"{name} counted {a} {pet}s and {b} more. {_cap(NUMBERS[a])} plus {NUMBERS[b]} is {NUMBERS[a + b]}."
+            )
         elif kind == 3:
             n = rng.randint(3, 8)
             out.append(f"{_cap(subj)} counted to {NUMBERS[n]}: " + ", ".join(NUMBERS[1 : n + 1]) + ".")
