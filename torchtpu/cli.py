@@ -67,7 +67,7 @@ def _apply_xla_env(cfg, args: list[str], as_program: bool) -> None:
     a command-line run on CPU devices re-executes itself once with the flags in the environment;
     otherwise the flags cannot apply any more and a warning says how to set them.
     """
-    from torchtpu.train.config_manager import xla_env_updates
+    from torchtpu.train.xla_env import xla_env_updates
 
     updates = xla_env_updates(cfg)
     if not updates:

@@ -28,11 +28,13 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu.train import config_manager as C
+from torchtpu.train import config_schema as schema
 from torchtpu.train import job_config as S
 from torchtpu.train import parallel_dims as P
+from torchtpu.train.xla_env import xla_env_updates
 
-KEYS = [".".join(path) for path, _ in S._walk()]
-SPECS = {".".join(path): spec for path, spec in S._walk()}
+KEYS = [".".join(path) for path, _ in schema.walk(S.JobConfig)]
+SPECS = {".".join(path): spec for path, spec in schema.walk(S.JobConfig)}
 
 NO_EFFECT_BY_DESIGN = {"compile.enable", "compile.components"}
 
@@ -264,7 +266,7 @@ def plan(cfg) -> dict:
     prof = Profiler(cfg)
     out["profiler"] = _summary(prof, ["enabled", "freq", "active", "folder", "memory", "memory_folder"])
     out["seed"] = T.resolve_seed(cfg)
-    out["env"] = C.xla_env_updates(cfg, environ={})
+    out["env"] = xla_env_updates(cfg, environ={})
     out["step"] = _step_probe(cfg)
     out["saved_config"] = C.save_resolved_config(cfg)
     logger = build_metrics_logger(cfg, 0, 10, stdout_is_terminal=True)
@@ -339,7 +341,7 @@ def test_unsupported_values_are_refused(key):
     assert f"[{section}] {name} = " in msg and value in msg and "\n" not in msg, msg
     assert "not supported" in msg or "allowed:" in msg, msg
     # and the default is accepted
-    C.load_config(["--" + key, S._fmt(SPECS[key].default).strip('"')] if SPECS[key].default is not None else [])
+    C.load_config(["--" + key, schema.fmt(SPECS[key].default).strip('"')] if SPECS[key].default is not None else [])
 
 
 @pytest.mark.parametrize("key", sorted(COVERED_BY))

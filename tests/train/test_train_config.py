@@ -20,8 +20,10 @@ import pytest
 
 from torchtpu import cli
 from torchtpu.train import config_manager as C
+from torchtpu.train import config_schema as schema
 from torchtpu.train import job_config as S
 from torchtpu.train import parallel_dims as P
+from torchtpu.train.xla_env import xla_env_updates
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "train_configs"
@@ -35,7 +37,7 @@ SHIPPED = {  # file -> (devices of the slice it is written for, topology)
 
 
 def leaf_paths():
-    return [path for path, _ in S._walk()]
+    return [path for path, _ in schema.walk(S.JobConfig)]
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -90,7 +92,7 @@ def procs(tmp_path_factory):
 def test_cli_help_lists_every_key_with_default(capsys):
     status, out, err = run_cli(["--help"], capsys)
     assert status == 0 and err == ""
-    for path, spec in S._walk():
+    for path, spec in schema.walk(S.JobConfig):
         option = "--" + ".".join(path)
         line = next(
             (
@@ -101,7 +103,7 @@ def test_cli_help_lists_every_key_with_default(capsys):
             None,
         )
         assert line is not None, f"{option} missing from --help"
-        default = "unset" if spec.default is None else S._fmt(spec.default)
+        default = "unset" if spec.default is None else schema.fmt(spec.default)
         assert f"(default: {default})" in line
         assert spec.help  # every key has a meaning
     for flag in ("--config", "--dry-run", "--topology", "--debug"):
@@ -201,9 +203,9 @@ def test_names_and_defaults_match_torchtitan():
 
     mine = set(leaf_paths())
     for path in titan_leaves(titan):
-        if path[0] in S._TORCHTITAN_ONLY_SECTIONS:
+        if path[0] in schema.TORCHTITAN_ONLY_SECTIONS:
             continue
-        assert path in mine or path[-1] in S._TORCHTITAN_ONLY_KEYS.get(path[:-1], ()), path
+        assert path in mine or path[-1] in schema.TORCHTITAN_ONLY_KEYS.get(path[:-1], ()), path
 
 
 def test_config_module_imports_only_the_standard_library():
@@ -212,7 +214,7 @@ def test_config_module_imports_only_the_standard_library():
     code = (
         "import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
         "sys.modules['c'] = pkg; "
-        "[importlib.import_module('c.' + m) for m in ('job_config', 'config_manager', 'parallel_dims')]; "
+        "[importlib.import_module('c.' + m) for m in ('config_schema', 'job_config', 'config_manager', 'parallel_dims')]; "
         "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))"
     )
     out = subprocess.run(
@@ -433,9 +435,9 @@ def test_validate_rejects_bad_values_set_in_code():
 def test_xla_env_updates_environment_wins():
     cfg = C.load_config(["--tpu.xla_flags", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"])
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    assert C.xla_env_updates(cfg, env) == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/d"}
-    assert C.xla_env_updates(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/x"}) == {}
-    assert C.xla_env_updates(C.load_config([]), {}) == {}
+    assert xla_env_updates(cfg, env) == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/d"}
+    assert xla_env_updates(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/x"}) == {}
+    assert xla_env_updates(C.load_config([]), {}) == {}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,18 +22,8 @@ import os
 import tomllib
 from typing import Any
 
-from .job_config import (
-    _TORCHTITAN_ONLY_KEYS,
-    _TORCHTITAN_ONLY_SECTIONS,
-    MODEL_FLAVORS,
-    ConfigError,
-    JobConfig,
-    _fmt,
-    _section_name,
-    _Spec,
-    _specs,
-    _walk,
-)
+from .config_schema import TORCHTITAN_ONLY_KEYS, TORCHTITAN_ONLY_SECTIONS, Spec, fmt, section_name, section_specs, walk
+from .job_config import MODEL_FLAVORS, ConfigError, JobConfig
 
 __all__ = [
     "COMMAND_LINE",
@@ -41,7 +31,6 @@ __all__ = [
     "load_config",
     "config_from_dict",
     "help_text",
-    "xla_env_updates",
     "describe_keys",
     "check_fields",
     "check_relations",
@@ -78,7 +67,7 @@ class _Bad(Exception):
     """A value problem; the caller adds where it happened."""
 
 
-def _coerce(spec: _Spec, value: Any, cli: bool) -> Any:
+def _coerce(spec: Spec, value: Any, cli: bool) -> Any:
     """Turn a TOML value (cli=False) or a command-line string (cli=True) into the key's type."""
     if cli:
         assert isinstance(value, str)
@@ -122,13 +111,13 @@ def _coerce(spec: _Spec, value: Any, cli: bool) -> Any:
     return value
 
 
-def _check_value(spec: _Spec, value: Any) -> None:
+def _check_value(spec: Spec, value: Any) -> None:
     if value is None:
         if not spec.optional:
             raise _Bad(f"expected {spec.describe()}")
         return
     if spec.choices and value not in spec.choices:
-        raise _Bad("allowed: " + ", ".join(_fmt(c) for c in spec.choices))
+        raise _Bad("allowed: " + ", ".join(fmt(c) for c in spec.choices))
     if spec.check is not None:
         problem = spec.check(value)
         if problem:
@@ -136,29 +125,29 @@ def _check_value(spec: _Spec, value: Any) -> None:
 
 
 def _value_error(source: str, path: tuple[str, ...], value: Any, problem: str, raw: bool = False) -> ConfigError:
-    shown = json.dumps(value) if raw else _fmt(value)
-    return ConfigError(f"{source}: [{_section_name(path[:-1])}] {path[-1]} = {_short(shown)}: {problem}")
+    shown = json.dumps(value) if raw else fmt(value)
+    return ConfigError(f"{source}: [{section_name(path[:-1])}] {path[-1]} = {_short(shown)}: {problem}")
 
 
 def _unknown_key_message(source: str, path: tuple[str, ...], value_text: str, cli: bool) -> str:
     """Message for a key that does not exist, with the closest valid key suggested."""
     section, key = path[:-1], path[-1]
-    sec_text = _section_name(section)
+    sec_text = section_name(section)
     prefix = f"{source}: [{sec_text}] {key}{value_text}"
-    if key in _TORCHTITAN_ONLY_KEYS.get(section, ()):
+    if key in TORCHTITAN_ONLY_KEYS.get(section, ()):
         hint = " (use hf_assets_path)" if key == "tokenizer_path" else ""
         return f"{prefix}: a torchtitan key that torchtpu does not support{hint}; remove it"
     cls = _section_class(section)
-    valid = [name for name, s in _specs(cls).items() if not s.is_section]
+    valid = [name for name, s in section_specs(cls).items() if not s.is_section]
     # The same key in another section is the likeliest mistake.
-    elsewhere = [p for p, _ in _walk() if p[-1] == key and p[:-1] != section]
+    elsewhere = [p for p, _ in walk(JobConfig) if p[-1] == key and p[:-1] != section]
     if elsewhere:
         where = elsewhere[0]
-        spelled = f"--{'.'.join(where)}" if cli else f"[{_section_name(where[:-1])}] {key}"
+        spelled = f"--{'.'.join(where)}" if cli else f"[{section_name(where[:-1])}] {key}"
         return f"{prefix}: unknown key in [{sec_text}]; did you mean {spelled}?"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
-        spelled = f"--{_section_name(section)}.{close[0]}" if cli else repr(close[0])
+        spelled = f"--{section_name(section)}.{close[0]}" if cli else repr(close[0])
         suggestion = f"did you mean {spelled}? "
     else:
         suggestion = ""
@@ -166,14 +155,14 @@ def _unknown_key_message(source: str, path: tuple[str, ...], value_text: str, cl
 
 
 def _unknown_section_message(source: str, path: tuple[str, ...], extra: str = "") -> str:
-    name = _section_name(path)
-    if path[0] in _TORCHTITAN_ONLY_SECTIONS:
+    name = section_name(path)
+    if path[0] in TORCHTITAN_ONLY_SECTIONS:
         return f"{source}: [{name}]{extra}: a torchtitan section that torchtpu does not support; remove it"
     if len(path) > 1:
         parent = _section_class(path[:-1])
-        valid = [_section_name(path[:-1] + (n,)) for n, s in _specs(parent).items() if s.is_section]
+        valid = [section_name(path[:-1] + (n,)) for n, s in section_specs(parent).items() if s.is_section]
     else:
-        valid = list(_specs(JobConfig))
+        valid = list(section_specs(JobConfig))
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     suggestion = f"did you mean [{close[0]}]? " if close else ""
     allowed = ", ".join(f"[{v}]" for v in valid) if valid else "none"
@@ -183,7 +172,7 @@ def _unknown_section_message(source: str, path: tuple[str, ...], extra: str = ""
 def _section_class(path: tuple[str, ...]) -> type:
     cls: type = JobConfig
     for name in path:
-        cls = _specs(cls)[name].base
+        cls = section_specs(cls)[name].base
     return cls
 
 
@@ -200,7 +189,7 @@ def _set(cfg: JobConfig, path: tuple[str, ...], value: Any) -> None:
 
 def _apply_table(cfg: JobConfig, table: dict, path: tuple[str, ...], source: str) -> None:
     cls = _section_class(path)
-    specs = _specs(cls)
+    specs = section_specs(cls)
     for key, value in table.items():
         here = path + (key,)
         spec = specs.get(key)
@@ -208,27 +197,27 @@ def _apply_table(cfg: JobConfig, table: dict, path: tuple[str, ...], source: str
             if not path:
                 if isinstance(value, dict):
                     raise ConfigError(_unknown_section_message(source, here))
-                owners = [p for p, _ in _walk() if p[-1] == key]
+                owners = [p for p, _ in walk(JobConfig) if p[-1] == key]
                 hint = (
-                    f"; did you mean [{_section_name(owners[0][:-1])}] {key}?"
+                    f"; did you mean [{section_name(owners[0][:-1])}] {key}?"
                     if owners
                     else "; every key belongs under a [section]"
                 )
-                raise ConfigError(f"{source}: {key} = {_short(_fmt(value))}: key outside any section{hint}")
-            if isinstance(value, dict) and key not in _TORCHTITAN_ONLY_KEYS.get(path, ()):
+                raise ConfigError(f"{source}: {key} = {_short(fmt(value))}: key outside any section{hint}")
+            if isinstance(value, dict) and key not in TORCHTITAN_ONLY_KEYS.get(path, ()):
                 raise ConfigError(_unknown_section_message(source, here))
-            raise ConfigError(_unknown_key_message(source, here, f" = {_short(_fmt(value))}", cli=False))
+            raise ConfigError(_unknown_key_message(source, here, f" = {_short(fmt(value))}", cli=False))
         if spec.is_section:
             if not isinstance(value, dict):
                 raise ConfigError(
-                    f"{source}: [{_section_name(path)}] {key} = {_short(_fmt(value))}: "
-                    f"{key} is a section; write it as [{_section_name(here)}]"
+                    f"{source}: [{section_name(path)}] {key} = {_short(fmt(value))}: "
+                    f"{key} is a section; write it as [{section_name(here)}]"
                 )
             _apply_table(cfg, value, here, source)
             continue
         if path == ("job",) and key == "config_file":
             raise ConfigError(
-                f"{source}: [job] config_file = {_short(_fmt(value))}: not allowed inside a config "
+                f"{source}: [job] config_file = {_short(fmt(value))}: not allowed inside a config "
                 "file; give the file with --config"
             )
         try:
@@ -254,12 +243,12 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
                 out[k] = strip_none(v, path + (k,))
             elif v is None:
                 try:
-                    spec = _specs(_section_class(path))[k]
+                    spec = section_specs(_section_class(path))[k]
                 except (KeyError, AttributeError, TypeError):
                     out[k] = v  # let _apply_table report the unknown key
                     continue
                 if not spec.optional:
-                    raise ConfigError(f"{source}: [{_section_name(path)}] {k} = (unset): expected {spec.describe()}")
+                    raise ConfigError(f"{source}: [{section_name(path)}] {k} = (unset): expected {spec.describe()}")
             else:
                 out[k] = v
         return out
@@ -299,7 +288,7 @@ def _resolve_cli_key(option: str, value: str | None = None) -> tuple[tuple[str, 
     shown = "" if value is None else f" = {_short(json.dumps(value))}"
     if "." not in body:
         name = body.replace("-", "_")
-        owners = [p for p, _ in _walk() if p[-1] == name]
+        owners = [p for p, _ in walk(JobConfig) if p[-1] == name]
         hint = f"; did you mean --{'.'.join(owners[0])}?" if owners else ""
         raise ConfigError(
             f"{COMMAND_LINE}: {option}{shown}: unknown option; options are --config FILE, "
@@ -309,20 +298,20 @@ def _resolve_cli_key(option: str, value: str | None = None) -> tuple[tuple[str, 
     # Find the section prefix.
     cls: type = JobConfig
     for i, name in enumerate(parts[:-1]):
-        spec = _specs(cls).get(name)
+        spec = section_specs(cls).get(name)
         if spec is None or not spec.is_section:
             raise ConfigError(_unknown_section_message(COMMAND_LINE, parts[: i + 1], extra=f" (from {option}{shown})"))
         cls = spec.base
     key = parts[-1]
-    specs = _specs(cls)
+    specs = section_specs(cls)
     if key in specs and not specs[key].is_section:
         return parts, None
     if key.startswith("no_") and key[3:] in specs and specs[key[3:]].base is bool:
         return parts[:-1] + (key[3:],), False
     if key in specs:  # a section given as a key
         raise ConfigError(
-            f"{COMMAND_LINE}: {option}: [{_section_name(parts)}] is a section; "
-            f"set one of its keys, e.g. --{'.'.join(parts)}.{next(iter(_specs(specs[key].base)))}"
+            f"{COMMAND_LINE}: {option}: [{section_name(parts)}] is a section; "
+            f"set one of its keys, e.g. --{'.'.join(parts)}.{next(iter(section_specs(specs[key].base)))}"
         )
     raise ConfigError(_unknown_key_message(COMMAND_LINE, parts, f"{shown} (from {option})", cli=True))
 
@@ -349,7 +338,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
         else:
             peek = None
         path, negated = _resolve_cli_key(option, peek)
-        spec = _specs(_section_class(path[:-1]))[path[-1]]
+        spec = section_specs(_section_class(path[:-1]))[path[-1]]
         if spec.base is bool:
             if eq:
                 raw: Any = inline
@@ -361,7 +350,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
             if negated is not None:
                 if raw is not True:
                     raise ConfigError(
-                        f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]} = {raw}: "
+                        f"{COMMAND_LINE}: [{section_name(path[:-1])}] {path[-1]} = {raw}: "
                         f"{option} takes no value; use --{'.'.join(path)} {raw}"
                     )
                 raw = False
@@ -373,7 +362,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[tuple[str, ...]
                 i += 1
             else:
                 raise ConfigError(
-                    f"{COMMAND_LINE}: [{_section_name(path[:-1])}] {path[-1]}: {option} needs a "
+                    f"{COMMAND_LINE}: [{section_name(path[:-1])}] {path[-1]}: {option} needs a "
                     f"value ({spec.describe(cli=True)})"
                 )
         if path == ("job", "config_file"):
@@ -408,7 +397,7 @@ def load_config(argv: list[str]) -> JobConfig:
         _apply_table(cfg, _read_toml(config_file), (), config_file)
         cfg.job.config_file = config_file
     for path, raw, _option in overrides:
-        spec = _specs(_section_class(path[:-1]))[path[-1]]
+        spec = section_specs(_section_class(path[:-1]))[path[-1]]
         try:
             value = raw if isinstance(raw, bool) else _coerce(spec, raw, cli=True)
         except _Bad as e:
@@ -434,19 +423,19 @@ def describe_keys(cfg: JobConfig, section: tuple[str, ...], keys: list[str]) -> 
     parts = []
     for key in keys:
         path = section + (key,)
-        text = f"{key} = {_short(_fmt(_get(cfg, path)), 80)}"
+        text = f"{key} = {_short(fmt(_get(cfg, path)), 80)}"
         origin = cfg._origins.get(path)
         if origin is None:
             text += " (default)"
         elif origin != file:
             text += f" ({origin})"
         parts.append(text)
-    return f"{file or COMMAND_LINE}: [{_section_name(section)}] " + ", ".join(parts)
+    return f"{file or COMMAND_LINE}: [{section_name(section)}] " + ", ".join(parts)
 
 
 def check_fields(cfg: JobConfig) -> None:
     """Types and allowed values of every key (for configs built or edited in code)."""
-    for path, spec in _walk():
+    for path, spec in walk(JobConfig):
         value = _get(cfg, path)
         try:
             if value is not None:
@@ -519,34 +508,6 @@ def check_paths(cfg: JobConfig) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Environment for XLA / libtpu
-# ----------------------------------------------------------------------------------------------
-
-
-def _merge_flags(env_value: str, extra: str) -> str:
-    have = env_value.split()
-    names = {tok.split("=", 1)[0] for tok in have}
-    add = [tok for tok in extra.split() if tok.split("=", 1)[0] not in names]
-    return " ".join(have + add)
-
-
-def xla_env_updates(cfg: JobConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment variables to change so tpu.xla_flags / tpu.libtpu_init_args take effect.
-
-    Flags already in the environment win over the config's. Empty dict: nothing to change.
-    Must be applied before the XLA backend starts.
-    """
-    environ = os.environ if environ is None else environ
-    updates = {}
-    for var, extra in (("XLA_FLAGS", cfg.tpu.xla_flags), ("LIBTPU_INIT_ARGS", cfg.tpu.libtpu_init_args)):
-        current = environ.get(var, "")
-        merged = _merge_flags(current, extra)
-        if merged != " ".join(current.split()) and extra.split():
-            updates[var] = merged
-    return updates
-
-
-# ----------------------------------------------------------------------------------------------
 # --help
 # ----------------------------------------------------------------------------------------------
 
@@ -593,24 +554,24 @@ def help_text(prog: str = "torchtpu-train") -> str:
         "Configuration errors exit with status 2; other failures with status 1.",
     ]
     current: tuple[str, ...] | None = None
-    for path, spec in _walk():
+    for path, spec in walk(JobConfig):
         section = path[:-1]
         if section != current:
             current = section
             parent = _section_class(section[:-1])
-            title = _specs(parent)[section[-1]].help
-            lines += ["", f"[{_section_name(section)}]  {title}"]
+            title = section_specs(parent)[section[-1]].help
+            lines += ["", f"[{section_name(section)}]  {title}"]
         name = "--" + ".".join(path)
         if spec.base is bool:
-            usage = f"{name}, --{_section_name(section)}.no-{path[-1]}"
+            usage = f"{name}, --{section_name(section)}.no-{path[-1]}"
         else:
             metavar = {int: "INT", float: "FLOAT", str: "STR", list: "A,B,..."}[spec.base]
             usage = f"{name} {'VALUE' if spec.choices else metavar}"
-        default = "unset" if spec.default is None else _fmt(spec.default)
+        default = "unset" if spec.default is None else fmt(spec.default)
         lines.append(f"  {usage}  (default: {default})")
         text = spec.help
         if spec.choices:
-            text += " Allowed: " + ", ".join(_fmt(c) for c in spec.choices) + "."
+            text += " Allowed: " + ", ".join(fmt(c) for c in spec.choices) + "."
         lines += _wrap(text, "      ")
     return "\n".join(lines) + "\n"
 

@@ -18,11 +18,11 @@ import dataclasses
 import json
 import math
 import re
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .config_schema import emit_toml, fmt
 
 __all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
 
@@ -91,7 +91,7 @@ def _not_supported(default: Any, why: str) -> Check:
     """Only the default value is allowed: the key exists for torchtitan configs, the feature does not yet."""
 
     def check(v):
-        return None if v == default else f"not supported by torchtpu yet ({why}); leave it at {_fmt(default)}"
+        return None if v == default else f"not supported by torchtpu yet ({why}); leave it at {fmt(default)}"
 
     return check
 
@@ -562,175 +562,9 @@ class JobConfig:
         lines = ["# torchtpu-train configuration, fully resolved"]
         if self.job.config_file:
             lines.append(f"# read from {self.job.config_file}")
-        _emit_toml(self, (), lines)
+        emit_toml(self, (), lines)
         return "\n".join(lines) + "\n"
 
     def origin(self, *path: str) -> str | None:
         """Where the value at path (e.g. "training", "seq_len") was set: a file, "command line", or None (default)."""
         return self._origins.get(tuple(path))
-
-
-# Keys torchtitan 0.2.2 has that torchtpu deliberately lacks (CUDA-only, or features not built).
-_TORCHTITAN_ONLY_SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental")
-_TORCHTITAN_ONLY_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("job",): ("custom_config_module",),
-    ("model",): ("tokenizer_path", "converters", "print_after_conversion"),
-    ("optimizer",): ("implementation", "early_step_in_backward"),
-    ("training",): ("enable_cpu_offload", "gc_debug"),
-    ("training", "dataloader"): ("pin_memory",),
-    ("validation", "dataloader"): ("pin_memory",),
-    ("parallelism",): (
-        "fsdp_reshard_after_forward",
-        "disable_loss_parallel",
-        "enable_async_tensor_parallel",
-        "module_fqns_per_model_part",
-        "pipeline_parallel_first_stage_less_layers",
-        "pipeline_parallel_last_stage_less_layers",
-        "pipeline_parallel_layers_per_stage",
-        "pipeline_parallel_schedule",
-        "pipeline_parallel_schedule_csv",
-        "pipeline_parallel_microbatch_size",
-        "pipeline_parallel_expert_parallel_overlap",
-        "context_parallel_load_balancer",
-        "context_parallel_rotate_method",
-        "expert_parallel_degree",
-        "expert_tensor_parallel_degree",
-        "expert_parallel_comm_backend",
-    ),
-    ("checkpoint",): ("enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized", "create_seed_checkpoint"),
-    ("activation_checkpoint",): (
-        "per_op_sac_force_recompute_mm_shapes_by_fqns",
-        "early_stop",
-        "memory_budget",
-        "visualize_memory_budget_pareto",
-        "preserve_rng_state",
-        "determinism_check",
-        "debug",
-    ),
-    ("comm",): ("trace_buf_size", "save_traces_folder", "save_traces_file_prefix", "mode"),
-    ("debug",): ("deterministic_warn_only", "moe_force_load_balance"),
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# Schema introspection
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    base: type  # bool, int, float, str, list (of str), or a section dataclass
-    optional: bool
-    default: Any
-    help: str
-    choices: tuple | None
-    check: Check | None
-
-    @property
-    def is_section(self) -> bool:
-        return dataclasses.is_dataclass(self.base)
-
-    def describe(self, cli: bool = False) -> str:
-        if self.choices:
-            text = "one of " + ", ".join(_fmt(c) for c in self.choices)
-        else:
-            text = {
-                bool: "true or false",
-                int: "an integer",
-                float: "a number",
-                str: "a string",
-                list: "a comma-separated list of strings" if cli else 'a list of strings, e.g. ["a", "b"]',
-            }[self.base]
-        if self.optional:
-            text += ' or "none" to unset' if cli else " (leave the key out to unset)"
-        return text
-
-
-_SPECS: dict[type, dict[str, _Spec]] = {}
-
-
-def _specs(cls: type) -> dict[str, _Spec]:
-    if cls in _SPECS:
-        return _SPECS[cls]
-    hints = typing.get_type_hints(cls)
-    out: dict[str, _Spec] = {}
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        optional = False
-        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-            args = [a for a in typing.get_args(hint) if a is not type(None)]
-            optional = len(args) < len(typing.get_args(hint))
-            (hint,) = args
-        base = list if typing.get_origin(hint) is list else hint
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        out[f.name] = _Spec(
-            f.name,
-            base,
-            optional,
-            default,
-            f.metadata.get("help", ""),
-            f.metadata.get("choices"),
-            f.metadata.get("check"),
-        )
-    _SPECS[cls] = out
-    return out
-
-
-def _walk(cls: type = JobConfig, path: tuple[str, ...] = ()):
-    """Yield (path, spec) for every leaf key, in schema order (sections before their sub-sections)."""
-    subsections = []
-    for name, spec in _specs(cls).items():
-        if spec.is_section:
-            subsections.append((path + (name,), spec.base))
-        else:
-            yield path + (name,), spec
-    for sub_path, sub_cls in subsections:
-        yield from _walk(sub_cls, sub_path)
-
-
-def _section_name(path: tuple[str, ...]) -> str:
-    return ".".join(path)
-
-
-def _fmt(value: Any) -> str:
-    """A value as a TOML literal (for messages and for to_toml)."""
-    if value is None:
-        return "(unset)"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_fmt(v)}" for k, v in value.items()) + "}"
-    return json.dumps(str(value))
-
-
-def _emit_toml(obj: Any, path: tuple[str, ...], lines: list[str]) -> None:
-    specs = _specs(type(obj))
-    if path:
-        lines.append("")
-        lines.append(f"[{_section_name(path)}]")
-    for name, spec in specs.items():
-        if spec.is_section:
-            continue
-        if path == ("job",) and name == "config_file":
-            continue  # given with --config, not inside the file
-        value = getattr(obj, name)
-        if value is None:
-            lines.append(f"# {name} is unset")
-        else:
-            lines.append(f"{name} = {_fmt(value)}")
-    for name, spec in specs.items():
-        if spec.is_section:
-            _emit_toml(getattr(obj, name), path + (name,), lines)

@@ -50,6 +50,7 @@ from .config_manager import save_resolved_config
 from .console import log
 from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 from .job_config import ConfigError, JobConfig
+from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
@@ -331,7 +332,7 @@ class Trainer:
             "model": model_state(self.model),
             "optimizer": optimizer_state(self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": _loader_states(self.dataloader),
+            "dataloader": loader_states(self.dataloader),
             "step": self.step,
         }
 
@@ -388,7 +389,7 @@ class Trainer:
         if "lr_scheduler" not in excluded:
             self.lr_scheduler.load_state_dict(restored["lr_scheduler"])
         if "dataloader" not in excluded:
-            _load_loader_state(self.dataloader, restored["dataloader"], self.dims)
+            load_loader_state(self.dataloader, restored["dataloader"], self.dims)
         self.step = int(restored["step"])
 
     # -- the loop ------------------------------------------------------------------------------
@@ -526,60 +527,6 @@ class Trainer:
         from .dry_run import dry_run
 
         return dry_run(self)
-
-
-_LOADER_INTS = ("seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
-
-
-def _loader_states(loader) -> dict:
-    """The data position for a checkpoint: every row stream's, by global row (a list indexed by row),
-    whichever process reads it, so the checkpoint resumes on any host count. Process 0 writes the
-    checkpoint's non-array data, so with several processes the rows' positions are gathered to all."""
-    import jax
-
-    mine = loader.state_dict()
-    streams = mine["streams"]
-    first = next(iter(streams.values()))
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        table = np.full((loader.global_rows, 1 + len(_LOADER_INTS)), -1, dtype=np.int64)
-        for r, st in streams.items():
-            table[r] = [1, *(st[k] for k in _LOADER_INTS)]
-        gathered = multihost_utils.process_allgather(table)  # (processes, rows, 1 + ints)
-        streams = {}
-        for r in range(loader.global_rows):
-            held = [row for row in gathered[:, r] if row[0] == 1]
-            if not held:
-                raise RuntimeError(f"no process holds row {r} of the global batch")  # a layout bug, not user input
-            streams[r] = dict(first, dp_rank=r, **{k: int(v) for k, v in zip(_LOADER_INTS, held[0][1:])})
-    return {"global_rows": loader.global_rows, "streams": [streams[r] for r in range(loader.global_rows)]}
-
-
-def _load_loader_state(loader, saved: dict, dims) -> None:
-    """Restore this process's rows from a checkpoint's data position (see _loader_states)."""
-    if "streams" not in saved:
-        raise ConfigError(
-            "the checkpoint's data position was written by an older torchtpu (one position per host, not per "
-            "batch row); add --checkpoint.exclude_from_loading dataloader to restart the data stream"
-        )
-    rows = int(saved["global_rows"])
-    if rows != loader.global_rows:
-        fix = (
-            f"resume with --training.local_batch_size {rows // dims.dp} to keep the same batches"
-            if rows % dims.dp == 0
-            else f"resume with a data-parallel degree that divides {rows}"
-        )
-        raise ConfigError(
-            f"the checkpoint's data position is for micro-batches of {rows} sequences; this job's are "
-            f"{loader.global_rows} (training.local_batch_size {dims.local_batch_size} x {dims.dp} data-parallel "
-            f"ranks): {fix}, or add --checkpoint.exclude_from_loading dataloader to restart the data stream"
-        )
-    try:
-        loader.load_state_dict(saved)
-    except ValueError as e:
-        raise ConfigError(f"cannot continue the checkpoint's data stream: {e}") from None
 
 
 def main(cfg: JobConfig) -> int:
