@@ -74,7 +74,7 @@ _COVERING_RUNS = {
     "tests/distributed/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan": [
         "tpu.scan_layers"
     ],
-    "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["training.loss_chunk_size"],
+    "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["tpu.loss_chunk_size"],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
     "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
 }

@@ -3,7 +3,7 @@ CPU (the oracle: F.cross_entropy on the whole logits), in value and in every par
 gradient, on the CPU itself, eagerly on tpu, under torchtpu.compile, and in the trainer sharded
 over the 8 virtual devices (FSDP). With tensor parallelism the trainer computes the loss whole
 (the chunked loss under TP 2 x FSDP 4 aborted the process in its first step, "terminate called
-without an active exception": not supported yet; [training] loss_chunk_size's help says so)."""
+without an active exception": not supported yet; [tpu] loss_chunk_size's help says so)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def _keep_current_mesh():
 
 @pytest.mark.parametrize("tp", [1])
 def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current_mesh, tp):
-    """The trainer over 8 devices (FSDP 8), [training] loss_chunk_size = 8 on 32-token sequences (4 chunks) against loss_chunk_size = 0:
+    """The trainer over 8 devices (FSDP 8), [tpu] loss_chunk_size = 8 on 32-token sequences (4 chunks) against loss_chunk_size = 0:
     the same losses step after step (training on, so gradients are compared through the updates)."""
     import os
 
@@ -142,7 +142,7 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
             "1",
             "--parallelism.tensor_parallel_degree",
             str(tp),
-            "--training.loss_chunk_size",
+            "--tpu.loss_chunk_size",
             str(chunk),
         ]
         t = Trainer(load_config(argv))

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from torchtpu.backend import dtypes
-from torchtpu.backend.dispatch import array_of, write
 from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.transfer import from_jax
+from torchtpu.backend.views import array_of, write
 
 from .checkpoint_files import CheckpointError
 

@@ -292,15 +292,6 @@ class Training:
     mixed_precision_reduce: str = _opt(
         "float32", "Dtype of gradient reductions across data-parallel ranks.", choices=("float32",)
     )
-    loss_chunk_size: int = _opt(
-        2048,
-        "Sequence positions per chunk of the loss: the output projection and "
-        "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
-        "logits of the whole sequence are never held. 0 computes the loss on the whole "
-        "logits. With tensor parallelism the loss is always computed whole (its logits are "
-        "already split over the tp ranks; chunking them is not supported yet).",
-        check=_non_negative,
-    )
     gc_freq: int = _opt(50, "Run Python's garbage collector every this many steps.", check=_positive)
     dataloader: DataLoader = _section(DataLoader, "Data loading for training.")
 
@@ -525,6 +516,15 @@ class Tpu:
         "Compile the model's identical transformer blocks once and run them under "
         "jax.lax.scan (compile time independent of depth). Applies with [activation_checkpoint] "
         'mode = "full" (the scan recomputes each block in backward); false: blocks unrolled.',
+    )
+    loss_chunk_size: int = _opt(
+        2048,
+        "Sequence positions per chunk of the loss: the output projection and "
+        "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
+        "logits of the whole sequence are never held. 0 computes the loss on the whole "
+        "logits. With tensor parallelism the loss is always computed whole (its logits are "
+        "already split over the tp ranks; chunking them is not supported yet).",
+        check=_non_negative,
     )
 
 

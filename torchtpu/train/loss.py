@@ -54,7 +54,7 @@ def _hidden_and_head(model, inputs):
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(
             f"chunked_cross_entropy_loss: model.output is a {type(head).__name__}, not an nn.Linear; "
-            "set [training] loss_chunk_size = 0 for the plain loss"
+            "set [tpu] loss_chunk_size = 0 for the plain loss"
         )
     seen = {}
 
@@ -71,7 +71,7 @@ def _hidden_and_head(model, inputs):
     if "weight" not in seen:
         raise RuntimeError(
             "chunked_cross_entropy_loss: the model's forward did not call model.output; "
-            "set [training] loss_chunk_size = 0 for the plain loss"
+            "set [tpu] loss_chunk_size = 0 for the plain loss"
         )
     return h, seen["weight"], seen["bias"]
 

@@ -276,8 +276,8 @@ class Trainer:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
             # loss_parallel): the cross entropy reduces across the tp shards, never gathering them.
             with self._loss_context():
-                # (chunked unless tensor parallel: see [training] loss_chunk_size)
-                chunk = self.cfg.training.loss_chunk_size if self.dims.tp == 1 else 0
+                # (chunked unless tensor parallel: see [tpu] loss_chunk_size)
+                chunk = self.cfg.tpu.loss_chunk_size if self.dims.tp == 1 else 0
                 loss = language_model_loss(self.model, inputs, labels, chunk)
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
