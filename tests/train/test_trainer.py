@@ -111,10 +111,10 @@ def reference_losses(cfg, init, steps):
     from torchtitan.models.llama3 import Transformer
 
     from torchtpu.train.data import build_global_batch_loader
+    from torchtpu.train.loss import cross_entropy_loss
     from torchtpu.train.lr import build_lr_scheduler
     from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.loss import cross_entropy_loss
 
     tok = build_tokenizer(None)
     args = build_model_args(cfg, tok.vocab_size)
