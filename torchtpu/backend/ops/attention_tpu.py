@@ -364,15 +364,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
 
         def dkv(q, k, v, bias, m, g, di):
             return _fa._flash_attention_bwd_dkv(
-                q,
-                k,
-                v,
-                bias,
-                None,
-                ones,
-                m,
-                g,
-                di,
+                *(q, k, v, bias, None, ones, m, g, di),
                 block_q_major=bs.block_q_major_dkv,
                 block_q=bs.block_q_dkv,
                 block_k_major=bs.block_k_major_dkv,
@@ -384,15 +376,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
 
         def dq(q, k, v, bias, m, g, di):
             return _fa._flash_attention_bwd_dq(
-                q,
-                k,
-                v,
-                bias,
-                None,
-                ones,
-                m,
-                g,
-                di,
+                *(q, k, v, bias, None, ones, m, g, di),
                 block_q_major=bs.block_q_dq,
                 block_k_major=bs.block_k_major_dq,
                 block_k=bs.block_k_dq,

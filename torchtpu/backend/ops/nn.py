@@ -502,21 +502,7 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
     return r.astype(grad.dtype)
 
 
-@lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
-def _embedding_bag_lowering(
-    weight,
-    indices,
-    offsets,
-    scale_grad_by_freq=False,
-    mode=0,
-    sparse=False,
-    per_sample_weights=None,
-    include_last_offset=False,
-    padding_idx=-1,
-):
-    return _embedding_bag(
-        weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx
-    )
+lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)(_embedding_bag)
 
 
 # ----------------------------------------------------------------------------- fused RNN cells

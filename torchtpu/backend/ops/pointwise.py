@@ -700,13 +700,19 @@ def float_power(self, exponent):
     return _pow(cast(self, dt), cast(exponent, dt))
 
 
-def _float_binary(fn, *ops):
+def _binary(fn, *ops, **promotion):
+    """Register fn(a, b) for `ops`, after promoting both operands (promote's keyword `promotion`)."""
+
     def low(self, other):
-        (a, b), dt = promote(self, other, float_=True)
+        (a, b), _ = promote(self, other, **promotion)
         return fn(a, b)
 
     lower(*ops)(low)
     return low
+
+
+def _float_binary(fn, *ops):
+    return _binary(fn, *ops, float_=True)
 
 
 _float_binary(jnp.arctan2, aten.atan2.default, aten.arctan2.default, prims.atan2.default)
@@ -812,12 +818,7 @@ _binary_same(
 
 
 def _cmp(fn, *ops):
-    def low(self, other):
-        (a, b), dt = promote(self, other, opmath=False)
-        return fn(a, b)
-
-    lower(*ops)(low)
-    return low
+    return _binary(fn, *ops, opmath=False)
 
 
 _cmp(jnp.equal, aten.eq.Tensor, aten.eq.Scalar, prims.eq.default)
