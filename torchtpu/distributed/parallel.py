@@ -26,15 +26,7 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.parallel import style as styles
 
 from .batch import activation_batch_axes
 from .dtensor import shard_as
@@ -64,7 +56,7 @@ def parallelize_module(
         raise RuntimeError("parallelize_module needs a device mesh: call torchtpu.distributed.init_device_mesh first")
     if parallelize_plan is None:
         return module
-    if isinstance(parallelize_plan, ParallelStyle):
+    if isinstance(parallelize_plan, styles.ParallelStyle):
         _apply(module, mesh, parallelize_plan, type(module).__name__)
         return module
     if not isinstance(parallelize_plan, dict):
@@ -176,7 +168,7 @@ def _layout(t, mesh, placement, grad_placement):
 
 
 def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
-    if isinstance(style, ColwiseParallel):
+    if isinstance(style, styles.ColwiseParallel):
         _tp_axes(mesh, style)
         if isinstance(module, nn.Linear):
             _split_param(module, "weight", mesh, 0)
@@ -188,7 +180,7 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
         else:
             raise TypeError(f"ColwiseParallel supports nn.Linear and nn.Embedding; {name} is {type(module).__name__}")
         _io_hooks(module, mesh, style.input_layouts, (desired,), style.output_layouts, (Shard(-1),))
-    elif isinstance(style, RowwiseParallel):
+    elif isinstance(style, styles.RowwiseParallel):
         _tp_axes(mesh, style)
         if isinstance(module, nn.Linear):
             _split_param(module, "weight", mesh, 1)
@@ -200,16 +192,16 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
         else:
             raise TypeError(f"RowwiseParallel supports nn.Linear and nn.Embedding; {name} is {type(module).__name__}")
         _io_hooks(module, mesh, style.input_layouts, (desired,), style.output_layouts, (Partial(),))
-    elif isinstance(style, SequenceParallel):
+    elif isinstance(style, styles.SequenceParallel):
         _tp_axes(mesh, style)
         seq = style.sequence_sharding
         for pname in list(module._parameters):
             _split_param(module, pname, mesh, None)
         _io_hooks(module, mesh, seq, seq, seq, seq)
-    elif isinstance(style, PrepareModuleInputOutput):
+    elif isinstance(style, styles.PrepareModuleInputOutput):
         _apply(module, mesh, style.prepare_module_input, name)
         _apply(module, mesh, style.prepare_module_output, name)
-    elif isinstance(style, PrepareModuleInput):
+    elif isinstance(style, styles.PrepareModuleInput):
         _tp_axes(mesh, style)
         _input_hook(
             module,
@@ -219,7 +211,7 @@ def _apply(module: nn.Module, mesh: DeviceMesh, style, name: str) -> None:
             style.input_kwarg_layouts,
             style.desired_input_kwarg_layouts,
         )
-    elif isinstance(style, PrepareModuleOutput):
+    elif isinstance(style, styles.PrepareModuleOutput):
         _tp_axes(mesh, style)
         outs, desired = style.output_layouts, style.desired_output_layouts
 

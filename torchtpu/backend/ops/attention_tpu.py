@@ -102,21 +102,14 @@ def _block(n: int) -> int:
     return _LANES
 
 
+# BlockSizes' fields by the axis they block: the forward and both backward kernels use one
+# block size for queries and one for keys
+_QUERY_BLOCKS = ("block_q", "block_q_major_dkv", "block_q_dkv", "block_q_dq")
+_KEY_BLOCKS = ("block_k_major", "block_k", "block_k_major_dkv", "block_k_dkv", "block_k_major_dq", "block_k_dq")
+
+
 def _block_sizes(L: int, S: int) -> _fa.BlockSizes:
-    bq, bk = _block(L), _block(S)
-    return _fa.BlockSizes(
-        block_q=bq,
-        block_k_major=bk,
-        block_k=bk,
-        block_b=1,
-        block_q_major_dkv=bq,
-        block_k_major_dkv=bk,
-        block_k_dkv=bk,
-        block_q_dkv=bq,
-        block_k_major_dq=bk,
-        block_k_dq=bk,
-        block_q_dq=bq,
-    )
+    return _fa.BlockSizes(block_b=1, **dict.fromkeys(_QUERY_BLOCKS, _block(L)), **dict.fromkeys(_KEY_BLOCKS, _block(S)))
 
 
 # ----------------------------------------------------------------------------- declared costs
@@ -361,6 +354,8 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     def kernels(q, k, v, g, m, di, *rest):
         bias = rest[0] if rest else None
         ones = jnp.ones_like(m)
+        # what both backward kernels take besides their operands and block sizes
+        options = dict(sm_scale=scale, causal=causal, mask_value=MASK_VALUE)
 
         def dkv(q, k, v, bias, m, g, di):
             return _fa._flash_attention_bwd_dkv(
@@ -369,9 +364,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
                 block_q=bs.block_q_dkv,
                 block_k_major=bs.block_k_major_dkv,
                 block_k=bs.block_k_dkv,
-                sm_scale=scale,
-                causal=causal,
-                mask_value=MASK_VALUE,
+                **options,
             )
 
         def dq(q, k, v, bias, m, g, di):
@@ -380,10 +373,8 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
                 block_q_major=bs.block_q_dq,
                 block_k_major=bs.block_k_major_dq,
                 block_k=bs.block_k_dq,
-                sm_scale=scale,
-                causal=causal,
-                mask_value=MASK_VALUE,
                 debug=False,
+                **options,
             )[0]
 
         with jax.enable_x64(False):

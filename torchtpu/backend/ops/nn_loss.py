@@ -140,6 +140,16 @@ def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None,
 # ----------------------------------------------------------------------------- regression losses
 
 
+def _elementwise_loss_grad(dloss, grad_output, reduction, self):
+    """The gradient with respect to `self` of a loss of elementwise terms, from `dloss`, each
+    term's derivative (shaped like the broadcast of self and target): times the incoming
+    gradient, divided by the number of terms for a mean, at self's dtype."""
+    g = dloss * _acc(grad_output)
+    if reduction == 1:
+        g = g / dloss.size
+    return jnp.broadcast_to(g, dloss.shape).astype(self.dtype)
+
+
 def _mse(self, target, reduction):
     d = _acc(self) - _acc(target)
     return _reduce(d * d, reduction).astype(jnp.result_type(self, target))
@@ -153,24 +163,17 @@ def mse_loss(self, target, reduction=1):
 @lower(aten.mse_loss_backward.default)
 def mse_loss_backward(grad_output, self, target, reduction):
     d = _acc(self) - _acc(target)
-    g = 2 * d * _acc(grad_output)
-    if reduction == 1:
-        g = g / d.size
-    return jnp.broadcast_to(g, d.shape).astype(self.dtype)
+    return _elementwise_loss_grad(2 * d, grad_output, reduction, self)
 
 
-def _smooth_l1(self, target, reduction, beta):
+@lower(aten.smooth_l1_loss.default)
+def smooth_l1_loss(self, target, reduction=1, beta=1.0):
     d = jnp.abs(_acc(self) - _acc(target))
     if beta == 0:
         loss = d
     else:
         loss = jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta)
     return _reduce(loss, reduction).astype(jnp.result_type(self, target))
-
-
-@lower(aten.smooth_l1_loss.default)
-def smooth_l1_loss(self, target, reduction=1, beta=1.0):
-    return _smooth_l1(self, target, reduction, beta)
 
 
 @lower(aten.smooth_l1_loss_backward.default)
@@ -181,21 +184,14 @@ def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
         g = jnp.sign(d)
     else:
         g = jnp.where(d <= -beta, -1.0, jnp.where(d >= beta, 1.0, d / beta)).astype(x.dtype)
-    g = g * _acc(grad_output)
-    if reduction == 1:
-        g = g / d.size
-    return jnp.broadcast_to(g, d.shape).astype(self.dtype)
-
-
-def _huber(self, target, reduction, delta):
-    d = jnp.abs(_acc(self) - _acc(target))
-    loss = jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta))
-    return _reduce(loss, reduction).astype(jnp.result_type(self, target))
+    return _elementwise_loss_grad(g, grad_output, reduction, self)
 
 
 @lower(aten.huber_loss.default)
 def huber_loss(self, target, reduction=1, delta=1.0):
-    return _huber(self, target, reduction, delta)
+    d = jnp.abs(_acc(self) - _acc(target))
+    loss = jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta))
+    return _reduce(loss, reduction).astype(jnp.result_type(self, target))
 
 
 @lower(aten.huber_loss_backward.default)
@@ -203,10 +199,7 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
     x = _acc(self)
     d = x - _acc(target)
     g = jnp.where(d <= -delta, -delta, jnp.where(d >= delta, delta, d)).astype(x.dtype)
-    g = g * _acc(grad_output)
-    if reduction == 1:
-        g = g / d.size
-    return jnp.broadcast_to(g, d.shape).astype(self.dtype)
+    return _elementwise_loss_grad(g, grad_output, reduction, self)
 
 
 def _soft_margin(self, target, reduction):

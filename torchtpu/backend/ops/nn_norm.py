@@ -8,6 +8,8 @@ batch variance.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -25,10 +27,15 @@ def _acc(x):
 # ----------------------------------------------------------------------------- layer norm
 
 
+def _norm_axes(ndim, normalized_shape):
+    """(normalized axes, batch axes) of an `ndim`-dim input: its last len(normalized_shape) dims, and those before."""
+    k = len(normalized_shape)
+    return tuple(range(ndim - k, ndim)), tuple(range(ndim - k))
+
+
 def _layer_norm(input, normalized_shape, weight, bias, eps):
     x = _acc(input)
-    k = len(normalized_shape)
-    axes = tuple(range(x.ndim - k, x.ndim))
+    axes, _ = _norm_axes(x.ndim, normalized_shape)
     mean = jnp.mean(x, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
     rstd = lax.rsqrt(var + eps)
@@ -52,9 +59,7 @@ def _stat_dtype(x):
 
 @lower(aten.native_layer_norm_backward.default)
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    k = len(normalized_shape)
-    axes = tuple(range(input.ndim - k, input.ndim))
-    batch_axes = tuple(range(input.ndim - k))
+    axes, batch_axes = _norm_axes(input.ndim, normalized_shape)
     x = _acc(input)
     g = _acc(grad_out)
     mean = _acc(mean)
@@ -63,9 +68,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     gi = gw = gb = None
     if output_mask[0]:
         gx = g * _acc(weight) if weight is not None else g
-        n = 1
-        for s in normalized_shape:
-            n *= s
+        n = math.prod(normalized_shape)
         a = jnp.sum(gx, axis=axes, keepdims=True) / n
         b = jnp.sum(gx * xhat, axis=axes, keepdims=True) / n
         gi = (rstd * (gx - a - xhat * b)).astype(input.dtype)
@@ -81,8 +84,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
 
 def _rms_norm(input, normalized_shape, weight, eps):
     x = _acc(input)
-    k = len(normalized_shape)
-    axes = tuple(range(x.ndim - k, x.ndim))
+    axes, _ = _norm_axes(x.ndim, normalized_shape)
     if eps is None:
         eps = float(jnp.finfo(x.dtype).eps)
     rstd = lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
@@ -100,18 +102,14 @@ def _fused_rms_norm(input, normalized_shape, weight, eps=None):
 
 @lower(aten._fused_rms_norm_backward.default)
 def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    k = len(normalized_shape)
-    axes = tuple(range(input.ndim - k, input.ndim))
-    batch_axes = tuple(range(input.ndim - k))
+    axes, batch_axes = _norm_axes(input.ndim, normalized_shape)
     x = _acc(input)
     g = _acc(grad_out)
     r = _acc(rstd)
     gi = gw = None
     if output_mask[0]:
         gx = g * _acc(weight) if weight is not None else g
-        n = 1
-        for s in normalized_shape:
-            n *= s
+        n = math.prod(normalized_shape)
         dot = jnp.sum(gx * x, axis=axes, keepdims=True) / n
         gi = (r * gx - x * (r**3) * dot).astype(input.dtype)
     if output_mask[1] and weight is not None:

@@ -207,19 +207,18 @@ def adaptive_max_nd(x, n, output_size):
     return _max_with_indices(win, flat, valid, x.dtype)
 
 
-@lower(aten.adaptive_max_pool1d.default)
-def adaptive_max_pool1d(self, output_size):
-    return adaptive_max_nd(self, 1, output_size)
+def _adaptive(pool_nd, n, *ops):
+    """Register `pool_nd(x, n, output_size)`, adaptive pooling over the last n dims, for `ops`."""
+
+    def low(self, output_size):
+        return pool_nd(self, n, output_size)
+
+    lower(*ops)(low)
 
 
-@lower(aten.adaptive_max_pool2d.default)
-def adaptive_max_pool2d(self, output_size):
-    return adaptive_max_nd(self, 2, output_size)
-
-
-@lower(aten.adaptive_max_pool3d.default)
-def adaptive_max_pool3d(self, output_size):
-    return adaptive_max_nd(self, 3, output_size)
+_adaptive(adaptive_max_nd, 1, aten.adaptive_max_pool1d.default)
+_adaptive(adaptive_max_nd, 2, aten.adaptive_max_pool2d.default)
+_adaptive(adaptive_max_nd, 3, aten.adaptive_max_pool3d.default)
 
 
 def _adaptive_matrix(L, o, dtype):
@@ -252,31 +251,23 @@ def adaptive_avg_nd(x, n, output_size):
     return y.astype(x.dtype)
 
 
-@lower(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default)
-def _adaptive_avg_pool2d(self, output_size):
-    return adaptive_avg_nd(self, 2, output_size)
+_adaptive(adaptive_avg_nd, 1, aten.adaptive_avg_pool1d.default)
+_adaptive(adaptive_avg_nd, 2, aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default)
+_adaptive(adaptive_avg_nd, 3, aten._adaptive_avg_pool3d.default, aten.adaptive_avg_pool3d.default)
 
 
-@lower(aten._adaptive_avg_pool3d.default, aten.adaptive_avg_pool3d.default)
-def _adaptive_avg_pool3d(self, output_size):
-    return adaptive_avg_nd(self, 3, output_size)
+def _adaptive_avg_backward(n, op):
+    """Register for `op` the gradient of adaptive average pooling over the last n dims."""
+
+    def low(grad_output, self):
+        _, vjp = jax.vjp(lambda x: adaptive_avg_nd(x, n, grad_output.shape[-n:]), self)
+        return vjp(grad_output.astype(self.dtype))[0]
+
+    lower(op)(low)
 
 
-@lower(aten.adaptive_avg_pool1d.default)
-def adaptive_avg_pool1d(self, output_size):
-    return adaptive_avg_nd(self, 1, output_size)
-
-
-@lower(aten._adaptive_avg_pool2d_backward.default)
-def _adaptive_avg_pool2d_backward(grad_output, self):
-    _, vjp = jax.vjp(lambda x: adaptive_avg_nd(x, 2, grad_output.shape[-2:]), self)
-    return vjp(grad_output.astype(self.dtype))[0]
-
-
-@lower(aten._adaptive_avg_pool3d_backward.default)
-def _adaptive_avg_pool3d_backward(grad_output, self):
-    _, vjp = jax.vjp(lambda x: adaptive_avg_nd(x, 3, grad_output.shape[-3:]), self)
-    return vjp(grad_output.astype(self.dtype))[0]
+_adaptive_avg_backward(2, aten._adaptive_avg_pool2d_backward.default)
+_adaptive_avg_backward(3, aten._adaptive_avg_pool3d_backward.default)
 
 
 # ----------------------------------------------------------------------------- average pooling
@@ -333,24 +324,21 @@ def avg_pool1d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_i
     return avg_pool_nd(self, 1, kernel_size, stride, padding, ceil_mode, count_include_pad, None)
 
 
-@lower(aten.avg_pool2d_backward.default)
-def avg_pool2d_backward(
-    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-):
-    _, vjp = jax.vjp(
-        lambda x: avg_pool_nd(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), self
-    )
-    return vjp(grad_output.astype(self.dtype))[0]
+def _avg_pool_backward(n, op):
+    """Register for `op` the gradient of average pooling over the last n dims."""
+
+    def low(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        _, vjp = jax.vjp(
+            lambda x: avg_pool_nd(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override),
+            self,
+        )
+        return vjp(grad_output.astype(self.dtype))[0]
+
+    lower(op)(low)
 
 
-@lower(aten.avg_pool3d_backward.default)
-def avg_pool3d_backward(
-    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-):
-    _, vjp = jax.vjp(
-        lambda x: avg_pool_nd(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), self
-    )
-    return vjp(grad_output.astype(self.dtype))[0]
+_avg_pool_backward(2, aten.avg_pool2d_backward.default)
+_avg_pool_backward(3, aten.avg_pool3d_backward.default)
 
 
 # ----------------------------------------------------------------------------- unpooling

@@ -423,29 +423,22 @@ def logical_not(self):
     return self == 0
 
 
-@lower(aten.isnan.default)
-def isnan(self):
-    return jnp.isnan(self) if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.zeros(self.shape, bool)
+def _float_class_test(test, kind, otherwise, *ops):
+    """Register `test` (isnan, isinf...) for `ops`. It applies to inputs of the dtype class `kind`;
+    on any other dtype (integers, bool) no element can be what it tests for, or every element
+    is, so the result is `otherwise` (jnp.zeros or jnp.ones) of the input's shape."""
+
+    def low(self):
+        return test(self) if jnp.issubdtype(self.dtype, kind) else otherwise(self.shape, bool)
+
+    lower(*ops)(low)
 
 
-@lower(aten.isinf.default)
-def isinf(self):
-    return jnp.isinf(self) if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.zeros(self.shape, bool)
-
-
-@lower(aten.isfinite.default, prims.isfinite.default)
-def isfinite(self):
-    return jnp.isfinite(self) if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.ones(self.shape, bool)
-
-
-@lower(aten.isposinf.default)
-def isposinf(self):
-    return jnp.isposinf(self) if jnp.issubdtype(self.dtype, jnp.floating) else jnp.zeros(self.shape, bool)
-
-
-@lower(aten.isneginf.default)
-def isneginf(self):
-    return jnp.isneginf(self) if jnp.issubdtype(self.dtype, jnp.floating) else jnp.zeros(self.shape, bool)
+_float_class_test(jnp.isnan, jnp.inexact, jnp.zeros, aten.isnan.default)
+_float_class_test(jnp.isinf, jnp.inexact, jnp.zeros, aten.isinf.default)
+_float_class_test(jnp.isfinite, jnp.inexact, jnp.ones, aten.isfinite.default, prims.isfinite.default)
+_float_class_test(jnp.isposinf, jnp.floating, jnp.zeros, aten.isposinf.default)
+_float_class_test(jnp.isneginf, jnp.floating, jnp.zeros, aten.isneginf.default)
 
 
 @lower(aten.isreal.default)
@@ -488,16 +481,6 @@ def nan_to_num(self, nan=None, posinf=None, neginf=None):
 def frexp(self):
     m, e = jnp.frexp(self)
     return m, e.astype(jnp.int32)
-
-
-@lower(prims.real.default)
-def prims_real(self):
-    return jnp.real(self)
-
-
-@lower(prims.imag.default)
-def prims_imag(self):
-    return jnp.imag(self)
 
 
 # ----------------------------------------------------------------------------- binary arithmetic

@@ -489,20 +489,20 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
 # ----------------------------------------------------------------------------- scans
 
 
-@lower(aten.cumsum.default)
-def cumsum(self, dim, *, dtype=None):
-    out = _sum_dtype(self, dtype)
-    x = self.astype(_compute(out))
-    ax = _axis(dim, x.ndim)
-    return x if ax is None else jnp.cumsum(x, axis=ax)
+def _cumulative(scan, op):
+    """Register `scan` (jnp.cumsum, jnp.cumprod) for `op`, in the dtype sum would give."""
+
+    def low(self, dim, *, dtype=None):
+        out = _sum_dtype(self, dtype)
+        x = self.astype(_compute(out))
+        ax = _axis(dim, x.ndim)
+        return x if ax is None else scan(x, axis=ax)
+
+    lower(op)(low)
 
 
-@lower(aten.cumprod.default)
-def cumprod(self, dim, *, dtype=None):
-    out = _sum_dtype(self, dtype)
-    x = self.astype(_compute(out))
-    ax = _axis(dim, x.ndim)
-    return x if ax is None else jnp.cumprod(x, axis=ax)
+_cumulative(jnp.cumsum, aten.cumsum.default)
+_cumulative(jnp.cumprod, aten.cumprod.default)
 
 
 @lower(aten.cumprod_backward.default)
@@ -678,36 +678,27 @@ def _median_dim(self, ax, keepdim, ignore_nan):
     return (v, i) if keepdim else (jnp.squeeze(v, ax), jnp.squeeze(i, ax))
 
 
-@lower(aten.median.dim)
-def median_dim(self, dim, keepdim=False):
-    ax = _axis(dim, self.ndim)
-    if ax is None:
-        return self, _zeros_index(())
-    return _median_dim(self, ax, keepdim, False)
+def _median(packet, ignore_nan):
+    """Register median (or nanmedian, which skips NaNs: ignore_nan) along a dim and of all elements."""
+
+    def along_dim(self, dim, keepdim=False):
+        ax = _axis(dim, self.ndim)
+        if ax is None:
+            return self, _zeros_index(())
+        return _median_dim(self, ax, keepdim, ignore_nan)
+
+    def of_all(self):
+        _no_bool(packet.__name__, self)
+        if self.size == 0:
+            return jnp.full((), jnp.nan, self.dtype if _is_inexact(self) else jnp.float32)
+        return _median_dim(self.reshape(-1), 0, False, ignore_nan)[0]
+
+    lower(packet.dim)(along_dim)
+    lower(packet.default)(of_all)
 
 
-@lower(aten.nanmedian.dim)
-def nanmedian_dim(self, dim, keepdim=False):
-    ax = _axis(dim, self.ndim)
-    if ax is None:
-        return self, _zeros_index(())
-    return _median_dim(self, ax, keepdim, True)
-
-
-@lower(aten.median.default)
-def median(self):
-    _no_bool("median", self)
-    if self.size == 0:
-        return jnp.full((), jnp.nan, self.dtype if _is_inexact(self) else jnp.float32)
-    return _median_dim(self.reshape(-1), 0, False, False)[0]
-
-
-@lower(aten.nanmedian.default)
-def nanmedian(self):
-    _no_bool("nanmedian", self)
-    if self.size == 0:
-        return jnp.full((), jnp.nan, self.dtype if _is_inexact(self) else jnp.float32)
-    return _median_dim(self.reshape(-1), 0, False, True)[0]
+_median(aten.median, False)
+_median(aten.nanmedian, True)
 
 
 @lower(aten.mode.default)

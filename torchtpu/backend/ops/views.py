@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from ..registry import aten, lower
+
+prims = torch.ops.prims
 
 
 def _dim(d, ndim):
@@ -218,11 +221,11 @@ def view_as_complex(self):
     return lax.complex(self[..., 0], self[..., 1])
 
 
-@lower(aten.real.default)
+@lower(aten.real.default, prims.real.default)
 def real(self):
     return jnp.real(self)
 
 
-@lower(aten.imag.default)
+@lower(aten.imag.default, prims.imag.default)
 def imag(self):
     return jnp.imag(self)
