@@ -27,6 +27,7 @@ _.memory_format
 _.non_blocking
 _.unsafe
 _.sparse_grad
+_.sparse
 _.sorted_
 _.assume_unique
 _.check_errors

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..registry import POST, aten, lower
+from ..registry import POST, aten, bind, lower
 from . import attention_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -636,34 +636,14 @@ def _sdpa_flash_cpu_backward(
 
 
 @lower(aten._embedding_bag_backward.default)
-def _embedding_bag_backward(
-    grad,
-    indices,
-    offsets,
-    offset2bag,
-    bag_size,
-    maximum_indices,
-    num_weights,
-    scale_grad_by_freq,
-    mode,
-    sparse,
-    per_sample_weights,
-    padding_idx=-1,
-):
-    if sparse:
+def _embedding_bag_backward(*args, **kwargs):
+    """The dense backward, whose arguments are these less `offsets` (offset2bag already maps
+    each index to its bag) and `sparse` (sparse gradients are not supported)."""
+    a = bind(aten._embedding_bag_backward.default, args, kwargs)
+    if a.pop("sparse"):
         raise NotImplementedError("torchtpu: embedding_bag(sparse=True) gradients are not supported; use sparse=False")
-    return _embedding_bag_dense_backward(
-        grad,
-        indices,
-        offset2bag,
-        bag_size,
-        maximum_indices,
-        num_weights,
-        scale_grad_by_freq,
-        mode,
-        per_sample_weights,
-        padding_idx,
-    )
+    del a["offsets"]
+    return _embedding_bag_dense_backward(**a)
 
 
 # ----------------------------------------------------------------------------- fused attention

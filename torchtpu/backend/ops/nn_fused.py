@@ -9,39 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..registry import custom
+from ..registry import bind, custom
 
 aten = torch.ops.aten
 
 
 @custom(aten._transformer_encoder_layer_fwd.default)
 def transformer_encoder_layer_fwd(args, kwargs):
-    names = (
-        "src",
-        "embed_dim",
-        "num_heads",
-        "qkv_weight",
-        "qkv_bias",
-        "proj_weight",
-        "proj_bias",
-        "use_gelu",
-        "norm_first",
-        "eps",
-        "norm_weight_1",
-        "norm_bias_1",
-        "norm_weight_2",
-        "norm_bias_2",
-        "ffn_weight_1",
-        "ffn_bias_1",
-        "ffn_weight_2",
-        "ffn_bias_2",
-        "mask",
-        "mask_type",
-    )
-    a = dict(zip(names, args))
-    a.update(kwargs)
-    a.setdefault("mask", None)
-    a.setdefault("mask_type", None)
+    a = bind(aten._transformer_encoder_layer_fwd.default, args, kwargs)
     src = a["src"]
     dim = a["embed_dim"]
 
@@ -80,28 +55,11 @@ def transformer_encoder_layer_fwd(args, kwargs):
 
 @custom(aten._native_multi_head_attention.default)
 def native_multi_head_attention(args, kwargs):
-    names = (
-        "query",
-        "key",
-        "value",
-        "embed_dim",
-        "num_head",
-        "qkv_weight",
-        "qkv_bias",
-        "proj_weight",
-        "proj_bias",
-        "mask",
-        "need_weights",
-        "average_attn_weights",
-        "mask_type",
-    )
-    a = dict(zip(names, args))
-    a.update(kwargs)
+    a = bind(aten._native_multi_head_attention.default, args, kwargs)
     q_in, k_in, v_in = a["query"], a["key"], a["value"]
     dim, heads = a["embed_dim"], a["num_head"]
-    mask, mask_type = a.get("mask"), a.get("mask_type")
-    need_weights = a.get("need_weights", True)
-    average = a.get("average_attn_weights", True)
+    mask, mask_type = a["mask"], a["mask_type"]
+    need_weights, average = a["need_weights"], a["average_attn_weights"]
     wq, wk, wv = a["qkv_weight"].chunk(3, dim=0)
     bq, bk, bv = a["qkv_bias"].chunk(3, dim=0)
     unbatched = q_in.dim() == 2
