@@ -60,22 +60,34 @@ def slice_shape(tpu: str, chips_per_host: int | None = None) -> dict:
     }
 
 
-def _common(p) -> None:
+# subcommand -> (its line in the list of subcommands, its own --help description)
+_SUBCOMMANDS = {
+    "gke": (
+        "print a GKE JobSet manifest (and the xpk command)",
+        "Render a JobSet manifest for GKE TPU node pools; it is printed, not applied.",
+    ),
+    "skypilot": (
+        "print a SkyPilot task",
+        "Render a SkyPilot task for a TPU VM pod slice; it is printed, not launched.",
+    ),
+}
+
+
+def _add_parser(sub, name: str):
+    """The subcommand's parser, with the options gke and skypilot share."""
+    help, description = _SUBCOMMANDS[name]
+    p = sub.add_parser(name, help=help, description=description)
     p.add_argument("--name", required=True, help="job name (lower case, digits and -)")
     p.add_argument("--tpu", required=True, help="slice as GENERATION:TOPOLOGY, e.g. v5p:4x4x4 (64 chips)")
     p.add_argument("--num-slices", type=int, default=1)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--workdir", default=None)
     p.add_argument("--log-dir", default="logs", help="per-attempt host logs, relative to the working folder")
+    return p
 
 
 def add_gke_parser(sub) -> None:
-    p = sub.add_parser(
-        "gke",
-        help="print a GKE JobSet manifest (and the xpk command)",
-        description="Render a JobSet manifest for GKE TPU node pools; it is printed, not applied.",
-    )
-    _common(p)
+    p = _add_parser(sub, "gke")
     p.add_argument("--image", required=True, help="container image with torchtpu installed")
     p.add_argument("--cluster", default="CLUSTER", help="GKE cluster, for the xpk command")
     p.add_argument("--chips-per-host", type=int, default=None)
@@ -85,12 +97,7 @@ def add_gke_parser(sub) -> None:
 
 
 def add_skypilot_parser(sub) -> None:
-    p = sub.add_parser(
-        "skypilot",
-        help="print a SkyPilot task",
-        description="Render a SkyPilot task for a TPU VM pod slice; it is printed, not launched.",
-    )
-    _common(p)
+    p = _add_parser(sub, "skypilot")
     p.add_argument("--runtime-version", default="v2-alpha-tpuv5", help="TPU VM software version")
     p.add_argument("--zone", default=None)
 
@@ -109,25 +116,15 @@ def _render(template: str, **values) -> str:
         return Template(f.read()).substitute(**{k: str(v) for k, v in values.items()})
 
 
-def render_gke(
-    name: str,
-    tpu: str,
-    image: str,
-    cmd: list[str],
-    num_slices: int = 1,
-    max_restarts: int = 3,
-    chips_per_host: int | None = None,
-    workdir: str | None = None,
-    log_dir: str = "logs",
-    shutdown_timeout: int = 120,
-) -> str:
-    name = _name(name)
-    s = slice_shape(tpu, chips_per_host)
+def render_gke(args, cmd: list[str]) -> str:
+    """The JobSet manifest for `args`, the options of `torchtpu-launch gke`, running `cmd`."""
+    name = _name(args.name)
+    s = slice_shape(args.tpu, args.chips_per_host)
     megascale = ""
-    if num_slices > 1:
+    if args.num_slices > 1:
         env = {
             "MEGASCALE_COORDINATOR_ADDRESS": f"{name}-slice-0-0.{name}:8080",
-            "MEGASCALE_NUM_SLICES": str(num_slices),
+            "MEGASCALE_NUM_SLICES": str(args.num_slices),
             "MEGASCALE_PORT": "8080",
         }
         rows = [f'                    - name: {k}\n                      value: "{v}"' for k, v in env.items()]
@@ -140,106 +137,77 @@ def render_gke(
     return _render(
         "jobset.yaml",
         name=name,
-        max_restarts=max_restarts,
-        num_slices=num_slices,
+        max_restarts=args.max_restarts,
+        num_slices=args.num_slices,
         hosts_per_slice=s["hosts_per_slice"],
-        nnodes=s["hosts_per_slice"] * num_slices,
+        nnodes=s["hosts_per_slice"] * args.num_slices,
         accelerator=s["accelerator"],
         topology=s["topology"],
-        image=image,
-        workdir=workdir or "/app",
+        image=args.image,
+        workdir=args.workdir or "/app",
         chips_per_host=s["chips_per_host"],
         megascale_env=megascale,
         command=shlex.join(cmd),
-        log_dir=log_dir,
-        shutdown_timeout=shutdown_timeout,
-        grace_seconds=shutdown_timeout + 30,
+        log_dir=args.log_dir,
+        shutdown_timeout=args.shutdown_timeout,
+        grace_seconds=args.shutdown_timeout + 30,
     )
 
 
-def xpk_command(
-    name: str,
-    tpu: str,
-    image: str,
-    cmd: list[str],
-    num_slices: int = 1,
-    max_restarts: int = 3,
-    cluster: str = "CLUSTER",
-    log_dir: str = "logs",
-) -> str:
-    s = slice_shape(tpu)
+def xpk_command(args, cmd: list[str]) -> str:
+    """The `xpk workload create` command equivalent to render_gke(args, cmd)."""
+    s = slice_shape(args.tpu)
+    multislice = args.num_slices > 1
     # Host 0 of the job: the first worker of the slice, or with several slices xpk's MEGASCALE coordinator.
-    host0 = "${MEGASCALE_COORDINATOR_ADDRESS%%:*}" if num_slices > 1 else "${TPU_WORKER_HOSTNAMES%%,*}"
-    offset = f" --host-offset $((MEGASCALE_SLICE_ID * {s['hosts_per_slice']}))" if num_slices > 1 else ""
+    host0 = "${MEGASCALE_COORDINATOR_ADDRESS%%:*}" if multislice else "${TPU_WORKER_HOSTNAMES%%,*}"
+    offset = f" --host-offset $((MEGASCALE_SLICE_ID * {s['hosts_per_slice']}))" if multislice else ""
     agent = (
-        f"TORCHTPU_RDZV_HOST={host0} python3 -m torchtpu.launch.agent --nnodes {s['hosts_per_slice'] * num_slices} "
-        f"--host-index auto{offset} --rdzv-endpoint auto:29400 --run-id {name} --max-restarts 0 "
-        f"--log-dir {log_dir} -- " + shlex.join(cmd)
+        f"TORCHTPU_RDZV_HOST={host0} python3 -m torchtpu.launch.agent --nnodes {s['hosts_per_slice'] * args.num_slices} "
+        f"--host-index auto{offset} --rdzv-endpoint auto:29400 --run-id {args.name} --max-restarts 0 "
+        f"--log-dir {args.log_dir} -- " + shlex.join(cmd)
     )
     return shlex.join(
         [
             "xpk",
             "workload",
             "create",
-            f"--cluster={cluster}",
-            f"--workload={name}",
+            f"--cluster={args.cluster}",
+            f"--workload={args.name}",
             f"--tpu-type={s['tpu_type']}",
-            f"--num-slices={num_slices}",
-            f"--docker-image={image}",
-            f"--max-restarts={max_restarts}",
+            f"--num-slices={args.num_slices}",
+            f"--docker-image={args.image}",
+            f"--max-restarts={args.max_restarts}",
             "--command=" + agent,
         ]
     )
 
 
-def render_skypilot(
-    name: str,
-    tpu: str,
-    cmd: list[str],
-    num_slices: int = 1,
-    max_restarts: int = 3,
-    workdir: str | None = None,
-    log_dir: str = "logs",
-    runtime_version: str = "v2-alpha-tpuv5",
-    zone: str | None = None,
-) -> str:
-    name = _name(name)
-    if num_slices != 1:
+def render_skypilot(args, cmd: list[str]) -> str:
+    """The SkyPilot task for `args`, the options of `torchtpu-launch skypilot`, running `cmd`."""
+    name = _name(args.name)
+    if args.num_slices != 1:
         raise RenderError(
-            f"--num-slices {num_slices}: the SkyPilot task covers one TPU slice; use tpu-vm or gke for multislice"
+            f"--num-slices {args.num_slices}: the SkyPilot task covers one TPU slice; use tpu-vm or gke for multislice"
         )
-    s = slice_shape(tpu)
+    s = slice_shape(args.tpu)
     return _render(
         "skypilot.yaml",
         name=name,
         accelerator=f"tpu-{s['tpu_type']}",
-        runtime_version=runtime_version,
-        cloud_line=f"  cloud: gcp\n  zone: {zone}" if zone else "  cloud: gcp",
-        workdir=workdir or ".",
+        runtime_version=args.runtime_version,
+        cloud_line=f"  cloud: gcp\n  zone: {args.zone}" if args.zone else "  cloud: gcp",
+        workdir=args.workdir or ".",
         hosts_per_slice=s["hosts_per_slice"],
-        max_restarts=max_restarts,
-        log_dir=log_dir,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
         command=shlex.join(cmd),
     )
 
 
 def gke(args, cmd: list[str]) -> int:
     try:
-        text = render_gke(
-            args.name,
-            args.tpu,
-            args.image,
-            cmd,
-            args.num_slices,
-            args.max_restarts,
-            args.chips_per_host,
-            args.workdir,
-            args.log_dir,
-            args.shutdown_timeout,
-        )
-        xpk = xpk_command(
-            args.name, args.tpu, args.image, cmd, args.num_slices, args.max_restarts, args.cluster, args.log_dir
-        )
+        text = render_gke(args, cmd)
+        xpk = xpk_command(args, cmd)
     except RenderError as e:
         print(f"torchtpu-launch gke: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -250,17 +218,7 @@ def gke(args, cmd: list[str]) -> int:
 
 def skypilot(args, cmd: list[str]) -> int:
     try:
-        text = render_skypilot(
-            args.name,
-            args.tpu,
-            cmd,
-            args.num_slices,
-            args.max_restarts,
-            args.workdir,
-            args.log_dir,
-            args.runtime_version,
-            args.zone,
-        )
+        text = render_skypilot(args, cmd)
     except RenderError as e:
         print(f"torchtpu-launch skypilot: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
