@@ -37,11 +37,13 @@ block) raises an error naming it instead of computing something different.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
 from ..backend.state import is_tracing, tracing
@@ -264,17 +266,19 @@ def _scan_blocks(run: _Run, h, args, kwargs):
     return _ScanFunction.apply(job, h, *params)
 
 
+@dataclasses.dataclass(eq=False)
 class _Job:
-    def __init__(self, run, template, slots, n, flat, spec, key, device_index, param_dtypes):
-        self.run = run
-        self.template = template
-        self.slots = slots
-        self.n = n
-        self.flat = flat
-        self.spec = spec
-        self.key = key
-        self.device_index = device_index
-        self.param_dtypes = param_dtypes
+    """What one scan over the blocks needs besides the carried activation and the parameters."""
+
+    run: _Run
+    template: nn.Module  # the first block: its code runs every iteration, on that iteration's parameters
+    slots: list  # (owner module, name) of each of the template's parameters
+    n: int  # blocks
+    flat: list  # the blocks' other arguments, flattened
+    spec: TreeSpec  # how `flat` unflattens into (args, kwargs)
+    key: object  # key data the random ops in the blocks (dropout) draw from
+    device_index: int
+    param_dtypes: list  # dtypes of one block's parameters
 
     def extra_arrays(self):
         return [array_of(x) if isinstance(x, TpuTensor) else x for x in self.flat]

@@ -165,9 +165,12 @@ def _functional_overloads(packet):
     return [getattr(packet, o) for o in packet.overloads() if not getattr(packet, o)._schema.is_mutable]
 
 
-def _float_unary(fn, *names, prim_names=()):
+def _unary(fn, *names, prim_names=(), **promotion):
+    """Register fn(x) for the functional overloads of aten.<names> and for prims.<prim_names>,
+    after promoting the operand (promote's keyword `promotion`)."""
+
     def low(self):
-        (x,), _ = promote(self, float_=True)
+        (x,), _ = promote(self, **promotion)
         return fn(x)
 
     ops = [op for n in names if hasattr(aten, n) for op in _functional_overloads(getattr(aten, n))]
@@ -176,13 +179,17 @@ def _float_unary(fn, *names, prim_names=()):
     return low
 
 
-def _same_unary(fn, *names, prim_names=()):
-    def low(self):
-        (x,), _ = promote(self)
-        return fn(x)
+def _float_unary(fn, *names, prim_names=()):
+    return _unary(fn, *names, prim_names=prim_names, float_=True)
 
-    ops = [op for n in names if hasattr(aten, n) for op in _functional_overloads(getattr(aten, n))]
-    ops += [getattr(prims, n).default for n in prim_names if hasattr(prims, n)]
+
+def _binary(fn, *ops, **promotion):
+    """Register fn(a, b) for `ops`, after promoting both operands (promote's keyword `promotion`)."""
+
+    def low(self, other):
+        (a, b), _ = promote(self, other, **promotion)
+        return fn(a, b)
+
     lower(*ops)(low)
     return low
 
@@ -347,9 +354,9 @@ def _abs(x):
     return jnp.abs(x) if x.dtype != jnp.bool_ else x
 
 
-_same_unary(_abs, "abs", "absolute", prim_names=["abs"])
-_same_unary(jnp.negative, "neg", "negative", prim_names=["neg"])
-_same_unary(lambda x: x, "positive")
+_unary(_abs, "abs", "absolute", prim_names=["abs"])
+_unary(jnp.negative, "neg", "negative", prim_names=["neg"])
+_unary(lambda x: x, "positive")
 
 
 def _sign(x):
@@ -362,7 +369,7 @@ def _sign(x):
     return jnp.sign(x)
 
 
-_same_unary(_sign, "sign", prim_names=["sign"])
+_unary(_sign, "sign", prim_names=["sign"])
 
 
 def _sgn(x):
@@ -372,21 +379,21 @@ def _sgn(x):
     return _sign(x)
 
 
-_same_unary(_sgn, "sgn")
+_unary(_sgn, "sgn")
 
 
 def _keep_int(fn):
     return lambda x: fn(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
 
-_same_unary(_keep_int(jnp.floor), "floor", prim_names=["floor"])
-_same_unary(_keep_int(jnp.ceil), "ceil", prim_names=["ceil"])
-_same_unary(_keep_int(jnp.trunc), "trunc", "fix", prim_names=["trunc"])
-_same_unary(lambda x: x - jnp.trunc(x), "frac")
-_same_unary(
+_unary(_keep_int(jnp.floor), "floor", prim_names=["floor"])
+_unary(_keep_int(jnp.ceil), "ceil", prim_names=["ceil"])
+_unary(_keep_int(jnp.trunc), "trunc", "fix", prim_names=["trunc"])
+_unary(lambda x: x - jnp.trunc(x), "frac")
+_unary(
     lambda x: jnp.conj(x) if jnp.iscomplexobj(x) else x, "conj_physical", "_conj_physical", prim_names=["conj_physical"]
 )
-_same_unary(lambda x: jnp.square(x) if x.dtype != jnp.bool_ else x, "square")
+_unary(lambda x: jnp.square(x) if x.dtype != jnp.bool_ else x, "square")
 
 
 @lower(aten.round.default)
@@ -492,7 +499,7 @@ def _alpha(other, alpha):
     return other * alpha
 
 
-@lower(aten.add.Tensor, aten.add.Scalar)
+@lower(aten.add.Tensor, aten.add.Scalar, prims.add.default)
 def add(self, other, alpha=1):
     (a, b), dt = promote(self, other)
     if dt == torch.bool:
@@ -500,7 +507,7 @@ def add(self, other, alpha=1):
     return a + _alpha(b, cast(alpha, _opmath(dt)) if not _is_number(alpha) else alpha)
 
 
-@lower(aten.sub.Tensor, aten.sub.Scalar)
+@lower(aten.sub.Tensor, aten.sub.Scalar, prims.sub.default)
 def sub(self, other, alpha=1):
     (a, b), dt = promote(self, other)
     if _operand(self)[1] == torch.bool or _operand(other)[1] == torch.bool:
@@ -516,27 +523,12 @@ def rsub(self, other, alpha=1):
     return sub(other, self, alpha)
 
 
-@lower(aten.mul.Tensor, aten.mul.Scalar)
+@lower(aten.mul.Tensor, aten.mul.Scalar, prims.mul.default)
 def mul(self, other):
     (a, b), dt = promote(self, other)
     if dt == torch.bool:
         return a & b
     return a * b
-
-
-@lower(prims.add.default)
-def prims_add(self, other):
-    return add(self, other)
-
-
-@lower(prims.sub.default)
-def prims_sub(self, other):
-    return sub(self, other)
-
-
-@lower(prims.mul.default)
-def prims_mul(self, other):
-    return mul(self, other)
 
 
 def _int_div_trunc(a, b):
@@ -626,19 +618,15 @@ def _remainder(a, b):
     return jnp.where(zero, a, r)
 
 
-@lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, prims.remainder.default)
-def remainder(self, other):
-    (a, b), dt = promote(self, other)
-    return _remainder(a, b)
-
-
-@lower(aten.fmod.Tensor, aten.fmod.Scalar, prims.fmod.default)
-def fmod(self, other):
-    (a, b), dt = promote(self, other)
+def _fmod(a, b):
     if jnp.issubdtype(a.dtype, jnp.inexact):
         return _fmod_float(a, b)
     zero = b == 0
     return jnp.where(zero, a, lax.rem(a, jnp.where(zero, 1, b)))
+
+
+_binary(_remainder, aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, prims.remainder.default)
+_binary(_fmod, aten.fmod.Tensor, aten.fmod.Scalar, prims.fmod.default)
 
 
 def _int_pow(base, exp):
@@ -671,27 +659,13 @@ def _pow(a, b):
     return jnp.power(a, b)
 
 
-@lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, prims.pow.default)
-def pow_(self, exponent):
-    (a, b), dt = promote(self, exponent)
-    return _pow(a, b)
+pow_ = _binary(_pow, aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, prims.pow.default)
 
 
 @lower(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
 def float_power(self, exponent):
     dt = torch.complex128 if result_type(self, exponent).is_complex else torch.float64
     return _pow(cast(self, dt), cast(exponent, dt))
-
-
-def _binary(fn, *ops, **promotion):
-    """Register fn(a, b) for `ops`, after promoting both operands (promote's keyword `promotion`)."""
-
-    def low(self, other):
-        (a, b), _ = promote(self, other, **promotion)
-        return fn(a, b)
-
-    lower(*ops)(low)
-    return low
 
 
 def _float_binary(fn, *ops):
