@@ -1,8 +1,22 @@
 import os
 
+import pytest
+
 # Every test runs the tpu device on 8 virtual XLA CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture
+def keep_current_mesh():
+    """Restore the process's current device mesh after a test that sets its own (a trainer or a
+    sharded run does), so the tests after it find theirs. Modules that need it declare
+    `pytestmark = pytest.mark.usefixtures("keep_current_mesh")`."""
+    from torchtpu.distributed import mesh
+
+    before = mesh.current_mesh()
+    yield
+    mesh.set_mesh(before)
 
 
 def assert_close_to_cpu(actual, expected, msg="", *, rtol, atol):

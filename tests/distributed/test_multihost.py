@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,13 +14,9 @@ import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
 
+from ..processes import free_port, run_together
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_device_losses():
@@ -49,27 +43,10 @@ def _one_device_losses():
 
 def test_two_processes_fsdp_matches_one_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(i), "2"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            p.kill()
+    port = free_port()
+    outs = run_together([[sys.executable, str(WORKER), str(port), str(i), "2"] for i in range(2)], env)
     losses = []
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for out in outs:
         m = re.search(r"^losses (\[.*\])$", out, re.M)
         assert m, out[-3000:]
         losses.append(eval(m.group(1)))

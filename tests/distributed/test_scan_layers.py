@@ -26,14 +26,8 @@ from torchtpu.distributed.scan import ScanError, is_scanned, scan_layers
 
 from .test_distributed import CONFIGS, _batches, _llama, _reference_losses, _train
 
-
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# a sharded run sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 def _sharded_llama(name, scan, steps=None, mp=False):

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ..processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 MARK = "TORCHTPU_TEST_LAUNCH_RUN"
@@ -464,11 +466,7 @@ def test_configuration_error_is_not_retried(tmp_path):
 def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
     """[comm] init_timeout_seconds is jax.distributed's join timeout: process 0 of a 2-process job whose
     peer never comes gives up after it, not after the 300 s default."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = (
         "import torchtpu\nfrom torchtpu.distributed import initialize\n"
         f"initialize('127.0.0.1:{port}', 2, 0, init_timeout_seconds={{t}})\n"
@@ -483,9 +481,7 @@ def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
         short.kill()
     assert short.returncode != 0
     assert "DEADLINE_EXCEEDED" in out or "Deadline Exceeded" in out, out[-2000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port2 = s.getsockname()[1]
+    port2 = free_port()
     long = subprocess.Popen(
         [PY, "-c", code.replace(str(port), str(port2)).format(t=120)],
         env=env,

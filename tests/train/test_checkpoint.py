@@ -27,7 +27,7 @@ from torchtpu.train.checkpoint import (
     optimizer_state,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .debug_run import REPO, debug_argv
 
 
 def tiny_model(seed=0):
@@ -333,7 +333,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
         os._exit(0)   # die while step 2 is still being written in the background
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, check=True, timeout=120)
     ckpt = CheckpointManager(str(folder), interval=1)
     steps = ckpt.all_steps()
     assert steps[0] == 1
@@ -356,21 +356,11 @@ def test_unsupported_leaf_names_key(tmp_path):
 
 # ----------------------------------------------------------------------------- damaged checkpoints of a training run
 
-DEBUG_TOML = os.path.join(ROOT, "train_configs", "debug_model.toml")
-
 
 def _train_argv(dump, steps, *extra):
-    return [
-        "--config",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        str(steps),
+    return debug_argv(
+        dump,
+        steps,
         "--metrics.log_freq",
         "1",
         "--validation.no-enable",
@@ -381,7 +371,7 @@ def _train_argv(dump, steps, *extra):
         "0",
         "--checkpoint.no-last_save_model_only",
         *extra,
-    ]
+    )
 
 
 def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
@@ -397,11 +387,11 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
 
     dump = tmp_path / "run"
     folder = dump / "checkpoint"
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
     partial = []
     for _attempt in range(3):  # the save must still be in progress when the signal lands
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
             partial = glob.glob(str(folder / "step_6.orbax-checkpoint-tmp*"))
@@ -420,7 +410,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
         pytest.skip("the save finished before SIGKILL arrived, three times")
     assert (folder / "step_4").is_dir() and os.path.isdir(partial[0]), os.listdir(folder)
 
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"ignoring {partial[0]}: an incomplete checkpoint" in p.stdout, p.stdout[-3000:]
     assert f"resumed from {folder / 'step_4'} (step 4)" in p.stdout, p.stdout[-3000:]

@@ -17,13 +17,8 @@ PROMPT = "Once upon a time there was a"
 NEW = 16
 
 
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# the trainer sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -20,38 +18,18 @@ import torchtpu  # noqa: F401
 from torchtpu.train.config_manager import load_config
 from torchtpu.train.job_config import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
+from ..processes import free_port, run_together
+from .debug_run import REPO, debug_argv
+
 SEQ, STEPS = 32, 3
 
 
 def argv(dump, *extra):
-    return [
-        "--config",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        str(SEQ),
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        str(STEPS),
-        "--metrics.log_freq",
-        "1",
-        "--lr_scheduler.warmup_steps",
-        "2",
-        *extra,
-    ]
+    return debug_argv(dump, STEPS, "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", *extra, seq_len=SEQ)
 
 
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# the trainer sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 def _tokens(batch=8, n=16, seed=3):
@@ -331,9 +309,7 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
         for f in dataclasses.fields(args)
         if f.name not in ("_enforced", "rope_scaling_args")
     }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -341,26 +317,15 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     n = 4
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _MEMORY_WORKER, str(port), str(i), str(n), folder, json.dumps(fields)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            p.kill()
+    outs = run_together(
+        [
+            [sys.executable, "-c", _MEMORY_WORKER, str(port), str(i), str(n), folder, json.dumps(fields)]
+            for i in range(n)
+        ],
+        env,
+    )
     results = []
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for out in outs:
         line = [ln for ln in out.splitlines() if ln.startswith("MEMORY ")][-1]
         results.append(json.loads(line.split(" ", 1)[1]))
     for r in results:

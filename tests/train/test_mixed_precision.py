@@ -20,8 +20,7 @@ import pytest
 import torchtpu  # noqa: F401
 from torchtpu.train.config_manager import load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
+from .debug_run import REPO, debug_argv
 
 _DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)")
 
@@ -48,22 +47,7 @@ def assert_bf16_matmuls(dots):
 
 
 def argv(dump, *extra):
-    return [
-        "--config",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        "2",
-        "--validation.no-enable",
-        "--training.mixed_precision_param",
-        "bfloat16",
-        *extra,
-    ]
+    return debug_argv(dump, 2, "--validation.no-enable", "--training.mixed_precision_param", "bfloat16", *extra)
 
 
 def compiled_step_dots(cfg):
@@ -75,13 +59,8 @@ def compiled_step_dots(cfg):
     return dot_operand_types(t.step_fn.as_text(optimized=False)), t
 
 
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# the trainer sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 def test_tensor_parallel_only_job_computes_in_bf16(tmp_path):

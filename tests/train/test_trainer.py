@@ -22,31 +22,25 @@ from torchtpu.backend.tensor import storage_of
 from torchtpu.cli import train_main
 from torchtpu.train.config_manager import load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
+from .debug_run import DEBUG_TOML, REPO, debug_argv
+
 PY = sys.executable
 
 SEQ, LBS, STEPS = 32, 1, 6
 
 
 def small_argv(dump, *extra):
-    return [
-        "--config",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        str(SEQ),
-        "--training.local_batch_size",
-        str(LBS),
-        "--training.steps",
-        str(STEPS),
+    return debug_argv(
+        dump,
+        STEPS,
         "--metrics.log_freq",
         "1",
         "--lr_scheduler.warmup_steps",
         "3",
         *extra,
-    ]
+        seq_len=SEQ,
+        local_batch_size=LBS,
+    )
 
 
 def cpu_state(model):
@@ -57,14 +51,8 @@ def cpu_state(model):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    """The trainer sets the process's current device mesh; give other tests theirs back."""
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# the trainer sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -20,31 +19,16 @@ import torchtpu  # noqa: F401
 from torchtpu.train.config_manager import load_config
 from torchtpu.train.job_config import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
+from .debug_run import debug_argv
 
-
-@pytest.fixture(autouse=True)
-def _keep_current_mesh():
-    from torchtpu.distributed import mesh
-
-    before = mesh.current_mesh()
-    yield
-    mesh.set_mesh(before)
+# the trainer sets the process's current device mesh
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
 def argv(dump, *extra):
-    return [
-        "--config",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        "8",
+    return debug_argv(
+        dump,
+        8,
         "--metrics.log_freq",
         "4",
         "--lr_scheduler.warmup_steps",
@@ -56,7 +40,7 @@ def argv(dump, *extra):
         "--validation.freq",
         "4",
         *extra,
-    ]
+    )
 
 
 def cpu_validation_loss(cfg, model, batches, dp=8):

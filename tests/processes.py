@@ -1,0 +1,33 @@
+"""Helpers for tests that run real processes: a free loopback port for a coordinator, and the
+processes of one multi-host job started together."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_together(commands, env, timeout=600) -> list[str]:
+    """Start every command at once (the hosts of one job), wait for all of them, assert that each
+    exited with status 0 (showing the end of its output if not) and return their outputs, stdout
+    and stderr together. Whatever is still running when one times out is killed."""
+    procs = [
+        subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs

@@ -1,0 +1,27 @@
+"""What the trainer tests share: the repository's debug-model config and the command line of a
+short training run of it."""
+
+from __future__ import annotations
+
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
+
+
+def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1):
+    """torchtpu-train arguments: the debug model for `steps` steps of `local_batch_size`
+    sequences of `seq_len` tokens, writing everything under `dump`; then `extra`."""
+    return [
+        "--config",
+        DEBUG_TOML,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(local_batch_size),
+        "--training.steps",
+        str(steps),
+        *extra,
+    ]
