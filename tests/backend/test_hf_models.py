@@ -41,8 +41,9 @@ def _gpt2():
     return model, {"input_ids": ids, "labels": ids}, ("lm_head.weight", "transformer.wte.weight")
 
 
-def _llama_gqa():
-    cfg = transformers.LlamaConfig(
+def _llama_config(eos_token_id=1):
+    """Llama with grouped-query attention: 4 query heads share 2 key/value heads."""
+    return transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -51,11 +52,14 @@ def _llama_gqa():
         vocab_size=VOCAB,
         max_position_embeddings=64,
         bos_token_id=0,
-        eos_token_id=1,
+        eos_token_id=eos_token_id,
         pad_token_id=2,
         attn_implementation="sdpa",
     )
-    model = transformers.LlamaForCausalLM(cfg)
+
+
+def _llama_gqa():
+    model = transformers.LlamaForCausalLM(_llama_config())
     ids = torch.randint(3, VOCAB, (2, 8))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding on the second row
@@ -157,20 +161,8 @@ def test_logits_and_every_gradient_match_cpu(name, mode):
 
 def _generation_model():
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=None,
-        pad_token_id=2,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    # no end-of-sequence token: every row generates all its new tokens
+    model = transformers.LlamaForCausalLM(_llama_config(eos_token_id=None)).eval()
     prompt = torch.randint(3, VOCAB, (2, 6))
     return model, prompt
 
