@@ -199,7 +199,6 @@ def _step_probe(cfg):
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         _loss_context=contextlib.nullcontext,
-        dims=types.SimpleNamespace(tp=1),
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     loss, norm = Trainer._train_step(ns, [(x, x.roll(1, 1))])

@@ -1,9 +1,9 @@
 """The chunked cross entropy (torchtpu.train.loss) equals the plain loss: against PyTorch on the
 CPU (the oracle: F.cross_entropy on the whole logits), in value and in every parameter's
 gradient, on the CPU itself, eagerly on tpu, under torchtpu.compile, and in the trainer sharded
-over the 8 virtual devices (FSDP). With tensor parallelism the trainer computes the loss whole
-(the chunked loss under TP 2 x FSDP 4 aborted the process in its first step, "terminate called
-without an active exception": not supported yet; [tpu] loss_chunk_size's help says so)."""
+over the 8 virtual devices (FSDP 8, and TP 2 x FSDP 4 with loss_parallel: the chunk's recomputation
+in backward once ran without loss_parallel and aborted the process, "terminate called without an
+active exception")."""
 
 from __future__ import annotations
 
@@ -29,17 +29,17 @@ def _model():
     return m
 
 
-def _batch():
+def _batch(batch=BATCH):
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g, dtype=torch.int32)
-    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g, dtype=torch.int32)
+    x = torch.randint(0, VOCAB, (batch, SEQ), generator=g, dtype=torch.int32)
+    y = torch.randint(0, VOCAB, (batch, SEQ), generator=g, dtype=torch.int32)
     y[0, 3] = y[1, 20] = IGNORE_INDEX  # ignored positions are left out of the mean, as F.cross_entropy does
     return x, y
 
 
-def _oracle():
+def _oracle(batch=BATCH):
     model = _model()
-    x, y = _batch()
+    x, y = _batch(batch)
     loss = cross_entropy_loss(model(x), y)
     loss.backward()
     return model.state_dict(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -93,6 +93,50 @@ def test_chunked_on_tpu_eager_and_compiled():
     _check(loss.cpu(), dict(zip(names, grads)), ref_loss, ref_grads)
 
 
+def test_chunked_under_tensor_parallel_matches_cpu(_keep_current_mesh):
+    """TP 2 x FSDP 4 with sequence parallelism, as the trainer lays the model out: the output
+    projection is split over the vocabulary and each chunk's cross entropy runs under loss_parallel,
+    which is entered around the forward only (backward's recomputation must still use it: without
+    that the process aborted). Eager and compiled, against PyTorch on the CPU; in the compiled step
+    no chunk's logits are gathered over the batch or the vocabulary."""
+    import re
+
+    from torchtpu.distributed import init_device_mesh, loss_parallel
+    from torchtpu.models.llama3 import parallelize_llama
+
+    batch, chunk = 4, 7  # chunks of 7, 7, 7, 3 positions; the batch splits over dp_shard
+    state, ref_loss, ref_grads = _oracle(batch)
+    model = _model().to("tpu")
+    model.load_state_dict(state)
+    mesh = init_device_mesh("tpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    parallelize_llama(model, mesh, sequence_parallel=True, loss_parallel=True)
+    x, y = (t.to("tpu") for t in _batch(batch))
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(x, y):
+        with loss_parallel(mesh["tp"]):
+            loss = chunked_cross_entropy_loss(model, x, y, chunk)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    loss, grads = step(x, y)
+    _check(loss.cpu(), dict(zip(names, grads)), ref_loss, ref_grads)
+    f = torchtpu.compile(step)
+    f(x, y)
+    loss, grads = f(x, y)
+    _check(loss.cpu(), dict(zip(names, grads)), ref_loss, ref_grads)
+    # No all-gather of a chunk's logits (per device [tokens/4, VOCAB/2], over the whole batch they
+    # would be [4 * 7 or 4 * 3, ...], whole over the vocabulary [..., VOCAB]) or of its hidden states.
+    shapes = [
+        tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", f.as_text())
+    ]
+    assert shapes  # (the FSDP weights are gathered)
+    gathered = [s for s in shapes if s[0] in (batch * chunk, batch * (SEQ % chunk)) or s[-1] == VOCAB]
+    assert not gathered, (gathered, shapes)
+
+
 def test_chunked_loss_refuses_bad_input():
     model = _model()
     x, y = _batch()
@@ -111,10 +155,11 @@ def _keep_current_mesh():
     mesh._CURRENT = before
 
 
-@pytest.mark.parametrize("tp", [1])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current_mesh, tp):
-    """The trainer over 8 devices (FSDP 8), [tpu] loss_chunk_size = 8 on 32-token sequences (4 chunks) against loss_chunk_size = 0:
-    the same losses step after step (training on, so gradients are compared through the updates)."""
+    """The trainer over 8 devices (FSDP 8; TP 2 x FSDP 4 with sequence and loss parallelism), [tpu]
+    loss_chunk_size = 8 on 32-token sequences (4 chunks) against loss_chunk_size = 0: the same losses
+    step after step (training on, so gradients are compared through the updates)."""
     import os
 
     from torchtpu.train.config_manager import load_config

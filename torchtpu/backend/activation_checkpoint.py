@@ -6,9 +6,17 @@ recomputation end up in one XLA program, where XLA would merge the recomputation
 original forward (common subexpression elimination) and keep the activations alive after
 all. The recomputation therefore starts from its inputs passed through an XLA optimization
 barrier, as jax.checkpoint does, which keeps the two computations apart.
+
+The recomputation also runs under the torch function modes the forward ran under (PyTorch's
+checkpoint restores the RNG and autocast state, not those, and the autograd engine runs backward
+without the caller's modes even when backward() is called inside them): without that, a mode
+such as `loss_parallel` around the loss is gone when backward recomputes, and the recomputation
+would compute something else (see _ForwardFunctionModes).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.utils.checkpoint
@@ -79,6 +87,39 @@ def _add_wrapper(state_dict, prefix, local_metadata, strict, missing_keys, unexp
         state_dict[inner + k[len(prefix) :]] = state_dict.pop(k)
 
 
+def _function_modes() -> tuple:
+    return tuple(torch.overrides._get_current_function_mode_stack())
+
+
+class _ForwardFunctionModes:
+    """Context of a recomputation: enters the torch function modes that were active when the
+    forward ran and are not active now, innermost last, as they were.
+
+    Without it, F.cross_entropy under `loss_parallel` (a TorchFunctionMode) computes the
+    vocab-parallel loss in forward but the plain one when backward recomputes it: other saved
+    tensors, so torch.utils.checkpoint raises a
+    CheckpointError from inside the autograd engine. On tpu that error cannot even be
+    reported: it unwinds through the engine's stream guard, whose destructor calls back into
+    the Python-registered PrivateUse1 device guard, and the process aborts ("terminate called
+    without an active exception")."""
+
+    def __init__(self, modes: tuple):
+        self.modes = modes
+        self.stack = None
+
+    def __enter__(self):
+        active = {id(m) for m in _function_modes()}
+        self.stack = contextlib.ExitStack()
+        for mode in self.modes:
+            if id(mode) not in active:
+                self.stack.enter_context(mode)
+        return self
+
+    def __exit__(self, *exc):
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc)
+
+
 class _Checkpointed(torch.nn.Module):
     """Wraps a module so its activations are recomputed in backward. Its state_dict() has the
     wrapped module's names (no wrapper prefix)."""
@@ -105,7 +146,12 @@ class _Checkpointed(torch.nn.Module):
                 a = _barrier_tensors(a)
             return self.module(*a, **kwargs)
 
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+        modes = _function_modes()
+
+        def contexts():
+            return contextlib.nullcontext(), _ForwardFunctionModes(modes)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts)
 
 
 def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -266,9 +266,19 @@ def vocab_parallel_cross_entropy(
     the log-sum-exp reduces over the vocabulary shards and the target logit is picked by a
     one-hot mask (an elementwise product), so only per-row scalars cross devices."""
     if mesh is not None and vocab_placements is not None:
+        from .batch import activation_batch_axes
         from .dtensor import shard_as
 
-        logits = shard_as(logits, mesh, vocab_placements, unconstrained=tuple(range(logits.dim() - 1)))
+        # The token dim (0) goes over the data-parallel axes, as the batch the tokens come from:
+        # logits the model laid out so already keep their layout, and the logits of a chunk of
+        # positions (torchtpu.train.loss) are not gathered over the batch.
+        logits = shard_as(
+            logits,
+            mesh,
+            vocab_placements,
+            unconstrained=tuple(range(logits.dim() - 1)),
+            batch_axes=activation_batch_axes(mesh),
+        )
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     vocab = torch.arange(logits.shape[-1], device=logits.device)

@@ -522,8 +522,8 @@ class Tpu:
         "Sequence positions per chunk of the loss: the output projection and "
         "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
         "logits of the whole sequence are never held. 0 computes the loss on the whole "
-        "logits. With tensor parallelism the loss is always computed whole (its logits are "
-        "already split over the tp ranks; chunking them is not supported yet).",
+        "logits. With tensor parallelism each chunk's logits stay split over the vocabulary "
+        "(loss_parallel), as the whole logits do.",
         check=_non_negative,
     )
 

@@ -15,8 +15,14 @@ different order.
 Chunks split the sequence dim, not the batch dim, so each chunk stays spread over the
 data-parallel ranks as the batch is. The output projection is the model's own module (its
 tensor-parallel and FSDP hooks run as usual); only its matmul is moved out of its forward, with
-the weight it reads there (mixed precision's bf16 copy), so the recomputation in backward uses
-that same weight.
+the input and the weight it reads there (mixed precision's bf16 copy), so the recomputation in
+backward uses that same weight.
+
+With tensor parallelism the projection's weight is split over the vocabulary, so each chunk's
+logits are vocab-sharded, and under `loss_parallel` each chunk's cross entropy reduces across the
+tp shards without gathering them, as the plain loss does. The recomputation in backward runs
+under that same `loss_parallel` (activation_checkpoint re-enters the forward's torch function
+modes), even when backward is called after its `with` block.
 """
 
 from __future__ import annotations
@@ -60,12 +66,12 @@ def _hidden_and_head(model, inputs):
 
     def forward(h):
         # read inside the module's forward: FSDP / mixed precision put the bf16 copy there
-        seen["weight"], seen["bias"] = head.weight, head.bias
+        seen["h"], seen["weight"], seen["bias"] = h, head.weight, head.bias
         return h
 
     head.forward = forward  # an instance attribute, removed below: the module's hooks still run
     try:
-        h = model(inputs)
+        out = model(inputs)
     finally:
         del head.forward
     if "weight" not in seen:
@@ -73,6 +79,15 @@ def _hidden_and_head(model, inputs):
             "chunked_cross_entropy_loss: the model's forward did not call model.output; "
             "set [tpu] loss_chunk_size = 0 for the plain loss"
         )
+    h = seen["h"]
+    if out.shape != h.shape:
+        raise RuntimeError(
+            f"chunked_cross_entropy_loss: the model's forward changes the output of model.output (shape "
+            f"{tuple(out.shape)} from {tuple(h.shape)}); set [tpu] loss_chunk_size = 0 for the plain loss"
+        )
+    # h is what the projection's forward receives, after its input hooks (tensor parallelism lays
+    # it out as the matmul wants it, replicated over tp); the hooks after it treat its return as
+    # the logits (vocab-sharded over tp) and are left to act on `out`, which the loss does not use.
     return h, seen["weight"], seen["bias"]
 
 

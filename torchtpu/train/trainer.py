@@ -274,11 +274,10 @@ class Trainer:
         total = None
         for inputs, labels in microbatches:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
-            # loss_parallel): the cross entropy reduces across the tp shards, never gathering them.
+            # loss_parallel): the cross entropy reduces across the tp shards, never gathering them,
+            # the whole logits' or each chunk's ([tpu] loss_chunk_size).
             with self._loss_context():
-                # (chunked unless tensor parallel: see [tpu] loss_chunk_size)
-                chunk = self.cfg.tpu.loss_chunk_size if self.dims.tp == 1 else 0
-                loss = language_model_loss(self.model, inputs, labels, chunk)
+                loss = language_model_loss(self.model, inputs, labels, self.cfg.tpu.loss_chunk_size)
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
             total = d if total is None else total + d
