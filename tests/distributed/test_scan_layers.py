@@ -46,8 +46,14 @@ def _sharded_llama(name, scan, steps=None, mp=False):
     return model, losses, cstep
 
 
-@pytest.mark.parametrize("name", ["fsdp8", "tp2_fsdp4"])
-def test_scanned_sharded_llama_matches_one_device(name):
+@pytest.mark.parametrize(
+    "name, params_by", [("fsdp8", "select"), ("tp2_fsdp4", "select"), ("fsdp8", "stack"), ("tp2_fsdp4", "stack")]
+)
+def test_scanned_sharded_llama_matches_one_device(name, params_by, monkeypatch):
+    """Both ways the loop body gets block i's weights (scan.PARAMS_BY) give the unsharded losses."""
+    from torchtpu.distributed import scan
+
+    monkeypatch.setattr(scan, "PARAMS_BY", params_by)
     model, losses, cstep = _sharded_llama(name, scan=True)
     np.testing.assert_allclose(losses, _reference_losses(), rtol=1e-5)
     hlo = cstep.as_text()
