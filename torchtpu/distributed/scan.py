@@ -13,13 +13,12 @@ compile time) no longer grows with depth. Eager calls (the compiled step's warm-
 
 What stays as it was:
 - Parameters. Every block keeps its own Parameters, so `state_dict()` names, shapes and values,
-  checkpoints, optimizer state and each parameter's FSDP/TP layout are untouched. The program
-  stacks the blocks' parameters along a new leading dim (unsharded) and feeds the stack to the
-  loop; that stack is a copy of the block weights for the duration of forward and backward
-  (its cost shows in the step's memory analysis).
+  checkpoints, optimizer state and each parameter's FSDP/TP layout are untouched. The loop
+  body picks block i's parameters from the per-block arrays (PARAMS_BY below), so the program
+  holds no second copy of the weights; the gradients come out of the backward loop stacked
+  and are handed back per block.
 - Module hooks. The loop body runs the first block's own forward, with its hooks (FSDP's
-  casts and sharding constraints, TP's activation layouts), on the i-th slice of each stacked
-  parameter. The blocks must therefore be identical: same class and structure, same
+  casts and sharding constraints, TP's activation layouts), on block i's parameters. The blocks must therefore be identical: same class and structure, same
   parameter names, shapes, dtypes and layouts, same hooks, which `scan_layers` checks.
 - Autograd. The stack is one autograd function. Its backward is a reverse scan whose body
   recomputes the block's forward from the saved block input and runs PyTorch's autograd
