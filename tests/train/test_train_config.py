@@ -373,7 +373,7 @@ def test_shipped_config_details():
     assert (dims.dp_shard, dims.tp, dims.grad_accum_steps) == (8, 1, 1)
     assert P.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
     d70 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
-    assert (d70.dp_shard, d70.tp, d70.global_batch_size, d70.grad_accum_steps) == (8, 8, 32, 4)
+    assert (d70.dp_shard, d70.tp, d70.global_batch_size, d70.grad_accum_steps) == (8, 8, 32, 2)
     d405 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
     assert (d405.dp_shard, d405.tp, d405.grad_accum_steps) == (64, 8, 2)
 
