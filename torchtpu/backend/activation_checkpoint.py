@@ -11,7 +11,7 @@ The recomputation also runs under the torch function modes the forward ran under
 checkpoint restores the RNG and autocast state, not those, and the autograd engine runs backward
 without the caller's modes even when backward() is called inside them): without that, a mode
 such as `loss_parallel` around the loss is gone when backward recomputes, and the recomputation
-would compute something else (see _ForwardFunctionModes).
+would compute something else (see _forward_function_modes).
 """
 
 from __future__ import annotations
@@ -91,33 +91,23 @@ def _function_modes() -> tuple:
     return tuple(torch.overrides._get_current_function_mode_stack())
 
 
-class _ForwardFunctionModes:
+@contextlib.contextmanager
+def _forward_function_modes(modes: tuple):
     """Context of a recomputation: enters the torch function modes that were active when the
     forward ran and are not active now, innermost last, as they were.
 
     Without it, F.cross_entropy under `loss_parallel` (a TorchFunctionMode) computes the
     vocab-parallel loss in forward but the plain one when backward recomputes it: other saved
-    tensors, so torch.utils.checkpoint raises a
-    CheckpointError from inside the autograd engine. On tpu that error cannot even be
-    reported: it unwinds through the engine's stream guard, whose destructor calls back into
-    the Python-registered PrivateUse1 device guard, and the process aborts ("terminate called
-    without an active exception")."""
-
-    def __init__(self, modes: tuple):
-        self.modes = modes
-        self.stack = None
-
-    def __enter__(self):
-        active = {id(m) for m in _function_modes()}
-        self.stack = contextlib.ExitStack()
-        for mode in self.modes:
+    tensors, so torch.utils.checkpoint raises a CheckpointError from inside the autograd engine.
+    On tpu that error cannot even be reported: it unwinds through the engine's stream guard,
+    whose destructor calls back into the Python-registered PrivateUse1 device guard, and the
+    process aborts ("terminate called without an active exception")."""
+    active = {id(m) for m in _function_modes()}
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
             if id(mode) not in active:
-                self.stack.enter_context(mode)
-        return self
-
-    def __exit__(self, *exc):
-        stack, self.stack = self.stack, None
-        return stack.__exit__(*exc)
+                stack.enter_context(mode)
+        yield
 
 
 class _Checkpointed(torch.nn.Module):
@@ -149,7 +139,7 @@ class _Checkpointed(torch.nn.Module):
         modes = _function_modes()
 
         def contexts():
-            return contextlib.nullcontext(), _ForwardFunctionModes(modes)
+            return contextlib.nullcontext(), _forward_function_modes(modes)
 
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts)
 

@@ -18,8 +18,9 @@ What stays as it was:
   holds no second copy of the weights; the gradients come out of the backward loop stacked
   and are handed back per block.
 - Module hooks. The loop body runs the first block's own forward, with its hooks (FSDP's
-  casts and sharding constraints, TP's activation layouts), on block i's parameters. The blocks must therefore be identical: same class and structure, same
-  parameter names, shapes, dtypes and layouts, same hooks, which `scan_layers` checks.
+  casts and sharding constraints, TP's activation layouts), on block i's parameters. The
+  blocks must therefore be identical: same class and structure, same parameter names, shapes,
+  dtypes and layouts, same hooks, which `scan_layers` checks.
 - Autograd. The stack is one autograd function. Its backward is a reverse scan whose body
   recomputes the block's forward from the saved block input and runs PyTorch's autograd
   through it (`torch.autograd.grad`), so every op's PyTorch backward (including the layout
