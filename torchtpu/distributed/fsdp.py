@@ -3,13 +3,13 @@
 `fully_shard(module, mesh=...)` splits each parameter the call manages on dim 0 over the
 data-parallel mesh axes (on a 2-D mesh, HSDP: replicated over the first dim, sharded over the
 second). Parameters already split on dim 0 by tensor parallelism are split further, TP axes
-first, so gathering the FSDP axes yields exactly the TP shard. Nothing is gathered by hand:
-each use of a parameter inside a program goes through a sharding constraint to the
-parameter's own layout, whose backward lays the gradient out the same way, so XLA emits the
-all-gather before use and the reduce-scatter of the gradient (FSDP's collectives) on the
-interconnect, and schedules them itself. `reshard_after_forward` is accepted for
-compatibility; XLA decides whether a gathered parameter stays live between forward and
-backward.
+first, so gathering the FSDP axes yields exactly the TP shard. No collective is written by
+hand: each use of a parameter inside a program goes through a sharding constraint to the
+parameter's own layout (whose backward lays the gradient out the same way: the reduce-scatter),
+then, after the mixed-precision cast, through one to the gathered layout (the FSDP axes
+dropped: the all-gather, in `param_dtype`). XLA emits both collectives on the interconnect and
+schedules them itself. `reshard_after_forward` is accepted for compatibility; XLA decides
+whether a gathered parameter stays live between forward and backward.
 
 Mixed precision (`MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
 cast_forward_inputs)`): the module computes with parameters cast to `param_dtype`; their
@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard
 from .batch import batch_pinner
 from .mesh import DeviceMesh, current_mesh
 from .params import (
+    ParamLayout,
     apply_layout,
     get_layout,
     layout_of,
@@ -147,10 +148,11 @@ def _divisible_dim(shape, entries, preferred, n, mesh):
     return None
 
 
-def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor:
+def _use(p: torch.Tensor, owner, name, state: FSDPState) -> torch.Tensor:
     """The parameter as the forward uses it: constrained to its own layout (so its gradient
-    is reduced into that layout), cast for mixed precision."""
+    is reduced into that layout), cast for mixed precision, then gathered over the FSDP axes."""
     rec = get_layout(owner, name)
+    mp = state.mp_policy
     v = p
     pd, rd = mp.param_dtype, mp.reduce_dtype
     floating = p.is_floating_point()
@@ -159,7 +161,19 @@ def _use(p: torch.Tensor, owner, name, mp: MixedPrecisionPolicy) -> torch.Tensor
     v = through_layout(v, rec)
     if floating and pd is not None and pd != v.dtype:
         v = v.to(pd)
-    return v
+    return through_layout(v, _gathered(rec, state.mesh))
+
+
+def _gathered(rec: ParamLayout | None, mesh: DeviceMesh) -> ParamLayout | None:
+    """`rec` without the FSDP axes of `mesh`: the layout FSDP computes with (each rank holds the
+    whole parameter, or its tensor-parallel shard). Requested explicitly, so that the all-gather
+    is of the parameter, in `param_dtype`, as FSDP's is. Left to itself, XLA may keep the weight
+    split and gather the activations of the whole global batch instead (it does with one sequence
+    per rank under tensor parallelism)."""
+    if rec is None or rec.mesh is None:
+        return None
+    fsdp_axes = set(mesh.dims[-1])
+    return ParamLayout(rec.mesh, [[a for a in e if a not in fsdp_axes] for e in rec.dims])
 
 
 def _pin_linear_outputs(state: FSDPState):
@@ -187,7 +201,7 @@ def _pre_forward(state: FSDPState):
         for owner, name in state.params:
             p = owner._parameters.get(name)
             if p is not None:
-                use_parameter(owner, name, _use(p, owner, name, mp))
+                use_parameter(owner, name, _use(p, owner, name, state))
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             cast = lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
