@@ -66,7 +66,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, *_, need_b = (n and grads for n in ctx.needs_input_grad + (False,) * (bias is None))
         need = need_h or need_w or need_b
         total, dh_parts, dw, db = None, [], None, None
-        pin_logits, pin_hidden = _token_pinners(layouts[0])
+        pin_logits, pin_hidden = _chunk_pinners(layouts[0], h.shape[0] * min(chunk, h.shape[1]), weight.shape[0])
         for start in range(0, h.shape[1], chunk):
             h_c = h[:, start : start + chunk]
             y = labels[:, start : start + chunk].flatten(0, 1).long()
@@ -102,30 +102,44 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return scaled[0], scaled[1], None, None, None, None, scaled[2]
 
 
-def _token_pinners(weight_layout):
+def _chunk_pinners(weight_layout, tokens: int, rows: int):
     """(pin_logits, pin_hidden): x -> x constrained to a layout, for a chunk's [tokens, vocab]
-    logits or their gradient, and its [tokens, dim] gradient of the hidden states. The tokens go
-    over the data-parallel axes, as the batch does; the vocabulary over the other axes that split
-    the weight's rows (tensor parallelism's), the hidden dim over none. Left free, XLA lays the
-    gradients out as the gradient of the hidden states is wanted next (under sequence parallelism,
-    tokens over every axis) and gathers the logits' gradient whole over the vocabulary to get there."""
+    logits or their gradient, and its [tokens, dim] gradient of the hidden states (tokens over the
+    data-parallel axes, as the batch; dim whole).
+
+    With tensor parallelism, loss_parallel's layout: the vocabulary over the tp axes, the tokens
+    over the data-parallel ones, as the batch. Left free, XLA lays the logits' gradient out as the
+    hidden states' gradient is wanted next (under sequence parallelism, tokens over every axis) and
+    gathers it whole over the vocabulary to get there.
+
+    Without it (FSDP), when the chunk has fewer tokens (over the whole batch) than the weight has
+    rows, the vocabulary is split as the weight's rows, over the FSDP axes, and the tokens are
+    gathered instead: the gradient of the weight is then computed in its own layout, where
+    splitting the tokens computes a whole float32 [vocab, dim] partial sum per chip (1.96 GiB for
+    Llama 3 8B) before reducing it. Moving the chunk's hidden states costs less than moving the
+    weight's rows in that case; in the other, the tokens stay over the data-parallel axes."""
     if weight_layout is None or weight_layout.mesh is None:
         return (lambda x: x), (lambda x: x)
     mesh = weight_layout.mesh
     batch_axes = tuple(a for a in mesh.jax_mesh.axis_names if a in DATA_PARALLEL_DIMS)
-    vocab_axes = tuple(a for a in weight_layout.dims[0] if a not in batch_axes)
+    row_axes = tuple(weight_layout.dims[0])
+    vocab_axes = tuple(a for a in row_axes if a not in batch_axes)
+    if not vocab_axes and tokens < rows:
+        vocab_axes = row_axes
+    token_axes = tuple(a for a in batch_axes if a not in vocab_axes)
 
-    def pinner(last):
+    def pinner(first_axes, last):
         def pin(x):
             if x.device.type != "tpu":
                 return x
-            spec = placements.encode(mesh, P(placements.batch_entry(mesh.jax_mesh, batch_axes, x.shape[0]), last))
+            first = placements.batch_entry(mesh.jax_mesh, first_axes, x.shape[0])
+            spec = placements.encode(mesh, P(first, last))
             return torch.ops.torchtpu.shard(x, spec, spec)
 
         return pin
 
     vocab = (vocab_axes[0] if len(vocab_axes) == 1 else vocab_axes) if vocab_axes else P.UNCONSTRAINED
-    return pinner(vocab), pinner(None)
+    return pinner(token_axes, vocab), pinner(batch_axes, None)
 
 
 def _matmul_float32(a, b):
