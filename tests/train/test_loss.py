@@ -67,6 +67,75 @@ def test_chunked_equals_plain_on_cpu(chunk):
     assert model(x).shape == (BATCH, SEQ, VOCAB)
 
 
+class _Head(torch.nn.Module):
+    """Embedding, norm and an output projection with or without a bias: the smallest model the
+    chunked loss takes (its forward ends with `model.output`)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        torch.manual_seed(2)
+        self.tok = torch.nn.Embedding(VOCAB, 16)
+        self.norm = torch.nn.RMSNorm(16)
+        self.output = torch.nn.Linear(16, VOCAB, bias=bias)
+
+    def forward(self, x):
+        return self.output(self.norm(self.tok(x)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [5, 24])
+def test_fused_with_and_without_bias_on_cpu(bias, chunk):
+    """The gradients computed in the forward (softmax - onehot, zero rows for the ignored labels)
+    against autograd through the whole logits: the bias's too, chunks of 5 leaving 4 at the end."""
+    ref = _Head(bias)
+    x, y = _batch()
+    ref_loss = cross_entropy_loss(ref(x), y)
+    ref_loss.backward()
+    model = _Head(bias)
+    loss = chunked_cross_entropy_loss(model, x, y, chunk)
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    _check(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss.item(), ref_grads)
+    # under no_grad only the value is computed
+    with torch.no_grad():
+        assert chunked_cross_entropy_loss(model, x, y, chunk).item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+def test_fused_costs_the_plain_loss_flops():
+    """Nothing is recomputed: forward and backward of the chunked loss count the FLOPs of the plain
+    loss (6 N D V for the projection), where recomputing each chunk's logits cost 2 N D V more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = _batch()
+    counts = []
+    for chunked in (False, True):
+        model = _model()
+        with FlopCounterMode(display=False) as counter:
+            loss = chunked_cross_entropy_loss(model, x, y, 5) if chunked else cross_entropy_loss(model(x), y)
+            loss.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[1] == counts[0] > 6 * BATCH * SEQ * 32 * VOCAB
+
+
+def test_fused_bfloat16_on_tpu_matches_cpu():
+    """A bfloat16 model (the trainer's mixed precision computes the projection so): the logits and
+    softmax in float32, d/dW summed over the chunks in float32 (on tpu a bf16 x bf16 matmul with a
+    float32 result) and returned once in bfloat16, against the plain loss on the CPU at bfloat16's
+    precision; the gradients keep their parameters' dtype."""
+    ref = _Head(True).to(torch.bfloat16)
+    x, y = _batch()
+    ref_loss = cross_entropy_loss(ref(x), y)
+    ref_loss.backward()
+    model = _Head(True).to(torch.bfloat16).to("tpu")
+    loss = chunked_cross_entropy_loss(model, x.to("tpu"), y.to("tpu"), 5)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert float(loss.detach().cpu()) == pytest.approx(ref_loss.item(), rel=1e-3)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16, n
+        torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=2e-2, atol=2e-3, msg=n)
+
+
 def test_chunked_on_tpu_eager_and_compiled():
     state, ref_loss, ref_grads = _oracle()
     model = _model().to("tpu")

@@ -520,8 +520,9 @@ class Tpu:
     loss_chunk_size: int = _opt(
         2048,
         "Sequence positions per chunk of the loss: the output projection and "
-        "cross entropy run one chunk at a time, recomputed in backward, so the float32 "
-        "logits of the whole sequence are never held. 0 computes the loss on the whole "
+        "cross entropy run one chunk at a time, each chunk's gradients computed right away "
+        "(nothing recomputed in backward), so the float32 logits of the whole sequence are "
+        "never held. 0 computes the loss on the whole "
         "logits. With tensor parallelism each chunk's logits stay split over the vocabulary "
         "(loss_parallel), as the whole logits do.",
         check=_non_negative,
