@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/vulture
 
 test: lint
-	$(PY) -m pytest -n 2 -p no:cacheprovider --durations=30 tests
+	$(PY) -m pytest -n 2 --dist loadgroup -p no:cacheprovider --durations=30 tests
 
 bench: $(STAMP)
 	$(PY) -m bench.eager_overhead

@@ -86,6 +86,8 @@ _.persistent_cache_stats
 
 # pytest reads module-level marks.
 _.pytestmark
+# pytest calls conftest hooks by name (tests/conftest.py).
+_.pytest_collection_modifyitems
 
 # Installed on TpuTensor by backend.handlers (PyTorch calls them).
 _.__torch_dispatch__

@@ -39,3 +39,20 @@ def assert_close_to_cpu(actual, expected, msg="", *, rtol, atol):
     torch.testing.assert_close(
         actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{prefix}{m}"
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) the tests that share a
+    module-scoped fixture run on one worker, so the fixture is built once, not once per worker that
+    happens to receive one of them (the trainer's and the launcher's reference runs take minutes).
+    The group is named by the module and the fixture; tests without one are spread as before."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in info.names_closure:
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope == "module":
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{name}"))
+                break

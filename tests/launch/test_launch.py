@@ -200,10 +200,18 @@ def _training_pid(job: Job, host: int) -> int:
     raise AssertionError(f"no training process of host {host} among {_job_pids(job.mark)}")
 
 
+# The restart, preemption, kill and watchdog jobs are about processes, not the held-out loss: without
+# validation (run multi-host by the 2 x 4 job below, checked in tests/train/test_validation.py) no
+# process compiles the forward-only program or reads the held-out split at steps 1 and 10.
+NO_VALIDATION = ["--validation.enable", "false"]
+
+
 def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
     # The surviving host sees its collective fail and exits 42 at once, often before the killed host's
     # agent has reported: the launcher must still name the killed host as the cause, not the survivor.
-    job = launch(tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300"])
+    job = launch(
+        tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300", *NO_VALIDATION]
+    )
     try:
         job.wait_for(r"^\[host 0\] step +3 \|", 600)
         victim = _training_pid(job, 1)
@@ -325,6 +333,7 @@ LONG = [
     "4",
     "--checkpoint.keep_latest_k",
     "0",
+    *NO_VALIDATION,
 ]
 
 
@@ -382,7 +391,7 @@ def test_stuck_host_trips_the_watchdog(tmp_path):
         "stuck",
         2,
         1,
-        ["--training.steps", "12", "--comm.train_timeout_seconds", "10"],
+        ["--training.steps", "12", "--comm.train_timeout_seconds", "10", *NO_VALIDATION],
         TORCHTPU_TEST_STALL="1:4:600",
     )
     try:

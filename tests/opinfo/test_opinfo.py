@@ -4,8 +4,9 @@ One test per float32 OpInfo runs every sample (up to TORCHTPU_OPINFO_MAX_SAMPLES
 forward, one per autograd OpInfo compares input gradients. OpInfos listed in
 tests/opinfo/opinfo_known_failures.py are xfail(strict=True), so a fixed op must leave the list; those
 listed in CRASHES (their failure aborts the process) run in a subprocess, also as strict
-expected failures. The summary tests count the results the OpInfo tests actually had in this
-session and enforce the bar: at least 97.6% of OpInfos pass forward, 97.2% backward.
+expected failures. The summary tests enforce the bar, at least 97.6% of OpInfos pass forward and
+97.2% backward: on the known-failure lists (which the strict xfails keep exact) in every session,
+and on the results the OpInfo tests actually had when one process ran them all.
 
 A sample that raises fails only its own OpInfo; one that hangs is stopped after
 TORCHTPU_OPINFO_TIMEOUT seconds (default 600).
@@ -138,15 +139,28 @@ def test_known_failures_name_real_opinfos():
     ],
 )
 def test_pass_rate(direction, ops, bar, minimum):
-    """The fraction of OpInfos whose test passed in this session (runs after them)."""
+    """The fraction of OpInfos that pass every sample, against the bar.
+
+    Each OpInfo listed in opinfo_known_failures.py (FORWARD/BACKWARD, CRASHES) is a strict expected
+    failure and each other one must pass its own test, so when this file's tests pass, the OpInfos
+    that pass are exactly the unlisted ones: the rate follows from the lists, and is checked however
+    the session's tests are split between pytest-xdist workers. Where this process ran every OpInfo
+    test of the direction, the rate it saw is checked as well."""
     total = len(ops)
     assert total > minimum, f"only {total} {direction} OpInfos found"
+    known = FORWARD if direction == "forward" else BACKWARD
+    listed = sorted(
+        oid for oid in (harness.opinfo_id(o) for o in ops) if oid in known or f"{direction}:{oid}" in CRASHES
+    )
+    rate = (total - len(listed)) / total
+    print(f"{direction}: {total - len(listed)}/{total} OpInfos are not listed as failing ({100 * rate:.1f}%)")
+    assert rate >= bar, (
+        f"{len(listed)} of {total} {direction} OpInfos are listed as failing in tests/opinfo/opinfo_known_failures.py, "
+        f"a pass rate of {100 * rate:.1f}%; the bar is {100 * bar:.1f}%: {listed}"
+    )
     results = RESULTS[direction]
-    missing = total - len(results)
-    if missing:
-        pytest.skip(
-            f"{missing} of {total} {direction} OpInfo tests did not run in this session (the rate needs the whole file)"
-        )
+    if len(results) < total:
+        return  # this process ran only part of the file (pytest-xdist, -k): the rate above is the check
     passed = sum(results.values())
     rate = passed / total
     print(f"{direction}: {passed}/{total} OpInfos pass every sample ({100 * rate:.1f}%)")

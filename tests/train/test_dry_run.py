@@ -71,10 +71,18 @@ def test_scanned_estimate_equals_unrolled_within_5_percent():
         assert est[key] == pytest.approx(truth, rel=0.05), (key, est[key], truth)
 
 
-def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
-    """The dry run of the debug model (6 unrolled layers, full recomputation) on v5p: the
-    extrapolated estimate equals XLA's figure for the whole program within 5%, and the report
-    prints the estimate, tokens/s per chip, MFU, the method and the largest temporaries."""
+def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monkeypatch):
+    """The dry run of the debug model (6 layers, full recomputation) on v5p: the estimate it
+    extrapolates for the trainer's own scanned step equals XLA's figure for the whole unrolled
+    program within 5%, and the report prints the estimate, tokens/s per chip, MFU, the method and
+    the largest temporaries.
+
+    The estimate is the one `dry_run` itself computes (recorded on its way through, not computed
+    again): at 6 layers it comes from the 2- and 4-layer unrolled programs of the same job whatever
+    the full program looks like, so the scanned trainer's estimate is also the unrolled trainer's,
+    and each TPU program here is compiled once (the full unrolled step, the scanned step, 2 and 4
+    layers)."""
+    import torchtpu.train.dry_run as dry_run_module
     from torchtpu.train.config_manager import load_config
     from torchtpu.train.dry_run import _compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
@@ -93,22 +101,26 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys):
     t = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
     full = compile_report(_compile_step(t), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
-    est = step_estimate(t, full)
+    del t
+
+    # the trainer's own layer scan (on by default with full recomputation): XLA's raw figures for the
+    # scanned program count the loop body once; the dry run's estimate still equals the unrolled one
+    seen = []
+
+    def recorded_step_estimate(trainer, report):
+        est = step_estimate(trainer, report)
+        seen.append((trainer.cfg.tpu.scan_layers, report, est))
+        return est
+
+    monkeypatch.setattr(dry_run_module, "step_estimate", recorded_step_estimate)
+    assert dry_run(Trainer(load_config(argv))) == 0
+    [(scan_layers, scanned, est)] = seen
+    assert scan_layers
+    assert scanned["while_loops"] and scanned["flops_per_device"] < 0.6 * full["flops_per_device"]
     assert "unrolled 2- and 4-layer programs, extrapolated to 6 layers" in est["method"]
     for key in ("flops_per_device", "estimated_step_seconds"):
         assert est[key] == pytest.approx(full[key], rel=0.05), (key, est[key], full[key])
 
-    # the trainer's own layer scan (on by default with full recomputation): XLA's raw figures for the
-    # scanned program count the loop body once; the dry run's estimate still equals the unrolled one
-    cfg = load_config(argv)
-    ts = Trainer(cfg)
-    scanned = compile_report(_compile_step(ts), ts.mesh.jax_mesh)
-    assert scanned["while_loops"] and scanned["flops_per_device"] < 0.6 * full["flops_per_device"]
-    est = step_estimate(ts, scanned)
-    for key in ("flops_per_device", "estimated_step_seconds"):
-        assert est[key] == pytest.approx(full[key], rel=0.05), (key, est[key], full[key])
-
-    assert dry_run(Trainer(cfg)) == 0
     out = capsys.readouterr().out
     for needle in (
         "costing method",
