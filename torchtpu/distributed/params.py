@@ -52,6 +52,9 @@ class ModuleRecord:
     layout_hooks: bool = False  # tensor parallelism's use-through-layout hooks are installed
     in_use: list[str] = dataclasses.field(default_factory=list)  # put in use by those hooks, this forward
     scan_base: type | None = None  # the class scan_layers replaced
+    # FSDP leaves this linear layer's weight split when it puts it in use, instead of asking for it
+    # gathered: its consumer computes in the split (the chunked loss's vocabulary-split logits)
+    keep_split: bool = False
 
 
 def module_record(module: torch.nn.Module, create: bool = False) -> ModuleRecord | None:

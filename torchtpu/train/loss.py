@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from torchtpu.distributed import placements
 from torchtpu.distributed.batch import DATA_PARALLEL_DIMS
-from torchtpu.distributed.params import get_layout, through_layout
+from torchtpu.distributed.params import get_layout, module_record, through_layout
 
 __all__ = ["cross_entropy_loss", "chunked_cross_entropy_loss", "language_model_loss", "IGNORE_INDEX"]
 
@@ -123,10 +123,10 @@ def _chunk_pinners(weight_layout, tokens: int, rows: int):
     if weight_layout is None or weight_layout.mesh is None:
         return (lambda x: x), (lambda x: x)
     mesh = weight_layout.mesh
-    batch_axes = tuple(a for a in mesh.jax_mesh.axis_names if a in DATA_PARALLEL_DIMS)
+    batch_axes = _batch_axes(weight_layout)
     row_axes = tuple(weight_layout.dims[0])
     vocab_axes = tuple(a for a in row_axes if a not in batch_axes)
-    if not vocab_axes and tokens < rows:
+    if _vocab_split_as_fsdp(weight_layout, tokens, rows):
         vocab_axes = row_axes
     token_axes = tuple(a for a in batch_axes if a not in vocab_axes)
 
@@ -142,6 +142,20 @@ def _chunk_pinners(weight_layout, tokens: int, rows: int):
 
     vocab = (vocab_axes[0] if len(vocab_axes) == 1 else vocab_axes) if vocab_axes else P.UNCONSTRAINED
     return pinner(token_axes, vocab), pinner(batch_axes, None)
+
+
+def _batch_axes(weight_layout) -> tuple[str, ...]:
+    return tuple(a for a in weight_layout.mesh.jax_mesh.axis_names if a in DATA_PARALLEL_DIMS)
+
+
+def _vocab_split_as_fsdp(weight_layout, tokens: int, rows: int) -> bool:
+    """Whether a chunk's logits are split over the vocabulary as FSDP splits the weight's rows (no
+    tensor parallelism on them, and fewer tokens in the chunk than vocabulary rows; see
+    _chunk_pinners)."""
+    if weight_layout is None or weight_layout.mesh is None or not weight_layout.dims[0]:
+        return False
+    batch_axes = _batch_axes(weight_layout)
+    return all(a in batch_axes for a in weight_layout.dims[0]) and tokens < rows
 
 
 def _matmul_float32(a, b):
@@ -194,7 +208,8 @@ def _hidden_and_head(model, inputs):
 
 def chunked_cross_entropy_loss(model, inputs, labels, chunk_size: int):
     """cross_entropy_loss(model(inputs), labels), with the output projection and the loss computed
-    `chunk_size` sequence positions at a time under recomputation (see the module docstring).
+    `chunk_size` sequence positions at a time, their gradients in the same pass (see the module
+    docstring).
 
     `model` is a decoder whose forward ends with `model.output` (an nn.Linear), as torchtitan's."""
     if chunk_size < 1:
@@ -203,6 +218,12 @@ def chunked_cross_entropy_loss(model, inputs, labels, chunk_size: int):
             "cross_entropy_loss for the plain loss"
         )
     head = model.output
+    if isinstance(head, torch.nn.Linear):
+        # FSDP otherwise gathers the projection's weight for use; split over the vocabulary, each
+        # chip computes its own rows of it (module_record's keep_split)
+        tokens = inputs.shape[0] * min(chunk_size, inputs.shape[1])
+        split = _vocab_split_as_fsdp(get_layout(head, "weight"), tokens, head.weight.shape[0])
+        module_record(head, create=True).keep_split = split
     h, weight, bias = _hidden_and_head(model, inputs)
     if labels.shape != h.shape[:2]:
         raise ValueError(
