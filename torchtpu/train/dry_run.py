@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["dry_run", "recompute_factor", "step_estimate"]
+__all__ = ["dry_run", "estimate_lines", "recompute_factor", "step_estimate"]
 
 
 def recompute_factor(ac_mode: str) -> float:
@@ -113,6 +113,53 @@ def step_estimate(trainer, report: dict) -> dict:
         }
 
 
+def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
+    """The dry run's lines on model FLOPs and the estimated step (time, tokens/s, MFU) of
+    `trainer`'s job, from `est` (step_estimate's per-micro-batch cost) and the chip's bf16 peak."""
+    from .model_builder import ac_settings
+
+    dims = trainer.dims
+    accum = dims.grad_accum_steps
+    lines = []
+    tokens = dims.tokens_per_step
+    chips = dims.world_size
+    model_flops = trainer.flops_per_token * tokens
+    lines.append(
+        f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
+        "tokens, torchtitan's 6N + attention)"
+    )
+    ac_mode, _ = ac_settings(trainer.cfg)
+    lines.append(f"costing method          {est['method']}")
+    flops = est.get("flops_per_device")
+    if flops:
+        model_per_device = model_flops / accum / chips
+        lines.append(
+            f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
+            f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
+            f"{recompute_factor(ac_mode):.2f}x)"
+        )
+    seconds = est.get("estimated_step_seconds")
+    if seconds and seconds > 0:
+        step = seconds * accum
+        tps = tokens / step / chips
+        lines.append(f"estimated step          {step:.3f} s ({accum} x {seconds:.4f} s per micro-batch)")
+        lines.append(f"tokens/s per chip       {tps:,.0f} (estimate)")
+        if peak:
+            lines.append(
+                f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
+                "estimated step / chip bf16 peak)"
+            )
+    else:
+        bound = flops / peak * accum if flops and peak else None
+        if bound:
+            # every FLOP at the chip's peak is 100% utilization by construction: a bound, not an MFU
+            lines.append(
+                f"tokens/s upper bound    {tokens / bound / chips:,.0f} per chip (every XLA FLOP at the "
+                "chip's peak; XLA gave no time estimate, so no MFU estimate)"
+            )
+    return lines
+
+
 def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
@@ -121,8 +168,6 @@ def dry_run(trainer) -> int:
     """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
     import torchtpu.distributed as td
     from torchtpu.distributed.topology import compile_report, dump_compiles_to, format_report, largest_temporaries
-
-    from .model_builder import ac_settings
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError(
@@ -172,44 +217,7 @@ def dry_run(trainer) -> int:
             f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate with X64 calls)"
         )
 
-    tokens = dims.tokens_per_step
-    chips = dims.world_size
-    model_flops = trainer.flops_per_token * tokens
-    lines.append(
-        f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
-        "tokens, torchtitan's 6N + attention)"
-    )
-    ac_mode, _ = ac_settings(trainer.cfg)
-    est = step_estimate(trainer, report)
-    lines.append(f"costing method          {est['method']}")
-    flops = est.get("flops_per_device")
-    if flops:
-        model_per_device = model_flops / accum / chips
-        lines.append(
-            f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
-            f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
-            f"{recompute_factor(ac_mode):.2f}x)"
-        )
-    peak = report["peak_bf16_flops_per_device"]
-    seconds = est.get("estimated_step_seconds")
-    if seconds and seconds > 0:
-        step = seconds * accum
-        tps = tokens / step / chips
-        lines.append(f"estimated step          {step:.3f} s ({accum} x {seconds:.4f} s per micro-batch)")
-        lines.append(f"tokens/s per chip       {tps:,.0f} (estimate)")
-        if peak:
-            lines.append(
-                f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
-                "estimated step / chip bf16 peak)"
-            )
-    else:
-        bound = flops / peak * accum if flops and peak else None
-        if bound:
-            # every FLOP at the chip's peak is 100% utilization by construction: a bound, not an MFU
-            lines.append(
-                f"tokens/s upper bound    {tokens / bound / chips:,.0f} per chip (every XLA FLOP at the "
-                "chip's peak; XLA gave no time estimate, so no MFU estimate)"
-            )
+    lines += estimate_lines(trainer, step_estimate(trainer, report), report["peak_bf16_flops_per_device"])
     print("\n".join(lines), flush=True)
 
     fits = report["fits"]
