@@ -29,6 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -37,7 +38,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from bench import jax_llama  # noqa: E402
-from torchtpu.distributed.topology import aot_compile, compile_report, depth_extrapolated_cost  # noqa: E402
+from torchtpu.distributed.topology import (  # noqa: E402
+    aot_compile,
+    compile_report,
+    depth_extrapolated_cost,
+    dump_compiles_to,
+    largest_temporaries,
+)
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -215,13 +222,17 @@ def main(argv=None):
         "torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
         "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth),
     }
-    full = {}
+    full, temps = {}, {}
     if not a.no_full:
-        rep, dt, trainer = torchtpu_program(cfg)
+        with tempfile.TemporaryDirectory(prefix="tpu-step-") as dump, dump_compiles_to(dump):
+            rep, dt, trainer = torchtpu_program(cfg)
+            temps["torchtpu"] = largest_temporaries(dump)
         full["torchtpu"] = (rep, dt)
         _log(f"torchtpu, {depth} layers: compiled in {dt:.0f} s")
         specs = param_specs(trainer)
-        full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, ac_settings(cfg)[0] != "none")
+        with tempfile.TemporaryDirectory(prefix="tpu-step-") as dump, dump_compiles_to(dump):
+            full["pure JAX"] = reference_program(trainer, specs, depth, a.scan, a.pallas, ac_settings(cfg)[0] != "none")
+            temps["pure JAX"] = largest_temporaries(dump)
         _log(f"pure JAX, {depth} layers: compiled in {full['pure JAX'][1]:.0f} s")
     dims = base.dims
     chips = dims.world_size
@@ -262,6 +273,10 @@ def main(argv=None):
     ts, js = est["torchtpu"]["estimated_step_seconds"], est["pure JAX"]["estimated_step_seconds"]
     if ts and js:
         print(f"torchtpu / pure JAX est. step time: {ts / js:.3f} (goal <= 1.05)")
+    for name, groups in temps.items():  # where each full-depth program's memory goes
+        print(f"largest temporaries, {name} (per chip, XLA's buffer assignment: size; buffers that reuse it)")
+        for g in groups:
+            print(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
     if full:
         print(
             f"torchtpu / pure JAX HBM per chip: "
