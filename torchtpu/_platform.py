@@ -112,6 +112,58 @@ def configure_persistent_cache() -> None:
             _CACHE_STATS["misses"] += 1
 
     jax.monitoring.register_event_listener(listen)
+    _cache_from_every_cpu_process()
+
+
+_CACHE_WRITE_ARGS = ("cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks")
+
+
+def _cache_from_every_cpu_process() -> None:
+    """Let every process of a multi-process job on the CPU backend write its compiled programs.
+
+    JAX writes persistent-cache entries from process 0 only: on a TPU pod every process compiles
+    the same key, and one writer is enough. On the CPU backend the key also hashes each process's
+    own topology, so the keys of processes 1.. differ from process 0's; never written, their
+    programs were compiled again by every run, resume and restart (in a 2-host `torchtpu-launch
+    local` job of the debug model, ~50 s of compiling on host 1 while host 0 waited at its first
+    collective). Their keys are distinct, so the writers do not contend. If JAX's internals change
+    shape, this does nothing and those processes compile as before.
+    """
+    try:
+        from jax._src import compilation_cache, compiler, distributed
+    except ImportError:
+        return
+    import inspect
+
+    jax_write = getattr(compiler, "_cache_write", None)
+    if jax_write is None or getattr(jax_write, "_torchtpu", False):
+        return
+    if list(inspect.signature(jax_write).parameters) != list(_CACHE_WRITE_ARGS) or not hasattr(
+        compilation_cache, "put_executable_and_time"
+    ):
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        import jax
+
+        if distributed.global_state.process_id == 0 or getattr(backend, "platform", None) != "cpu":
+            return jax_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if host_callbacks or compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+            return None
+        try:
+            compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        except Exception as ex:  # noqa: BLE001 - a cache that cannot be written costs time, not results
+            import warnings
+
+            warnings.warn(
+                f"torchtpu: could not write the compilation cache entry of {module_name!r}: {ex}", stacklevel=2
+            )
+        return None
+
+    cache_write._torchtpu = True
+    compiler._cache_write = cache_write
 
 
 def persistent_cache_stats() -> dict:

@@ -52,3 +52,46 @@ def test_two_processes_fsdp_matches_one_device():
         losses.append(eval(m.group(1)))
     assert losses[0] == losses[1]  # every process sees the same global loss
     np.testing.assert_allclose(losses[0], _one_device_losses(), rtol=1e-5)
+
+
+CACHE_PROGRAM = """
+import sys
+import numpy as np
+import torchtpu
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.distributed.initialize("127.0.0.1:" + sys.argv[1], 2, int(sys.argv[2]))
+local = jax.jit(lambda a: a * 3 + 1)(jax.numpy.arange(4.0))
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+both = jax.make_array_from_process_local_data(sharding, np.full(2, 1.0 + jax.process_index()))
+total = jax.jit(lambda a: (a * 2).sum(), out_shardings=NamedSharding(sharding.mesh, P()))(both)
+print("values", local.tolist(), float(total))
+s = torchtpu.persistent_cache_stats()  # JAX counts a miss when it writes the compiled program
+print(f"cache hits {s['hits']} written {s['misses']}")
+"""
+
+
+def test_every_process_of_a_cpu_job_reuses_its_compiled_programs(tmp_path):
+    # JAX writes the persistent cache from process 0 only, while on the CPU backend the other
+    # processes' keys differ from process 0's: torchtpu lets them write their own, so a second run
+    # of the same job (a resume, a restart) loads every program from the cache on every process.
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        TORCHTPU_CACHE_DIR=str(tmp_path / "xla"),
+    )
+    runs = []
+    for _ in range(2):
+        port = free_port()
+        runs.append(run_together([[sys.executable, "-c", CACHE_PROGRAM, str(port), str(i)] for i in range(2)], env))
+    for i in range(2):
+        first, second = (re.search(r"^cache hits (\d+) written (\d+)$", run[i], re.M) for run in runs)
+        assert first and second, runs[0][i][-3000:] + runs[1][i][-3000:]
+        assert int(first.group(1)) == 0 and int(first.group(2)) >= 2, (f"process {i}, first run", first.group(0))
+        assert int(second.group(2)) == 0 and int(second.group(1)) == int(first.group(2)), (
+            f"process {i}, second run",
+            second.group(0),
+        )
+        for run in runs:  # the programs loaded from the cache compute what the compiled ones did
+            assert re.search(r"^values \[1\.0, 4\.0, 7\.0, 10\.0\] 12\.0$", run[i], re.M), run[i][-3000:]
