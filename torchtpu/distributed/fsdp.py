@@ -9,7 +9,9 @@ parameter's own layout (whose backward lays the gradient out the same way: the r
 then, for linear weights, after the mixed-precision cast, through one to the gathered layout (the
 FSDP axes dropped: the all-gather, in `param_dtype`). XLA emits both collectives on the interconnect and
 schedules them itself. `reshard_after_forward` is accepted for compatibility; XLA decides
-whether a gathered parameter stays live between forward and backward.
+whether a gathered parameter stays live between forward and backward. An `nn.Embedding` whose
+table's rows are split looks up without gathering the table (embedding.py: the token ids move
+instead, and each chip adds the gradient into its own rows).
 
 Mixed precision (`MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
 cast_forward_inputs)`): the module computes with parameters cast to `param_dtype`; their
@@ -26,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
+from . import embedding
 from .batch import batch_pinner
 from .mesh import DeviceMesh, current_mesh
 from .params import (
@@ -130,6 +133,8 @@ def fully_shard(
     for owner in {id(o): o for o, _ in params}.values():
         if isinstance(owner, nn.Linear):
             owner.register_forward_hook(pin)
+        elif isinstance(owner, nn.Embedding):
+            embedding.install(owner, tuple(a for d in mesh.dims for a in d))
     return module
 
 
@@ -174,8 +179,8 @@ def _gathered(rec: ParamLayout | None, mesh: DeviceMesh) -> ParamLayout | None:
     that the all-gather is of the weight, in `param_dtype`, as FSDP's is: left to itself, XLA may
     keep the weight split and gather the activations of the whole global batch instead (it does
     for the row-parallel projections with one sequence per rank under tensor parallelism).
-    Embedding tables and norm weights are left to XLA: a lookup in a vocabulary-split table
-    needs no gathered table, and measured on the 2-layer 8B step for v5p:2x2x1 an explicit gather
+    Embedding tables and norm weights are not gathered: a lookup in a vocabulary-split table
+    needs no gathered table (embedding.py), and measured on the 2-layer 8B step for v5p:2x2x1 an explicit gather
     of them cost 3.4 GiB more temporaries per chip and reduced the norm weights' gradients in
     bfloat16."""
     if rec is None or rec.mesh is None:

@@ -1,0 +1,219 @@
+"""A lookup in an embedding table whose rows FSDP splits, without gathering the table.
+
+Left to itself, XLA computes `table[ids]` for a table split by rows over the data-parallel axes
+by gathering the whole table on every chip, and its gradient as a whole-table scatter on every
+chip followed by a reduce-scatter: per chip a full [vocab, dim] copy in bf16 and its gradient in
+fp32 (2 GiB each for Llama 3 8B's 128256 x 4096 table).
+
+The split lookup moves the token ids instead, which are far fewer when a data-parallel group's
+tokens number fewer than the table's rows:
+
+    forward   all-gather the ids over the axes that split both the batch and the rows; each chip
+              looks up the rows it holds (zeros elsewhere); a reduce-scatter over the same axes
+              returns each chip its own tokens' rows (a sum with one nonzero term: exact)
+    backward  all-gather the ids and the output gradient; each chip adds the gradients of the
+              tokens whose rows it holds into its own [rows / n, dim] block, in float32
+
+Row axes that do not split the batch (tensor parallelism's, with the ids replicated over them)
+are summed over instead of gathered. `fully_shard` installs it on the `nn.Embedding` modules it
+manages (`install`); anything it does not cover (max_norm, scale_grad_by_freq, sparse, layouts
+it cannot map, more gathered tokens than table rows) runs `nn.Embedding`'s own forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from torch import nn
+from torch.nn import functional as F
+
+from ..backend.optable import lower
+from . import placements as pl
+from .params import get_layout
+
+__all__ = ["install"]
+
+_lib = torch.library.Library("torchtpu", "FRAGMENT")
+_lib.define("split_embedding(Tensor weight, Tensor ids, str weight_spec, str ids_spec, int padding_idx) -> Tensor")
+_lib.define(
+    "split_embedding_backward(Tensor grad, Tensor ids, str weight_spec, str ids_spec, int padding_idx, "
+    "SymInt rows) -> Tensor"
+)
+# Off tpu (CPU, meta) the ops are the plain lookup and PyTorch's own gradient of it.
+_lib.impl(
+    "split_embedding",
+    lambda weight, ids, weight_spec, ids_spec, padding_idx: F.embedding(ids, weight),
+    "CompositeExplicitAutograd",
+)
+_lib.impl(
+    "split_embedding_backward",
+    lambda grad, ids, weight_spec, ids_spec, padding_idx, rows: torch.ops.aten.embedding_dense_backward(
+        grad, ids, rows, padding_idx, False
+    ),
+    "CompositeExplicitAutograd",
+)
+
+
+@torch.library.register_fake("torchtpu::split_embedding")
+def _lookup_fake(weight, ids, weight_spec, ids_spec, padding_idx):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@torch.library.register_fake("torchtpu::split_embedding_backward")
+def _grad_fake(grad, ids, weight_spec, ids_spec, padding_idx, rows):
+    return grad.new_empty((rows, grad.shape[-1]))
+
+
+def _setup(ctx, inputs, output):
+    weight, ids, weight_spec, ids_spec, padding_idx = inputs
+    ctx.save_for_backward(ids)
+    ctx.args = (weight_spec, ids_spec, padding_idx, weight.shape[0])
+
+
+def _backward(ctx, grad):
+    (ids,) = ctx.saved_tensors
+    return torch.ops.torchtpu.split_embedding_backward(grad, ids, *ctx.args), None, None, None, None
+
+
+torch.library.register_autograd("torchtpu::split_embedding", _backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- lowerings
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _plan(weight_spec: str, ids_spec: str):
+    """(mesh, weight spec, ids spec, output spec, row axes, gathered axes, summed axes, batch-only
+    axes): the row axes that also split the batch are gathered over, the other row axes summed
+    over in the forward; the gradient is summed over the batch axes that do not split the rows
+    (HSDP's replicas: each holds the whole table's gradient for its own tokens)."""
+    w, i = pl.decode(weight_spec), pl.decode(ids_spec)
+    rows = _axes(w.spec[0])
+    id_axes = [a for e in i.spec for a in _axes(e)]
+    gathered = tuple(a for a in id_axes if a in rows)
+    summed = tuple(a for a in rows if a not in id_axes)
+    batch_only = tuple(a for a in id_axes if a not in rows)
+    out = P(*i.spec, w.spec[1] if len(w.spec) > 1 else None)
+    return w.mesh, w.spec, i.spec, out, rows, gathered, summed, batch_only
+
+
+def _shard_index(axes: tuple[str, ...]):
+    """This chip's block of a dim split over `axes` (the first axis major), inside shard_map."""
+    index = 0
+    for a in axes:
+        index = index * lax.axis_size(a) + lax.axis_index(a)
+    return index
+
+
+def _own_rows(ids, total: int, block: int, row_axes):
+    """(position of each id in this chip's block of rows, whether the block holds it)."""
+    ids = jnp.clip(ids, 0, total - 1)  # out-of-range ids: as torchtpu's plain lookup (clamped)
+    rel = ids - (_shard_index(row_axes) * block).astype(ids.dtype)
+    return rel, (rel >= 0) & (rel < block)
+
+
+@lower(torch.ops.torchtpu.split_embedding.default)
+def _lookup(weight, ids, weight_spec, ids_spec, padding_idx):
+    mesh, w_spec, i_spec, out_spec, rows, gathered, summed, _ = _plan(weight_spec, ids_spec)
+    total = weight.shape[0]
+
+    def local(w, i):
+        if gathered:
+            i = lax.all_gather(i, gathered, axis=0, tiled=True)
+        rel, mine = _own_rows(i, total, w.shape[0], rows)
+        out = jnp.take(w, jnp.where(mine, rel, 0), axis=0)
+        out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
+        if gathered:
+            out = lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
+        if summed:
+            out = lax.psum(out, summed)
+        return out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(w_spec, i_spec), out_specs=out_spec, check_vma=False)(weight, ids)
+
+
+@lower(torch.ops.torchtpu.split_embedding_backward.default)
+def _lookup_backward(grad, ids, weight_spec, ids_spec, padding_idx, rows):
+    mesh, w_spec, i_spec, out_spec, row_axes, gathered, _, batch_only = _plan(weight_spec, ids_spec)
+    block = rows // math.prod(mesh.shape[a] for a in row_axes)
+    compute = jnp.float32 if grad.dtype in (jnp.bfloat16, jnp.float16) else grad.dtype
+
+    def local(g, i):
+        if gathered:
+            i = lax.all_gather(i, gathered, axis=0, tiled=True)
+            g = lax.all_gather(g, gathered, axis=0, tiled=True)
+        rel, mine = _own_rows(i, rows, block, row_axes)
+        if padding_idx >= 0:
+            mine = mine & (i != padding_idx)
+        at = jnp.where(mine, rel, block).reshape(-1)  # not this chip's rows: dropped
+        g = g.reshape(at.shape[0], g.shape[-1]).astype(compute)
+        out = jnp.zeros((block, g.shape[-1]), compute).at[at].add(g, mode="drop")
+        if batch_only:
+            out = lax.psum(out, batch_only)
+        return out.astype(grad.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(out_spec, i_spec), out_specs=w_spec, check_vma=False)(grad, ids)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class _SplitLookup:
+    """`module.forward`: the split lookup where it applies, nn.Embedding's own elsewhere. A
+    class, not a closure, so that a deepcopy of the module looks up in the copy's table."""
+
+    def __init__(self, module: nn.Embedding, data_axes: tuple[str, ...]):
+        self.module = module
+        self.data_axes = data_axes
+
+    def __call__(self, ids):
+        module = self.module
+        weight = module.weight
+        rec = get_layout(module, "weight")
+        if (
+            module.max_norm is not None
+            or module.scale_grad_by_freq
+            or module.sparse
+            or not isinstance(ids, torch.Tensor)
+            or ids.device.type != "tpu"
+            or ids.dim() < 1
+            or weight.dim() != 2
+            or rec is None
+            or rec.mesh is None
+        ):
+            return nn.Embedding.forward(module, ids)
+        jax_mesh = rec.mesh.jax_mesh
+        rows = tuple(rec.dims[0])
+        entry = pl.batch_entry(jax_mesh, self.data_axes, ids.shape[0])
+        batch = _axes(entry)
+        gathered = [a for a in batch if a in rows]
+        # Worth it only when the ids of a gather group are fewer than the table's rows (else
+        # gathering the table is the smaller transfer), and mappable only when no axis splits
+        # both the batch and the embedding dim.
+        tokens = ids.numel() // math.prod(jax_mesh.shape[a] for a in batch if a not in gathered)
+        if not gathered or tokens >= weight.shape[0] or set(batch) & set(rec.dims[1]):
+            return nn.Embedding.forward(module, ids)
+        w_spec = pl.encode(rec.mesh, rec.spec)
+        i_spec = pl.encode(rec.mesh, P(entry, *([None] * (ids.dim() - 1))))
+        pad = -1 if module.padding_idx is None else module.padding_idx
+        return torch.ops.torchtpu.split_embedding(weight, ids, w_spec, i_spec, pad)
+
+
+def install(module: nn.Embedding, data_axes: tuple[str, ...]) -> None:
+    """Make `module` (an nn.Embedding whose weight FSDP manages) look up rows with the split
+    lookup when its table's rows are split over some of `data_axes` (the axes that split the
+    batch). An instance attribute, so `state_dict`, hooks and the class are unchanged. Subclasses
+    with a forward of their own (a scaled embedding, say) keep it."""
+    if type(module).forward is not nn.Embedding.forward or isinstance(module.__dict__.get("forward"), _SplitLookup):
+        return
+    module.forward = _SplitLookup(module, tuple(data_axes))
