@@ -39,7 +39,8 @@ def cache_stats() -> dict:
     """Executable cache counters.
 
     hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
-    xla_compiles: every XLA compilation in this process, eager or compiled programs;
+    xla_compiles: every XLA compilation in this process, eager or compiled programs (a program loaded
+    from the persistent cache counts too: JAX times the lookup and the compile as one event);
     dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched;
     compiled_step_*: torchtpu.compile steps traced, and of those, traced again because a guarded
     value (argument shapes, an optimizer hyperparameter that is not lifted) changed.

@@ -63,7 +63,7 @@ def configure_jax() -> None:
 
 
 _CACHE_STATS = {"hits": 0, "misses": 0}
-XLA_COMPILES = [0]  # backend compilations in this process (persistent-cache hits excluded)
+XLA_COMPILES = [0]  # programs this process compiled or loaded from the persistent cache (JAX times both as one event)
 
 
 def _count_compiles():
@@ -167,7 +167,9 @@ def _cache_from_every_cpu_process() -> None:
 
 
 def persistent_cache_stats() -> dict:
-    """Persistent compilation cache: hits/misses in this process, and files/bytes on disk."""
+    """Persistent compilation cache: hits and misses in this process, and files/bytes on disk.
+    JAX records a miss when it writes an entry, so `misses` counts the programs this process wrote
+    (a compile too small or too fast to be written is not counted)."""
     path = cache_dir()
     files = size = 0
     if path and os.path.isdir(path):
