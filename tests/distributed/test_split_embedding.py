@@ -143,3 +143,37 @@ def test_deepcopy_looks_up_in_its_own_table():
         expected = c[1](c[0].weight.cpu()[ids].to("tpu"))
         torch.testing.assert_close(c(ids.to("tpu")).cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(m(ids.to("tpu")).cpu(), expected.cpu())
+
+
+def test_transformers_gpt2_with_tied_embeddings_under_fsdp_matches_cpu():
+    """transformers' GPT-2 (the token table tied to the LM head) under FSDP 8: the token lookup
+    splits (96 tokens, 128 rows), the position lookup ([1, seq] ids: a batch of 1) runs as
+    nn.Embedding's, and the loss and every gradient match PyTorch on CPU."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    ref = GPT2LMHeadModel(cfg)
+    assert ref.lm_head.weight is ref.transformer.wte.weight
+    ids = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(3))
+
+    def run(model, device):
+        out = model(input_ids=ids.to(device), labels=ids.to(device))
+        out.loss.backward()
+        return out.loss, {n: p.grad for n, p in model.named_parameters()}
+
+    loss_cpu, grads_cpu = run(ref, "cpu")
+    m = copy.deepcopy(ref).to("tpu")
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    for block in m.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    with _Ops() as ops:
+        loss, grads = run(m, "tpu")
+    assert ops.names.count("torchtpu.split_embedding.default") == 1
+    assert ops.names.count("aten.embedding.default") == 1  # the positions
+    torch.testing.assert_close(loss.cpu(), loss_cpu, rtol=1e-5, atol=1e-6)
+    for name, g in grads_cpu.items():
+        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
