@@ -16,7 +16,8 @@
 
 Both are costed the same way (torchtpu.distributed.topology.depth_extrapolated_cost: XLA's cost
 model on shallow unrolled programs, extrapolated to the model's depth, which a scan cannot
-fool: the dry run's method, from unrolled 2- and 4-layer programs); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
+fool: the dry run's method, from unrolled 2- and 4-layer programs; the reference's Pallas kernels declare
+to XLA the costs torchtpu's declare for the same shapes, see with_torchtpu_kernel_costs); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
 torchtitan's model FLOPs per token and the chip's bf16 peak.
 """
 
@@ -111,6 +112,52 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
     )
 
 
+def with_torchtpu_kernel_costs(fn):
+    """`fn` with each Pallas flash-attention kernel in it declaring to XLA the cost torchtpu's
+    kernels declare for the same shapes (`attention_tpu.kernel_costs`: the blocks a causal kernel
+    visits). The library's forward kernel declares the FLOPs of the whole, non-causal score matrix
+    (twice the causal work) and its two backward kernels declare none, which XLA's cost model
+    counts as free; left so, the two programs' attention would be costed differently (by about
+    1e12 FLOPs per layer per chip at 8B, in torchtpu's disfavour)."""
+    from jax.extend import core as jcore
+
+    from torchtpu.backend.ops.attention_tpu import kernel_costs
+
+    def closed(c):
+        return jcore.ClosedJaxpr(recost(c.jaxpr), c.consts)
+
+    def recost(jaxpr):
+        eqns = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                q, k = eqn.invars[0].aval, eqn.invars[1].aval
+                b, h, length, d = q.shape
+                costs = kernel_costs(b, h, length, k.shape[2], d, causal=True, itemsize=q.dtype.itemsize)
+                # forward: q, k, v in; dK/dV: two results; dQ: one result from q, k, v, l, m, do, di
+                kind = "backward_dkv" if len(eqn.outvars) == 2 else "backward_dq" if len(eqn.invars) > 3 else "forward"
+                eqn = eqn.replace(params={**eqn.params, "cost_estimate": costs[kind]})
+            else:
+                new = {}
+                for key, v in eqn.params.items():
+                    if isinstance(v, jcore.ClosedJaxpr):
+                        new[key] = closed(v)
+                    elif isinstance(v, jcore.Jaxpr):
+                        new[key] = recost(v)
+                    elif isinstance(v, tuple) and v and all(isinstance(x, jcore.ClosedJaxpr) for x in v):
+                        new[key] = tuple(closed(x) for x in v)
+                if new:
+                    eqn = eqn.replace(params={**eqn.params, **new})
+            eqns.append(eqn)
+        return jaxpr.replace(eqns=eqns)
+
+    def run(*args):
+        traced, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = jax.core.eval_jaxpr(recost(traced.jaxpr), traced.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), out)
+
+    return run
+
+
 def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd=0.1, max_norm=1.0):
     """(compile_report, seconds to compile) of the pure-JAX step at `n_layers`."""
     args, mesh = trainer.model_args, trainer.mesh.jax_mesh
@@ -137,6 +184,8 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
     params = sds(shapes)
     loss_fn = make_reference_loss(args, dims.seq_len, mesh, scan and n_layers > 0, pallas, remat)
     step = jax_llama.adamw_step(loss_fn, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, max_norm=max_norm)
+    if pallas:
+        step = with_torchtpu_kernel_costs(step)
 
     batch_axes = tuple(a for a in mesh.axis_names if a.startswith("dp") and mesh.shape[a] > 1) or None
     tok = jax.ShapeDtypeStruct(
