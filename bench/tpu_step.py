@@ -45,6 +45,7 @@ from torchtpu.distributed.topology import (  # noqa: E402
     depth_extrapolated_cost,
     dump_compiles_to,
     largest_temporaries,
+    temporaries_lines,
 )
 
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -324,8 +325,7 @@ def main(argv=None):
         print(f"torchtpu / pure JAX est. step time: {ts / js:.3f} (goal <= 1.05)")
     for name, groups in temps.items():  # where each full-depth program's memory goes
         print(f"largest temporaries, {name} (per chip, XLA's buffer assignment: size; buffers that reuse it)")
-        for g in groups:
-            print(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
+        print("\n".join(temporaries_lines(groups)))
     if full:
         print(
             f"torchtpu / pure JAX HBM per chip: "

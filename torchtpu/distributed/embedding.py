@@ -86,20 +86,14 @@ torch.library.register_autograd("torchtpu::split_embedding", _backward, setup_co
 # ----------------------------------------------------------------------------- lowerings
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _plan(weight_spec: str, ids_spec: str):
     """(mesh, weight spec, ids spec, output spec, row axes, gathered axes, summed axes, batch-only
     axes): the row axes that also split the batch are gathered over, the other row axes summed
     over in the forward; the gradient is summed over the batch axes that do not split the rows
     (HSDP's replicas: each holds the whole table's gradient for its own tokens)."""
     w, i = pl.decode(weight_spec), pl.decode(ids_spec)
-    rows = _axes(w.spec[0])
-    id_axes = [a for e in i.spec for a in _axes(e)]
+    rows = pl.entry_axes(w.spec[0])
+    id_axes = [a for e in i.spec for a in pl.entry_axes(e)]
     gathered = tuple(a for a in id_axes if a in rows)
     summed = tuple(a for a in rows if a not in id_axes)
     batch_only = tuple(a for a in id_axes if a not in rows)
@@ -195,7 +189,7 @@ class _SplitLookup:
         jax_mesh = rec.mesh.jax_mesh
         rows = tuple(rec.dims[0])
         entry = pl.batch_entry(jax_mesh, self.data_axes, ids.shape[0])
-        batch = _axes(entry)
+        batch = pl.entry_axes(entry)
         gathered = [a for a in batch if a in rows]
         # Worth it only when the ids of a gather group are fewer than the table's rows (else
         # gathering the table is the smaller transfer), and mappable only when no axis splits

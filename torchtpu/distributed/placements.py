@@ -81,7 +81,8 @@ def sharding_for(mesh: DeviceMesh, placements, ndim: int) -> NamedSharding:
     return NamedSharding(mesh.jax_mesh, spec_for(mesh, placements, ndim))
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names (none for None or UNCONSTRAINED)."""
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -95,7 +96,7 @@ def placements_for(sharding, ndim: int, mesh: DeviceMesh) -> tuple[Placement, ..
     for axes in mesh.dims:
         found = None
         for d, entry in enumerate(spec):
-            e = _entry_axes(entry)
+            e = entry_axes(entry)
             for k in range(len(e) - len(axes) + 1):
                 if e[k : k + len(axes)] == axes:
                     found = d
@@ -125,7 +126,7 @@ def encode(mesh: DeviceMesh, spec: P) -> str:
         if e is P.UNCONSTRAINED:
             entries.append("?")
         else:
-            entries.append("+".join(_entry_axes(e)))
+            entries.append("+".join(entry_axes(e)))
     return f"{_mesh_id(mesh.jax_mesh)}:" + ";".join(entries)
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "wide_types",
     "while_loops",
     "largest_temporaries",
+    "temporaries_lines",
     "depth_extrapolated_cost",
 ]
 
@@ -473,6 +474,11 @@ def largest_temporaries(dump_folder: str, count: int = 8) -> list[dict]:
             size = _parse_size(parts[1])
             rows.append({"bytes": size, "shapes": parts[4], "values": int(parts[3])})
     return sorted(rows, key=lambda r: -r["bytes"])[:count]
+
+
+def temporaries_lines(groups: list[dict]) -> list[str]:
+    """`largest_temporaries`' slices as report lines: size, then the shapes that reuse the slice."""
+    return [f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}" for g in groups]
 
 
 def _parse_size(text: str) -> int:

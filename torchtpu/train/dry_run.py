@@ -167,7 +167,13 @@ def _gib(n: float) -> str:
 def dry_run(trainer) -> int:
     """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
     import torchtpu.distributed as td
-    from torchtpu.distributed.topology import compile_report, dump_compiles_to, format_report, largest_temporaries
+    from torchtpu.distributed.topology import (
+        compile_report,
+        dump_compiles_to,
+        format_report,
+        largest_temporaries,
+        temporaries_lines,
+    )
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError(
@@ -209,8 +215,7 @@ def dry_run(trainer) -> int:
     lines = [f"compile time            {t_compile:.1f} s"]
     if temps:
         lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse it)")
-        for g in temps:
-            lines.append(f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}")
+        lines += temporaries_lines(temps)
     wide = {k: v for k, v in report["wide_types"].items() if v}
     if wide:
         lines.append(
