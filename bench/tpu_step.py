@@ -17,7 +17,10 @@
 Both are costed the same way (torchtpu.distributed.topology.depth_extrapolated_cost: XLA's cost
 model on shallow unrolled programs, extrapolated to the model's depth, which a scan cannot
 fool: the dry run's method, from unrolled 2- and 4-layer programs; the reference's Pallas kernels declare
-to XLA the costs torchtpu's declare for the same shapes, see with_torchtpu_kernel_costs); HBM per chip, collectives and compile time come from the full-depth programs. MFU uses
+to XLA the costs torchtpu's declare for the same shapes, see with_torchtpu_kernel_costs; both
+costing programs are compiled without collective-matmul loops, whose bodies XLA would cost once,
+see topology.COSTING_COMPILER_OPTIONS); HBM per chip, collectives and compile time come from the
+full-depth programs, compiled with the compiler's defaults. MFU uses
 torchtitan's model FLOPs per token and the chip's bf16 peak.
 """
 
@@ -42,10 +45,12 @@ from bench import jax_llama  # noqa: E402
 from torchtpu.distributed.topology import (  # noqa: E402
     aot_compile,
     compile_report,
+    costing_compiles,
     depth_extrapolated_cost,
     dump_compiles_to,
     largest_temporaries,
     temporaries_lines,
+    topology_devices,
 )
 
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -241,7 +246,7 @@ def main(argv=None):
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled
+    from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled, with_loop_warning
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
@@ -255,13 +260,17 @@ def main(argv=None):
     small_tt, small_ref = [], []
     base = None
     for n in COSTING_DEPTHS:
-        rep, dt, t = torchtpu_program(unrolled(cfg), n_layers=n)
+        # compiled as the dry run compiles its costing programs: no collective-matmul loops, whose
+        # bodies XLA would cost once (topology.COSTING_COMPILER_OPTIONS)
+        with costing_compiles(topology_devices(a.topology)):
+            rep, dt, t = torchtpu_program(unrolled(cfg), n_layers=n)
         _log(f"torchtpu, {n} layers unrolled: compiled in {dt:.0f} s")
         small_tt.append(rep)
         base = base or t
         specs = param_specs(t)
         ac_mode, _ = ac_settings(cfg)
-        rep, dt = reference_program(t, specs, n, False, a.pallas, ac_mode != "none")
+        with costing_compiles(t.mesh.jax_mesh):
+            rep, dt = reference_program(t, specs, n, False, a.pallas, ac_mode != "none")
         _log(f"pure JAX, {n} layers unrolled: compiled in {dt:.0f} s")
         small_ref.append(rep)
         del t
@@ -269,8 +278,8 @@ def main(argv=None):
     # the costing trainers were built shallow: the job's own depth and model FLOPs come from its full args
     depth, flops_per_token = full_depth_and_flops(cfg, base)
     est = {
-        "torchtpu": depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth),
-        "pure JAX": depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth),
+        "torchtpu": with_loop_warning(depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth), small_tt),
+        "pure JAX": with_loop_warning(depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth), small_ref),
     }
     full, temps = {}, {}
     if not a.no_full:

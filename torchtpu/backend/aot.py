@@ -16,6 +16,7 @@ import jax
 from . import dtypes
 
 _DUMP_DIR: list = [None]
+_OPTIONS: list = [{}]
 
 
 @contextlib.contextmanager
@@ -30,6 +31,18 @@ def dump_compiles_to(folder: str):
         _DUMP_DIR[0] = before
 
 
+@contextlib.contextmanager
+def compiler_options(options: dict):
+    """While active, `aot_compile` passes these XLA compiler options (on top of its caller's) to
+    every program it compiles; `topology.costing_compiles` uses it."""
+    before = _OPTIONS[0]
+    _OPTIONS[0] = {**before, **options}
+    try:
+        yield
+    finally:
+        _OPTIONS[0] = before
+
+
 def aot_compile(lowered, compiler_options: dict | None = None):
     """`lowered.compile()` for topology devices, bypassing JAX's persistent compilation cache.
 
@@ -40,6 +53,8 @@ def aot_compile(lowered, compiler_options: dict | None = None):
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
 
+    if _OPTIONS[0]:
+        compiler_options = {**_OPTIONS[0], **(compiler_options or {})}
     if _DUMP_DIR[0] is not None:
         # the compiler's own record of the program: optimized HLO and its buffer assignment
         compiler_options = {**(compiler_options or {}), "xla_dump_to": _DUMP_DIR[0]}

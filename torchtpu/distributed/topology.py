@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from ..backend.aot import aot_compile, dump_compiles_to  # re-exported: compiling is a backend job
+from ..backend.aot import aot_compile, compiler_options, dump_compiles_to  # re-exported: compiling is a backend job
 
 __all__ = [
     "TopologyError",
@@ -47,6 +47,8 @@ __all__ = [
     "largest_temporaries",
     "temporaries_lines",
     "depth_extrapolated_cost",
+    "COSTING_COMPILER_OPTIONS",
+    "costing_compiles",
 ]
 
 EXAMPLES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v5p:4x4x8", "v6e:2x2", "v6e:16x16")
@@ -486,6 +488,29 @@ def _parse_size(text: str) -> int:
     if not m:
         return 0
     return int(float(m.group(1)) * {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[m.group(2)])
+
+
+# XLA's TPU compiler may split a matmul whose operand is sharded along a dimension it must gather
+# (or whose result it must scatter) into a loop over the shards that overlaps each collective step
+# with a slice of the matmul ("windowed einsum", collective matmul). Its cost analysis costs the
+# body of that loop once, not once per trip, so such a program reports too few FLOPs and too short
+# a step. Measured: the pure-JAX Llama 3 70B step on v5p:4x4x4 (bench/tpu_step.py), 2 layers
+# unrolled, holds 6 such loops of 4 trips and reports 4.01e13 FLOPs per chip; compiled without
+# them, 4.23e13 (its matmuls' full count). Programs compiled for costing turn it off; the programs
+# that run (and the dry run's memory figures) keep the compiler's defaults.
+COSTING_COMPILER_OPTIONS = {
+    "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+}
+
+
+def costing_compiles(mesh):
+    """Context in which `aot_compile` compiles programs whose cost XLA counts fully: for a mesh of
+    TPU devices, with COSTING_COMPILER_OPTIONS (no collective-matmul loops); other platforms have
+    no such loops and compile as usual."""
+    devices = np.asarray(getattr(mesh, "devices", mesh)).flat
+    platform = getattr(next(iter(devices), None), "platform", None)
+    return compiler_options(COSTING_COMPILER_OPTIONS if platform == "tpu" else {})
 
 
 def depth_extrapolated_cost(report_a: dict, report_b: dict, depth_a: int, depth_b: int, depth: int) -> dict:

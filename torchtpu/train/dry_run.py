@@ -78,7 +78,7 @@ def step_estimate(trainer, report: dict) -> dict:
     Compiles the same job unrolled at COSTING_DEPTHS layers (programs whose cost XLA counts
     fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
     If that fails, the full program's own XLA figures are used, flagged when it has loops."""
-    from torchtpu.distributed.topology import compile_report, depth_extrapolated_cost
+    from torchtpu.distributed.topology import compile_report, costing_compiles, depth_extrapolated_cost
 
     depth = trainer.model_args.n_layers
     loops = report.get("while_loops") or []
@@ -95,9 +95,10 @@ def step_estimate(trainer, report: dict) -> dict:
         cfg = unrolled(trainer.cfg)
         for n in COSTING_DEPTHS:
             t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
-            small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
+            with costing_compiles(t.mesh.jax_mesh):
+                small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
             del t
-        return depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth)
+        return with_loop_warning(depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth), small)
     except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
         method = "XLA cost model on the whole program"
         if loops:
@@ -111,6 +112,21 @@ def step_estimate(trainer, report: dict) -> dict:
             "estimated_step_seconds": report["estimated_step_seconds"] if not loops else None,
             "roofline_seconds": report.get("roofline_seconds"),
         }
+
+
+def with_loop_warning(est: dict, costing_reports) -> dict:
+    """`est` with its method saying so when a costing program still holds while loops (XLA costs a
+    loop's body once, so the estimate is then too low), and its time estimate withdrawn."""
+    loops = [(n, len(r.get("while_loops") or [])) for n, r in zip(COSTING_DEPTHS, costing_reports)]
+    if not any(k for _, k in loops):
+        return est
+    held = ", ".join(f"{k} in the {n}-layer program" for n, k in loops if k)
+    return {
+        **est,
+        "method": f"{est['method']}; WARNING: the costing programs hold while loops ({held}), whose bodies "
+        "XLA costs once: FLOPs too low, no time estimate",
+        "estimated_step_seconds": None,
+    }
 
 
 def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
