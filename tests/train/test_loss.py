@@ -266,3 +266,43 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
     assert len(losses[0]) == 3
     for a, b in zip(losses[0], losses[8]):
         assert b == pytest.approx(a, rel=1e-5)
+
+
+def test_fused_chunks_run_one_at_a_time_on_tpu(monkeypatch):
+    """The chunks are independent, so XLA's scheduler may start every chunk's logits before any
+    chunk's gradients are done and hold them all. The loss orders them (`_after`). Compiled ahead
+    of time for v5p:2x2x1 (FSDP 4; 4 chunks of 2048 positions, each chunk's logits f32 [8192, 8192]
+    per chip, 256 MiB): the program needs at least two chunks' logits less memory than the same
+    loss without the ordering."""
+    import torchtpu.train.loss as loss_module
+    from torchtpu.distributed import empty, fully_shard, init_device_mesh, materialize, topology
+    from torchtpu.models.llama3.parallelize import batch_placements
+
+    if not topology.libtpu_available():
+        pytest.skip("libtpu is not installed (pip install 'torchtpu[tpu]')")
+    mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=topology.topology_devices("v5p:2x2x1"))
+    vocab, dim, seq = 32768, 1024, 8192
+
+    def temporaries():
+        with torch.device("meta"):
+            model = torch.nn.ModuleDict(
+                {"tok": torch.nn.Embedding(vocab, dim), "output": torch.nn.Linear(dim, vocab, bias=False)}
+            )
+        model.forward = lambda x: model.output(model.tok(x))
+        fully_shard(model, mesh=mesh)
+        materialize(model)
+
+        def step(x, y):
+            loss = chunked_cross_entropy_loss(model, x, y, 2048)
+            loss.backward()
+            return loss.detach(), [p.grad for p in model.parameters()]
+
+        batch = [empty((4, seq), torch.int32, mesh=mesh, placements=batch_placements(mesh)) for _ in range(2)]
+        compiled = torchtpu.compile(step).compile_for(*batch)
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    ordered = temporaries()
+    monkeypatch.setattr(loss_module, "_after", lambda x, done: (x, done))
+    unordered = temporaries()
+    chunk_logits = 8192 * (vocab // 4) * 4
+    assert ordered <= unordered - 2 * chunk_logits, (ordered / 2**20, unordered / 2**20)
