@@ -62,9 +62,8 @@ from bench.train_step import (  # noqa: E402
     make_jax_loss,
     make_jax_step,
 )
-from torchtpu.backend.tensor import storage_of  # noqa: E402
-from torchtpu.backend.views import array_of  # noqa: E402
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
+from torchtpu.distributed.params import partition_spec  # noqa: E402
 from torchtpu.distributed.topology import aot_compile, chip_spec, compile_report, topology_devices  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402
 from torchtpu.models.llama3.parallelize import batch_placements  # noqa: E402
@@ -140,9 +139,7 @@ def torchtpu_specs(model) -> dict:
     for k, v in model.state_dict().items():
         if k == "freqs_cis":
             continue
-        st = storage_of(v)
-        sh = st.dist.sharding if st.dist is not None else array_of(v).sharding
-        out[k] = P(*sh.spec)
+        out[k] = partition_spec(v)
     return out
 
 

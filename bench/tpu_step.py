@@ -74,14 +74,14 @@ def torchtpu_program(cfg, n_layers=None):
 
 def param_specs(trainer) -> dict:
     """torchtpu's PartitionSpec of every parameter, by torchtitan name."""
-    from torchtpu.backend.tensor import storage_of
-    from torchtpu.backend.views import array_of
+    from torchtpu.distributed.params import partition_spec
 
     out = {}
     for name, v in trainer.model.named_parameters():
-        st = storage_of(v)
-        sh = st.dist.sharding if st.dist is not None else array_of(v).sharding
-        out[name.replace("_checkpoint_wrapped_module.", "").replace(".module.", ".")] = (tuple(v.shape), P(*sh.spec))
+        out[name.replace("_checkpoint_wrapped_module.", "").replace(".module.", ".")] = (
+            tuple(v.shape),
+            partition_spec(v),
+        )
     return out
 
 

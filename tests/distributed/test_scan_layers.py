@@ -152,6 +152,86 @@ def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_pa
         assert h["loss"] == pytest.approx(hist_a[h["step"] - 1]["loss"], rel=1e-5)
 
 
+def _trainer_step_hlo(tmp_path, n_layers, *extra):
+    """The trainer's compiled step (debugmodel, FSDP over 8 CPU devices) at `n_layers` blocks."""
+    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.dry_run import _compile_step
+    from torchtpu.train.trainer import Trainer
+
+    from ..train.test_trainer import small_argv
+
+    t = Trainer(load_config(small_argv(tmp_path, "--activation_checkpoint.mode", "full", *extra)), n_layers=n_layers)
+    return t, _compile_step(t).as_text()
+
+
+def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
+    """The scanned blocks' parameters are rows of one stacked storage per slot (invisible in
+    state_dict), and the trainer's optimizer updates a slot as one tensor: the compiled step has
+    as many Adam updates (one sqrt each) for 2 blocks as for 4, and as many as there are slots
+    plus the other parameters."""
+    from torchtpu.backend.tensor import storage_of
+
+    t2, hlo2 = _trainer_step_hlo(tmp_path / "a", 2)
+    t4, hlo4 = _trainer_step_hlo(tmp_path / "b", 4)
+    for t, n in ((t2, 2), (t4, 4)):
+        sd = t.model.state_dict()
+        assert "layers.1.attention.wq.weight" in sd and tuple(sd["layers.1.attention.wq.weight"].shape) == (256, 256)
+        slots = len(list(t.model.layers["0"].parameters()))
+        assert len(t.stacked) == slots
+        for base, views in t.stacked:
+            assert tuple(base.shape) == (n, *views[0].shape)
+            assert all(storage_of(v) is storage_of(base) for v in views)
+        n_params = len(list(t.model.parameters()))
+        assert len(t.optimizer.param_groups[0]["params"]) == n_params - (n - 1) * slots
+    sqrt2, sqrt4 = len(re.findall(r"\bsqrt\(", hlo2)), len(re.findall(r"\bsqrt\(", hlo4))
+    print(f"sqrt ops in the step: 2 blocks {sqrt2}, 4 blocks {sqrt4}")
+    assert sqrt2 == sqrt4
+    # without the scan every block's parameters are updated one by one
+    _, hlo_off = _trainer_step_hlo(tmp_path / "c", 4, "--tpu.scan_layers", "false")
+    assert len(re.findall(r"\bsqrt\(", hlo_off)) > sqrt4
+
+    # a block parameter replaced behind the optimizer's back is an error, not a silent no-update
+    from torchtpu.distributed.scan import stack_gradients
+
+    row = t2.stacked[0][1][1]
+    owner, name = next((m, n) for m in t2.model.modules() for n, q in m._parameters.items() if q is row)
+    owner._parameters[name] = nn.Parameter(row.detach().clone())
+    with pytest.raises(RuntimeError, match="replaced after the optimizer was built"):
+        stack_gradients(t2.stacked, t2.model)
+
+
+def test_unscanned_checkpoint_resumes_with_scan(tmp_path):
+    """A checkpoint written without the layer scan (per-parameter optimizer state) resumes with it
+    (stacked optimizer state) and continues with the same losses."""
+    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.trainer import Trainer
+
+    from ..train.test_trainer import small_argv
+
+    argv = small_argv(
+        tmp_path,
+        "--activation_checkpoint.mode",
+        "full",
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
+    a = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
+    assert not is_scanned(a.model.layers)
+    hist_a = a.train()
+    del a
+    b = Trainer(load_config(argv + ["--checkpoint.load_step", "2"]))
+    assert is_scanned(b.model.layers) and b.stacked
+    hist_b = b.train()
+    assert [h["step"] for h in hist_b] == [3, 4]
+    for h in hist_b:
+        assert h["loss"] == pytest.approx(hist_a[h["step"] - 1]["loss"], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- what the scan refuses
 
 

@@ -89,7 +89,13 @@ def dispatch(func, args, kwargs):
                         out[i] = int(out[i]) if not isinstance(out[i], jax.core.Tracer) else out[i]
                     out = tuple(out)
                 out = wrap(out, device_index_of(args, kwargs))
-            if plan.like and type(args[0]) is TpuTensor and args[0]._st.dist is not None and type(out) is TpuTensor:
+            if (
+                plan.like
+                and type(args[0]) is TpuTensor
+                and args[0]._st.dist is not None
+                and not args[0]._vw  # a view's layout is not its storage's
+                and type(out) is TpuTensor
+            ):
                 out._st.dist = args[0]._st.dist
             if plan.post is not None:
                 out = plan.post(args, out)

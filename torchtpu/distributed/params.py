@@ -52,6 +52,9 @@ class ModuleRecord:
     layout_hooks: bool = False  # tensor parallelism's use-through-layout hooks are installed
     in_use: list[str] = dataclasses.field(default_factory=list)  # put in use by those hooks, this forward
     scan_base: type | None = None  # the class scan_layers replaced
+    # materialize() of scanned blocks: per parameter slot (its path in a block), the one storage
+    # all blocks' parameters of that slot are views of, [n_blocks, *shape] (see _materialize_stacked)
+    stacked: dict[str, TpuTensor] = dataclasses.field(default_factory=dict)
     # FSDP leaves this linear layer's weight split when it puts it in use, instead of asking for it
     # gathered: its consumer computes in the split (the chunked loss's vocabulary-split logits)
     keep_split: bool = False
@@ -152,7 +155,15 @@ def materialize(model: torch.nn.Module) -> torch.nn.Module:
 
     Values are zeros until written (e.g. by `model.init_weights()`), and each storage is
     created directly sharded, so the whole model never exists on one device.
+
+    The blocks of a layer scan (`scan_layers`) get stacked storage: each parameter slot of the
+    blocks is one [n_blocks, *shape] tensor and every block's Parameter is a view of its row (see
+    `_materialize_stacked`).
     """
+    for mod in model.modules():
+        rec = module_record(mod)
+        if rec is not None and rec.scan_base is not None:
+            _materialize_stacked(mod, rec)
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is None or p.device.type != "meta":
@@ -166,6 +177,36 @@ def materialize(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _materialize_stacked(blocks: torch.nn.Module, rec: ModuleRecord) -> None:
+    """Give the scanned `blocks` (all parameters still `meta`) one storage per parameter slot,
+    [n_blocks, *shape], laid out like the slot with the block dim unsplit; block i's Parameter is
+    the view of row i. Nothing visible changes: each block keeps its own Parameter objects
+    (leaves of autograd, same names, shapes and layouts in `state_dict()`), and writing one (an
+    init, a checkpoint restore) writes its row. What the stacking buys is inside programs: the
+    layer scan reads each slot's rows straight from one array, and the trainer's optimizer
+    updates a slot's rows as one tensor (`scan.optimizer_parameters`), so the compiled step holds
+    a few large updates instead of one per block and parameter."""
+    children = [m for m in blocks._modules.values() if m is not None]
+    slots = [
+        (path, name) for path, m in children[0].named_modules() for name, p in m._parameters.items() if p is not None
+    ]
+    owners = {slot: [c.get_submodule(slot[0]) for c in children] for slot in slots}
+    if any(
+        o._parameters[n] is None or o._parameters[n].device.type != "meta"
+        for (_, n), os_ in owners.items()
+        for o in os_
+    ):
+        return  # only a model built on meta is stacked; a materialized one keeps its storages
+    for (path, name), os_ in owners.items():
+        p0 = os_[0]._parameters[name]
+        lay = get_layout(os_[0], name)
+        srec = None if lay is None or lay.mesh is None else ParamLayout(lay.mesh, [[]] + [list(d) for d in lay.dims])
+        base = _lazy((len(children), *p0.shape), p0.dtype, srec)
+        for i, o in enumerate(os_):
+            o._parameters[name] = torch.nn.Parameter(base.select(0, i), requires_grad=o._parameters[name].requires_grad)
+        rec.stacked[f"{path}.{name}" if path else name] = base
+
+
 def _lazy(shape, dtype, rec) -> TpuTensor:
     from ..backend.tensor import new_empty
 
@@ -175,6 +216,20 @@ def _lazy(shape, dtype, rec) -> TpuTensor:
         sharding = NamedSharding(root.jax_mesh, spec_of(entries))
         storage_of(t).dist = Layout(root, _root_placements(root, sharding, len(shape)), sharding)
     return t
+
+
+def partition_spec(t: TpuTensor) -> P:
+    """The PartitionSpec `t` is laid out by, without creating its values: its storage's layout,
+    less the leading block dim for a row of a layer scan's stacked storage (_materialize_stacked)."""
+    st = storage_of(t)
+    if st.dist is None:
+        return P(*array_of(t).sharding.spec)
+    spec = tuple(st.dist.sharding.spec) + (None,) * (len(st.shape) - len(st.dist.sharding.spec))
+    if not t._vw:
+        return P(*spec)
+    if len(t._vw) == 1 and t._vw[0][0] is torch.ops.aten.select.int and t._vw[0][1][0] == 0:
+        return P(*spec[1:])
+    return P(*array_of(t).sharding.spec)
 
 
 def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTensor:
@@ -201,6 +256,7 @@ def local_bytes(tensors) -> dict:
 
 __all__ = [
     "materialize",
+    "partition_spec",
     "local_bytes",
     "apply_layout",
     "set_layout",

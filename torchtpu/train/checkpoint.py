@@ -414,8 +414,11 @@ def load_model_state(module: torch.nn.Module, state: dict) -> None:
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """`optimizer.state_dict()`: its state tensors are the optimizer's own (restoring fills them in place)."""
-    return optimizer.state_dict()
+    """`optimizer.state_dict()`: its state tensors are the optimizer's own (restoring fills them in place).
+    An optimizer over the layer scan's stacked slots gives it per parameter (optimizer.per_parameter_state)."""
+    from .optimizer import per_parameter_state
+
+    return per_parameter_state(optimizer, optimizer.state_dict())
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -424,7 +427,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     State tensors that `restore` created (no target existed because the optimizer initialises
     its state lazily) are moved to the sharding of their parameter.
     """
-    optimizer.load_state_dict(state)
+    from .optimizer import stacked_state
+
+    optimizer.load_state_dict(stacked_state(optimizer, state))
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not isinstance(p, TpuTensor):

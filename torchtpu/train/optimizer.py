@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from .job_config import JobConfig
 
-__all__ = ["build_optimizer", "init_optimizer_state"]
+__all__ = [
+    "build_optimizer",
+    "init_optimizer_state",
+    "track_stacked_state",
+    "per_parameter_state",
+    "stacked_state",
+]
 
 
 def _scalar(value: float, mesh=None, lazy: bool = False):
@@ -60,3 +66,116 @@ def init_optimizer_state(optimizer, mesh=None) -> None:
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# ----------------------------------------------------------------------------- stacked slots
+# With the layer scan, the optimizer updates each stacked parameter slot of the scanned blocks as
+# one tensor (distributed.scan.optimizer_parameters), so its own state_dict() has one entry of
+# shape [n_blocks, *shape] per slot. Checkpoints keep the per-parameter format of an optimizer
+# over model.parameters() (what a job without the scan writes and reads): per_parameter_state
+# presents the state so, with block i's entries the views of row i (a save reads them, a restore
+# fills them in place), and stacked_state turns a restored per-parameter state back.
+
+_STACKED = "_torchtpu_stacked"
+
+
+def track_stacked_state(optimizer, model_params, groups) -> None:
+    """Remember, on `optimizer`, which model parameters its stacked tensors stand for."""
+    setattr(optimizer, _STACKED, (list(model_params), list(groups)))
+
+
+def _single_group(optimizer):
+    if len(optimizer.param_groups) != 1:
+        raise NotImplementedError(
+            "an optimizer over stacked layer-scan parameters has one param group; with several, "
+            "turn the layer scan off ([tpu] scan_layers = false)"
+        )
+
+
+def per_parameter_state(optimizer, sd: dict) -> dict:
+    """`sd` (optimizer.state_dict()) in the format of the same optimizer over model.parameters()."""
+    tracked = getattr(optimizer, _STACKED, None)
+    if tracked is None:
+        return sd
+    _single_group(optimizer)
+    model_params, groups = tracked
+    row = {id(v): (base, i) for base, views in groups for i, v in enumerate(views)}
+    state = {}
+    for k, p in enumerate(model_params):
+        hit = row.get(id(p))
+        own = optimizer.state.get(hit[0] if hit else p)
+        if not own:
+            continue
+        if hit is None:
+            state[k] = dict(own)
+            continue
+        base, i = hit
+        state[k] = {
+            key: v.select(0, i) if _is_stacked(v, base) else v  # `step` is shared by the slot's rows
+            for key, v in own.items()
+        }
+    group = dict(sd["param_groups"][0], params=list(range(len(model_params))))
+    return {"state": state, "param_groups": [group]}
+
+
+def _is_stacked(v, base) -> bool:
+    import torch
+
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(base.shape)
+
+
+def stacked_state(optimizer, sd: dict) -> dict:
+    """A per-parameter optimizer state `sd` (per_parameter_state's format, or one saved without the
+    layer scan) as optimizer.load_state_dict expects it for the stacked optimizer."""
+    tracked = getattr(optimizer, _STACKED, None)
+    if tracked is None:
+        return sd
+    import torch
+
+    from torchtpu.backend.tensor import storage_of
+
+    _single_group(optimizer)
+    model_params, groups = tracked
+    index = {id(p): k for k, p in enumerate(model_params)}
+    views_of = {id(base): views for base, views in groups}
+    given = sd["state"]
+    if len(sd["param_groups"]) != 1 or len(sd["param_groups"][0]["params"]) != len(model_params):
+        raise ValueError(
+            f"the optimizer state has {sum(len(g['params']) for g in sd['param_groups'])} parameters in "
+            f"{len(sd['param_groups'])} groups; this model has {len(model_params)} in one group"
+        )
+    state = {}
+    opt_params = optimizer.param_groups[0]["params"]
+    for j, q in enumerate(opt_params):
+        views = views_of.get(id(q))
+        if views is None:
+            if index[id(q)] in given:
+                state[j] = given[index[id(q)]]
+            continue
+        entries = [given.get(index[id(v)]) for v in views]
+        if all(e is None for e in entries):
+            continue
+        if any(e is None for e in entries) or any(e.keys() != entries[0].keys() for e in entries):
+            raise ValueError("the optimizer state covers some blocks of a scanned layer stack and not others")
+        own = optimizer.state.get(q) or {}
+        out = {}
+        for key in entries[0]:
+            vals = [e[key] for e in entries]
+            if not (isinstance(vals[0], torch.Tensor) and vals[0].dim() > 0):
+                # one value (the step) for all rows: they must agree
+                if any(v is not vals[0] for v in vals) and len({float(v) for v in vals}) > 1:
+                    raise ValueError(
+                        f"the optimizer state's {key!r} differs between the blocks of a scanned layer stack "
+                        f"({sorted({float(v) for v in vals})}); load it with the layer scan off "
+                        "([tpu] scan_layers = false)"
+                    )
+                out[key] = vals[0]
+                continue
+            target = own.get(key)
+            if target is not None and all(storage_of(v) is storage_of(target) for v in vals):
+                out[key] = target  # the restore filled the rows in place
+            else:
+                out[key] = torch.stack(vals)
+        state[j] = out
+    group = dict(sd["param_groups"][0], params=list(range(len(opt_params))))
+    return {"state": state, "param_groups": [group]}

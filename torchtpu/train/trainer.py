@@ -54,7 +54,7 @@ from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
-from .optimizer import build_optimizer, init_optimizer_state
+from .optimizer import build_optimizer, init_optimizer_state, track_stacked_state
 from .parallel_dims import ParallelDims, job_devices, validate
 from .profiling import Profiler
 
@@ -155,6 +155,7 @@ class Trainer:
 
         import torchtpu  # noqa: F401  (registers the tpu device)
         from torchtpu.distributed import init_device_mesh, materialize
+        from torchtpu.distributed.scan import optimizer_parameters, stacked_parameters
         from torchtpu.models.llama3.parallelize import parallelize_llama
 
         from .tokenizer import build_tokenizer
@@ -227,7 +228,12 @@ class Trainer:
         # -- optimizer, schedule
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
         # to write it (the compiled program is the same: the rate is an input either way).
-        self.optimizer = build_optimizer(list(model.parameters()), cfg, self.mesh, lazy=self.dry)
+        # the layer scan's blocks have stacked storage (distributed.params.materialize): the optimizer
+        # updates each stacked slot as one tensor, and checkpoints keep the per-parameter format
+        self.stacked = stacked_parameters(model)
+        self.optimizer = build_optimizer(optimizer_parameters(model, self.stacked), cfg, self.mesh, lazy=self.dry)
+        if self.stacked:
+            track_stacked_state(self.optimizer, list(model.parameters()), self.stacked)
         self.lr_scheduler = None if self.dry else build_schedule(self.optimizer, cfg)
 
         # -- the step
@@ -270,6 +276,8 @@ class Trainer:
         """Forward + backward over the micro-batches, clip, update, zero grads. One XLA program."""
         import torch
 
+        from torchtpu.distributed.scan import stack_gradients
+
         n = len(microbatches)
         total = None
         for inputs, labels in microbatches:
@@ -281,7 +289,9 @@ class Trainer:
             (loss / n if n > 1 else loss).backward()
             d = loss.detach()
             total = d if total is None else total + d
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, foreach=True)
+        stack_gradients(self.stacked, self.model)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_norm, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return (total / n if n > 1 else total), grad_norm
