@@ -304,6 +304,23 @@ def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):
     assert_losses_close(got, losses(tmp / "one_by_8"), [3, 4], rtol=1e-5)
 
 
+def test_two_hosts_with_the_layer_scan_match_and_resume_on_1x8_without_it(runs_8):
+    # Full recomputation turns the layer scan on, and with it the blocks' stacked parameter storage
+    # (one [n_blocks, ...] array per slot, the blocks' Parameters its rows): across 2 processes it
+    # trains as the unscanned job does, and its checkpoint (per-parameter format) resumes unscanned.
+    tmp, _ = runs_8
+    full = ["--activation_checkpoint.mode", "full"]
+    text = run_to_end(launch(tmp, "two_by_4_scan", 2, 4, SHORT + full))
+    assert "[host 1] " in text
+    want = losses(tmp / "one_by_8")
+    assert_losses_close(losses(tmp / "two_by_4_scan"), want, [1, 2, 3, 4], rtol=1e-5)
+    _resume_from(tmp, "two_by_4_scan", "resume_scan_1x8", 2)
+    run_to_end(single(tmp, "resume_scan_1x8", 8, SHORT))
+    got = losses(tmp / "resume_scan_1x8")
+    assert sorted(got) == [3, 4], got
+    assert_losses_close(got, want, [3, 4], rtol=1e-5)
+
+
 def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
     # TP2 x FSDP4 with 1 sequence per rank would read 4 of the 8 row streams: another global batch,
     # another data stream. Refused (exit 2) with a line naming both batches and the fix.
