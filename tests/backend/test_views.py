@@ -113,3 +113,29 @@ def test_metadata_matches_cpu_on_a_strided_base():
         assert c.shape == d.shape and c.stride() == d.stride() and c.storage_offset() == d.storage_offset()
         assert c.is_contiguous() == d.is_contiguous()
         torch.testing.assert_close(d.cpu(), c)
+
+
+def test_rows_of_a_stacked_storage_read_and_write_with_one_program_per_shape():
+    """A row (select along an unsplit leading dim) of a large storage, as the layer scan's stacked
+    parameters are, is read and written by index-taking programs: the values are CPU's, and
+    writing every row adds no compiled chain per row (a scatter through the whole storage before)."""
+    from torchtpu.backend import views
+    from torchtpu.backend.tensor import storage_of
+
+    cpu = torch.randn(6, 5, 4)
+    t = cpu.to("tpu")
+    storage_of(t).rows = True  # as distributed.params._materialize_stacked marks the stacked storage
+    rows = [t.select(0, i) for i in range(6)]
+    before = (views._jitted_chain.cache_info().currsize, views._jitted_scatter.cache_info().currsize)
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(r.cpu(), cpu[i])
+    for i in (0, 3, 5, -1):
+        new = torch.full((5, 4), float(i))
+        with torch.no_grad():
+            t.select(0, i).copy_(new.to("tpu"))
+        cpu.select(0, i).copy_(new)
+    rows[2].mul_(2.0)
+    cpu[2].mul_(2.0)
+    torch.testing.assert_close(t.cpu(), cpu)
+    after = (views._jitted_chain.cache_info().currsize, views._jitted_scatter.cache_info().currsize)
+    assert after == before

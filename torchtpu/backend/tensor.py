@@ -60,7 +60,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "__weakref__")
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "__weakref__")
 
     def __init__(self, array, shape, dtype, device_index):
         self.array = array
@@ -69,6 +69,9 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.dist: Layout | None = None  # given by torchtpu.distributed
+        # rows=True: a stack of equal parameters whose rows are the tensors in use (the layer
+        # scan's stacked storage); a row is read and written by index (views.run_chain)
+        self.rows = False
         # `order` (set only when the base's strides are not row-major, so that the hot path
         # of every op pays nothing for it; read it with storage_order): how PyTorch would lay
         # the base out in memory (torch.empty_strided, a strided tensor moved with

@@ -202,6 +202,7 @@ def _materialize_stacked(blocks: torch.nn.Module, rec: ModuleRecord) -> None:
         lay = get_layout(os_[0], name)
         srec = None if lay is None or lay.mesh is None else ParamLayout(lay.mesh, [[]] + [list(d) for d in lay.dims])
         base = _lazy((len(children), *p0.shape), p0.dtype, srec)
+        storage_of(base).rows = True
         for i, o in enumerate(os_):
             o._parameters[name] = torch.nn.Parameter(base.select(0, i), requires_grad=o._parameters[name].requires_grad)
         rec.stacked[f"{path}.{name}" if path else name] = base
