@@ -198,6 +198,7 @@ def _step_probe(cfg):
         cfg=cfg,
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        stacked=[],  # no layer scan, no stacked parameter storage
         _loss_context=contextlib.nullcontext,
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
