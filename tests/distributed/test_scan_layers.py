@@ -111,15 +111,11 @@ def test_state_dict_same_with_scan_on_and_off():
 # ----------------------------------------------------------------------------- trainer
 
 
-def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
-    """The trainer with full recomputation and the layer scan (its default) against the plain
-    PyTorch loop of tests/train/test_trainer.py; its checkpoint then resumes with the scan off."""
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.trainer import Trainer
+def _checkpointing_argv(tmp_path):
+    """The trainer test job with full recomputation (so the layer scan), 4 steps, a checkpoint every 2."""
+    from ..train.test_trainer import small_argv
 
-    from ..train.test_trainer import cpu_state, reference_losses, small_argv
-
-    argv = small_argv(
+    return small_argv(
         tmp_path,
         "--activation_checkpoint.mode",
         "full",
@@ -131,6 +127,17 @@ def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_pa
         "--checkpoint.keep_latest_k",
         "0",
     )
+
+
+def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
+    """The trainer with full recomputation and the layer scan (its default) against the plain
+    PyTorch loop of tests/train/test_trainer.py; its checkpoint then resumes with the scan off."""
+    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.trainer import Trainer
+
+    from ..train.test_trainer import cpu_state, reference_losses
+
+    argv = _checkpointing_argv(tmp_path)
     cfg = load_config(argv)
     assert cfg.tpu.scan_layers
     a = Trainer(cfg)
@@ -206,20 +213,7 @@ def test_unscanned_checkpoint_resumes_with_scan(tmp_path):
     from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
-    from ..train.test_trainer import small_argv
-
-    argv = small_argv(
-        tmp_path,
-        "--activation_checkpoint.mode",
-        "full",
-        "--training.steps",
-        "4",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--checkpoint.keep_latest_k",
-        "0",
-    )
+    argv = _checkpointing_argv(tmp_path)
     a = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
     assert not is_scanned(a.model.layers)
     hist_a = a.train()
