@@ -126,28 +126,37 @@ def _jitted_chain(chain):
     return jax.jit(functools.partial(_chain_fn, chain))
 
 
-def _row_of(chain, base, rows: bool):
-    """For a storage of rows (Storage.rows: the layer scan's stacked parameters,
-    distributed.params._materialize_stacked), the row index when `chain` is a single select
-    along its unsplit leading dim, else None. Such rows are read and written by programs that
-    take the index as an argument: one compile per storage shape instead of one per row, and a
-    write that updates the row instead of scattering through an index array of the whole
-    storage (for 80 blocks of a 70B model, hundreds of compiles at the first init or restore)."""
-    if (
-        not rows
-        or len(chain) != 1
-        or len(chain[0]) != 3
-        or chain[0][0] is not aten.select.int
-        or chain[0][2] is not None
-    ):
+def select0_index(chain, shape) -> int | None:
+    """i when the view `chain` over a storage of `shape` is exactly `select(0, i)` (a row of a
+    stack, as the layer scan's stacked parameters are: distributed.params._materialize_stacked),
+    else None; i counted from the front."""
+    if len(chain) != 1 or len(chain[0]) != 3 or chain[0][0] is not aten.select.int or chain[0][2] is not None:
         return None
     dim, index = chain[0][1]
-    if dim not in (0, -base.ndim) or base.ndim < 2:
+    if not shape or dim not in (0, -len(shape)):
+        return None
+    return index + shape[0] if index < 0 else index
+
+
+def row_index(t) -> int | None:
+    """i when the tensor `t` is row i of its storage (`select(0, i)` of it), else None."""
+    if not isinstance(t, TpuTensor) or not t._vw:
+        return None
+    return select0_index(t._vw, tuple(t._st.shape))
+
+
+def _row_of(chain, base, rows: bool):
+    """For a storage of rows (Storage.rows), the row index when `chain` is `select(0, i)` along its
+    unsplit leading dim, else None. Such rows are read and written by programs that take the index
+    as an argument: one compile per storage shape instead of one per row, and a write that updates
+    the row instead of scattering through an index array of the whole storage (for 80 blocks of a
+    70B model, hundreds of compiles at the first init or restore)."""
+    if not rows or base.ndim < 2:
         return None
     spec = getattr(getattr(base, "sharding", None), "spec", None)
     if spec is not None and len(spec) and spec[0] is not None:
         return None
-    return index + base.shape[0] if index < 0 else index
+    return select0_index(chain, base.shape)
 
 
 @jax.jit

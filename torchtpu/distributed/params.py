@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
-from ..backend.views import array_of
+from ..backend.views import array_of, row_index
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -228,7 +228,7 @@ def partition_spec(t: TpuTensor) -> P:
     spec = tuple(st.dist.sharding.spec) + (None,) * (len(st.shape) - len(st.dist.sharding.spec))
     if not t._vw:
         return P(*spec)
-    if len(t._vw) == 1 and t._vw[0][0] is torch.ops.aten.select.int and t._vw[0][1][0] == 0:
+    if row_index(t) is not None:
         return P(*spec[1:])
     return P(*array_of(t).sharding.spec)
 

@@ -54,7 +54,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..backend import random as tpu_random
 from ..backend.state import is_tracing, tracing
 from ..backend.tensor import TpuTensor, new_base, storage_of
-from ..backend.views import array_of, storage_array
+from ..backend.views import array_of, row_index, storage_array
 from .params import get_layout, module_record
 
 __all__ = [
@@ -183,14 +183,7 @@ def _rows_of(base: TpuTensor, views) -> bool:
 def _rows_of_storage(st, views) -> bool:
     if tuple(st.shape) != (len(views), *tuple(views[0].shape)):
         return False
-    for i, v in enumerate(views):
-        vw = getattr(v, "_vw", None)
-        if not isinstance(v, TpuTensor) or storage_of(v) is not st or not vw or len(vw) != 1:
-            return False
-        op, args = vw[0][0], tuple(vw[0][1])
-        if op is not aten.select.int or args != (0, i):
-            return False
-    return True
+    return all(isinstance(v, TpuTensor) and storage_of(v) is st and row_index(v) == i for i, v in enumerate(views))
 
 
 def stacked_parameters(model: nn.Module) -> list[tuple[TpuTensor, list]]:
