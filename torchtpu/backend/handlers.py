@@ -22,7 +22,7 @@ from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
 from .state import CONFIG, STATE
 from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
-from .views import STORAGE_RELATIVE, array_of, write
+from .views import STORAGE_RELATIVE, array_of, reshard, write
 
 aten = torch.ops.aten
 
@@ -122,7 +122,7 @@ def _keep_layout(src, out):
     if type(src) is TpuTensor and type(out) is _ArrayImpl:
         sharding = array_of(src).sharding
         if len(sharding.device_set) > 1 and out.sharding != sharding:
-            return jax.device_put(out, sharding)
+            return reshard(out, sharding)
     return out
 
 

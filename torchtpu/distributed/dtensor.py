@@ -30,7 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..backend.optable import lower
 from ..backend.tensor import Layout, TpuTensor, new_base, storage_of
-from ..backend.views import array_of
+from ..backend.views import array_of, reshard
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
 
@@ -144,7 +144,7 @@ def distribute_tensor(
         from ..backend import dtypes
 
         src = dtypes.torch_to_numpy(tensor.detach().contiguous()).copy()
-    arr = jax.device_put(src, sharding)
+    arr = reshard(src, sharding)
     out = new_base(arr, 0, tensor.dtype)
     _remember(out, mesh, placements)
     if tensor.requires_grad:

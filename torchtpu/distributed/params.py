@@ -19,13 +19,12 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
-from ..backend.views import array_of, row_index
+from ..backend.views import array_of, reshard, row_index
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -141,7 +140,7 @@ def apply_layout(module: torch.nn.Module, name: str) -> None:
         st = storage_of(p)
         st.dist = Layout(root, placements, sharding)
         if st.array is not None and st.array.sharding != sharding:
-            st.array = jax.device_put(st.array, sharding)
+            st.array = reshard(st.array, sharding)
             st.version += 1
         return
     from .dtensor import distribute_tensor
