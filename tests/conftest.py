@@ -5,6 +5,9 @@ import pytest
 # Every test runs the tpu device on 8 virtual XLA CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The dry run's cache of compile reports is off: a test's dry run compiles (and so sees its own
+# monkeypatches); tests/train/test_dry_run_cache.py turns it on in a folder of its own.
+os.environ["TORCHTPU_DRY_RUN_CACHE"] = "off"
 
 
 @pytest.fixture

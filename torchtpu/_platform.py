@@ -91,6 +91,15 @@ def cache_dir() -> str | None:
     return os.path.join(base, "torchtpu", "xla")
 
 
+def cache_root() -> str | None:
+    """The folder of torchtpu's caches (None when TORCHTPU_CACHE_DIR turns them off): the folder
+    TORCHTPU_CACHE_DIR names, else $XDG_CACHE_HOME/torchtpu (~/.cache/torchtpu)."""
+    xla_dir = cache_dir()
+    if xla_dir is None:
+        return None
+    return xla_dir if os.environ.get("TORCHTPU_CACHE_DIR") else os.path.dirname(xla_dir)
+
+
 def configure_persistent_cache() -> None:
     import jax
 

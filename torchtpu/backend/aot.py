@@ -43,6 +43,11 @@ def compiler_options(options: dict):
         _OPTIONS[0] = before
 
 
+def current_compiler_options() -> dict:
+    """The XLA compiler options `aot_compile` adds now (`compiler_options` contexts in effect)."""
+    return dict(_OPTIONS[0])
+
+
 def aot_compile(lowered, compiler_options: dict | None = None):
     """`lowered.compile()` for topology devices, bypassing JAX's persistent compilation cache.
 

@@ -490,6 +490,21 @@ class CompiledFunction:
         without TPUs. If the step never ran, its state (optimizer moments, ...) is discovered
         by an abstract warm-up that runs the function on shapes only.
         """
+        entry, holder, lowered = self._lower_for(args, kwargs)
+        entry.executable = aot_compile(lowered)
+        entry.lowered_text = lowered.as_text()
+        for k in ("created", "out_tree", "out_kinds", "n_random"):
+            setattr(entry, k, holder.get(k))
+        self.last = entry
+        return entry.executable
+
+    def lower_for(self, *args, **kwargs):
+        """Trace and lower the step for these arguments as `compile_for` does, without compiling;
+        returns the `jax.stages.Lowered` (its text identifies the program: the dry run's cache of
+        compile reports is keyed by it)."""
+        return self._lower_for(args, kwargs)[2]
+
+    def _lower_for(self, args, kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             abstract_warmup(self, args, kwargs, flat)
@@ -509,12 +524,7 @@ class CompiledFunction:
         hyper_sds = jax.ShapeDtypeStruct((len(inputs.values),), np.float32, sharding=whole) if inputs.values else None
         host_sds = [jax.ShapeDtypeStruct(t.shape, dtypes.torch_to_numpy(t).dtype, sharding=whole) for t in inputs.host]
         lowered = entry.jitted.lower(state_sds, arg_sds, key_sds, hyper_sds, host_sds)
-        entry.executable = aot_compile(lowered)
-        entry.lowered_text = lowered.as_text()
-        for k in ("created", "out_tree", "out_kinds", "n_random"):
-            setattr(entry, k, holder.get(k))
-        self.last = entry
-        return entry.executable
+        return entry, holder, lowered
 
     # -- inspection of the most recently compiled program
     def _compiled(self):

@@ -37,8 +37,8 @@ def recompute_factor(ac_mode: str) -> float:
     return 4 / 3 if ac_mode == "full" else 1.0
 
 
-def _compile_step(trainer):
-    """The step of `trainer` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
+def _micro_batch(trainer):
+    """One micro-batch of int32 token ids laid out as the trainer's batches are."""
     import torch
 
     import torchtpu.distributed as td
@@ -49,13 +49,44 @@ def _compile_step(trainer):
     placements = batch_placements(trainer.mesh)
     # One micro-batch: with accumulation the step repeats the same forward/backward over the
     # same buffers, so memory is one micro-batch's; time and FLOPs are scaled to the step.
-    batch = [
+    return [
         (
             td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
             td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
         )
     ]
-    return trainer.step_fn.compile_for(batch)
+
+
+def _compile_step(trainer):
+    """The step of `trainer` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
+    return trainer.step_fn.compile_for(_micro_batch(trainer))
+
+
+def _step_report(trainer, dump: str | None = None):
+    """(compile_report, largest temporaries (with `dump`, a folder for XLA's dump) or None, compile
+    seconds, None) of `trainer`'s step for one micro-batch; the last item is the date of the first
+    compile instead when the same program's report comes from the dry run's cache."""
+    from torchtpu.backend.aot import aot_compile
+    from torchtpu.distributed.topology import compile_report, dump_compiles_to, largest_temporaries
+
+    from . import dry_run_cache
+
+    lowered = trainer.step_fn.lower_for(_micro_batch(trainer))
+    mesh = trainer.mesh.jax_mesh
+    key = dry_run_cache.program_key(lowered, mesh)
+    hit = dry_run_cache.load(key)
+    if hit is not None and (dump is None or hit["temporaries"] is not None):
+        return hit["report"], hit["temporaries"], hit["compile_seconds"], hit["created"]
+    t0 = time.perf_counter()
+    with dump_compiles_to(dump) if dump else contextlib.nullcontext():
+        compiled = aot_compile(lowered)
+    seconds = time.perf_counter() - t0
+    report = compile_report(compiled, mesh)
+    temps = largest_temporaries(dump) if dump else None
+    del compiled
+    # as the cache keeps them (JSON), so a cached run prints exactly what this one does
+    report, temps = dry_run_cache.save(key, report, temps, seconds)
+    return report, temps, seconds, None
 
 
 COSTING_DEPTHS = (2, 4)
@@ -78,7 +109,7 @@ def step_estimate(trainer, report: dict) -> dict:
     Compiles the same job unrolled at COSTING_DEPTHS layers (programs whose cost XLA counts
     fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
     If that fails, the full program's own XLA figures are used, flagged when it has loops."""
-    from torchtpu.distributed.topology import compile_report, costing_compiles, depth_extrapolated_cost
+    from torchtpu.distributed.topology import costing_compiles, depth_extrapolated_cost
 
     depth = trainer.model_args.n_layers
     loops = report.get("while_loops") or []
@@ -91,14 +122,20 @@ def step_estimate(trainer, report: dict) -> dict:
             },
         }
     try:
-        small = []
+        small, cached = [], []
         cfg = unrolled(trainer.cfg)
         for n in COSTING_DEPTHS:
             t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
             with costing_compiles(t.mesh.jax_mesh):
-                small.append(compile_report(_compile_step(t), t.mesh.jax_mesh))
+                rep, _, _, when = _step_report(t)
+            small.append(rep)
+            if when:
+                cached.append(f"{n}-layer from {when}")
             del t
-        return with_loop_warning(depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth), small)
+        est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth), small)
+        if cached:
+            est["method"] += f" (costing programs' figures from the dry-run cache: {', '.join(cached)})"
+        return est
     except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
         method = "XLA cost model on the whole program"
         if loops:
@@ -183,13 +220,7 @@ def _gib(n: float) -> str:
 def dry_run(trainer) -> int:
     """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
     import torchtpu.distributed as td
-    from torchtpu.distributed.topology import (
-        compile_report,
-        dump_compiles_to,
-        format_report,
-        largest_temporaries,
-        temporaries_lines,
-    )
+    from torchtpu.distributed.topology import format_report, temporaries_lines
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError(
@@ -200,10 +231,8 @@ def dry_run(trainer) -> int:
     accum = dims.grad_accum_steps
     keep = os.environ.get("TORCHTPU_DRY_RUN_DUMP")  # a folder to keep XLA's dump of the step in
     with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-") as dump:
-        t0 = time.perf_counter()
         try:
-            with dump_compiles_to(dump):
-                compiled = _compile_step(trainer)
+            report, temps, t_compile, cached = _step_report(trainer, dump)
         except Exception as e:  # noqa: BLE001
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
@@ -216,10 +245,6 @@ def dry_run(trainer) -> int:
                 flush=True,
             )
             return 1
-        t_compile = time.perf_counter() - t0
-        report = compile_report(compiled, trainer.mesh.jax_mesh)
-        temps = largest_temporaries(dump)
-    del compiled
 
     if accum > 1:
         print(
@@ -229,6 +254,11 @@ def dry_run(trainer) -> int:
         )
     print(format_report(report), flush=True)
     lines = [f"compile time            {t_compile:.1f} s"]
+    if cached:
+        lines[0] += (
+            f" (compiled {cached}; this report is from the dry-run cache: the same program, compiler, options and "
+            "devices; TORCHTPU_DRY_RUN_CACHE=off compiles again)"
+        )
     if temps:
         lines.append("largest temporaries     (per device, from XLA's buffer assignment: size; buffers that reuse it)")
         lines += temporaries_lines(temps)
@@ -237,9 +267,10 @@ def dry_run(trainer) -> int:
         lines.append(
             f"64-bit / complex         {wide} (emulated on TPU; XLA's cost model gives no estimate with X64 calls)"
         )
-
-    lines += estimate_lines(trainer, step_estimate(trainer, report), report["peak_bf16_flops_per_device"])
+    # memory and fit are known now; the step-time estimate may compile more programs (below)
     print("\n".join(lines), flush=True)
+    estimate = step_estimate(trainer, report)
+    print("\n".join(estimate_lines(trainer, estimate, report["peak_bf16_flops_per_device"])), flush=True)
 
     fits = report["fits"]
     if fits is False:

@@ -71,11 +71,8 @@ def peak_flops_cache_file() -> str | None:
     ~/.cache/torchtpu/peak_flops.json (None when TORCHTPU_CACHE_DIR=off)."""
     from torchtpu import _platform
 
-    xla_dir = _platform.cache_dir()
-    if xla_dir is None:
-        return None
-    root = xla_dir if os.environ.get("TORCHTPU_CACHE_DIR") else os.path.dirname(xla_dir)
-    return os.path.join(root, "peak_flops.json")
+    root = _platform.cache_root()
+    return None if root is None else os.path.join(root, "peak_flops.json")
 
 
 def _read_cache(path: str | None) -> dict:
