@@ -197,8 +197,26 @@ def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
     _, hlo_off = _trainer_step_hlo(tmp_path / "c", 4, "--tpu.scan_layers", "false")
     assert len(re.findall(r"\bsqrt\(", hlo_off)) > sqrt4
 
+    # frozen rows in a slot of trainable ones: refused, not decayed by the slot's one update
+    from torchtpu.distributed.scan import optimizer_parameters, stack_gradients
+
+    base, views = t2.stacked[0]
+    views[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"mixes frozen blocks \[0\] with trainable"):
+        optimizer_parameters(t2.model)
+    for v in views:
+        v.requires_grad_(False)
+    assert any(p is base for p in optimizer_parameters(t2.model))
+    assert not base.requires_grad  # a frozen slot stays frozen: no gradient, skipped by the optimizer
+    for v in views:
+        v.requires_grad_(True)
+    views[1].grad = torch.ones_like(views[1])
+    with pytest.raises(RuntimeError, match=r"blocks \[0\] of the stacked parameter slot .* have no gradient"):
+        stack_gradients(t2.stacked, t2.model)
+    views[1].grad = None
+    assert any(p is base for p in optimizer_parameters(t2.model)) and base.requires_grad
+
     # a block parameter replaced behind the optimizer's back is an error, not a silent no-update
-    from torchtpu.distributed.scan import stack_gradients
 
     row = t2.stacked[0][1][1]
     owner, name = next((m, n) for m in t2.model.modules() for n, q in m._parameters.items() if q is row)

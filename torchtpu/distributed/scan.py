@@ -206,8 +206,21 @@ def stacked_parameters(model: nn.Module) -> list[tuple[TpuTensor, list]]:
 def optimizer_parameters(model: nn.Module, groups=None) -> list:
     """`model.parameters()` with each stacked slot's block Parameters replaced, where the first of
     them stood, by the slot's stacked tensor (a leaf that `stack_gradients` gives a gradient): what
-    an optimizer should update so that a compiled step holds one update per slot."""
+    an optimizer should update so that a compiled step holds one update per slot.
+
+    Each stacked tensor's `requires_grad` is set to its rows' here, when the optimizer is built: a
+    slot frozen after `materialize` (requires_grad_(False) on all its Parameters) is frozen in the
+    optimizer too. A slot with frozen and trainable rows is refused: one update of the stacked
+    tensor would also move the frozen rows (weight decay acts without a gradient)."""
     groups = stacked_parameters(model) if groups is None else groups
+    for base, views in groups:
+        if len({bool(v.requires_grad) for v in views}) > 1:
+            frozen = [i for i, v in enumerate(views) if not v.requires_grad]
+            raise ValueError(
+                f"scan: the stacked parameter slot {tuple(base.shape)} mixes frozen blocks {frozen} with trainable "
+                "ones; an optimizer over the stacked slots would update the frozen rows too. Freeze a slot in every "
+                "block, or build the optimizer on model.parameters() (each block's own tensors)"
+            )
     first = {id(views[0]): base for base, views in groups}
     rows = {id(v) for _, views in groups for v in views}
     out = []
@@ -241,7 +254,16 @@ def stack_gradients(groups, model: nn.Module | None = None) -> None:
         if all(g is None for g in grads):
             base.grad = None
             continue
-        base.grad = torch.stack([g if g is not None else torch.zeros_like(v) for g, v in zip(grads, views)])
+        if any(g is None for g in grads):
+            # a row without a gradient is one PyTorch's optimizer would skip; a zero in the stack
+            # would still be decayed and moved by its moments
+            missing = [i for i, g in enumerate(grads) if g is None]
+            raise RuntimeError(
+                f"scan: blocks {missing} of the stacked parameter slot {tuple(base.shape)} have no gradient while the "
+                "others have one (frozen after the optimizer was built?); one stacked update cannot skip them. Freeze "
+                "a slot in every block and build the optimizer again (scan.optimizer_parameters)"
+            )
+        base.grad = torch.stack(grads)
         for v in views:
             v.grad = None
 
