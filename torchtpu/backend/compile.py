@@ -456,7 +456,9 @@ class CompiledFunction:
             self.last = entry
         out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data, hyper, host_arrays)
         if entry.mesh is not None and CONFIG.sync_dispatch:
-            jax.block_until_ready(new_state)
+            # every output: a program that changes no state (an evaluation step) must also be done
+            # before the next program with collectives starts (backend.state.Config)
+            jax.block_until_ready((out_arrays, new_state, created_arrays))
         self.stats.executions += 1
         if first_holder is not None:
             entry.created = first_holder["created"]
