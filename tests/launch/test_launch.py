@@ -309,7 +309,8 @@ def test_two_hosts_with_the_layer_scan_match_and_resume_on_1x8_without_it(runs_8
     # (one [n_blocks, ...] array per slot, the blocks' Parameters its rows): across 2 processes it
     # trains as the unscanned job does, and its checkpoint (per-parameter format) resumes unscanned.
     tmp, _ = runs_8
-    full = ["--activation_checkpoint.mode", "full"]
+    # without validation: its evaluation program with the scan fails on 2 CPU hosts (the xfail below)
+    full = ["--activation_checkpoint.mode", "full", *NO_VALIDATION]
     text = run_to_end(launch(tmp, "two_by_4_scan", 2, 4, SHORT + full))
     assert "[host 1] " in text
     want = losses(tmp / "one_by_8")
@@ -319,6 +320,19 @@ def test_two_hosts_with_the_layer_scan_match_and_resume_on_1x8_without_it(runs_8
     got = losses(tmp / "resume_scan_1x8")
     assert sorted(got) == [3, 4], got
     assert_losses_close(got, want, [3, 4], rtol=1e-5)
+
+
+@pytest.mark.xfail(
+    reason="known bug: with the layer scan, the validation program's collectives pair wrongly across 2 CPU hosts "
+    "(gloo: 'Received data size doesn't match expected size'); training alone, or validation without the scan, "
+    "runs (2026-12-02: 16 of 17 runs of this job failed, the programs compiled on both hosts are identical)",
+    strict=False,
+)
+def test_validation_with_the_layer_scan_on_two_cpu_hosts(tmp_path):
+    text = run_to_end(
+        launch(tmp_path, "scan_val", 2, 4, ["--training.steps", "2", "--activation_checkpoint.mode", "full"])
+    )
+    assert "validation/loss" in text
 
 
 def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
