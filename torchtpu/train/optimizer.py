@@ -111,11 +111,21 @@ def per_parameter_state(optimizer, sd: dict) -> dict:
             continue
         base, i = hit
         state[k] = {
-            key: v.select(0, i) if _is_stacked(v, base) else v  # `step` is shared by the slot's rows
+            key: _row(v, i) if _is_stacked(v, base) else v  # `step` is shared by the slot's rows
             for key, v in own.items()
         }
     group = dict(sd["param_groups"][0], params=list(range(len(model_params))))
     return {"state": state, "param_groups": [group]}
+
+
+def _row(v, i):
+    """Row i of a stacked state tensor, its storage marked as rows (read and written by index,
+    as the stacked parameters are: backend.views.run_chain)."""
+    from torchtpu.backend.tensor import TpuTensor, storage_of
+
+    if isinstance(v, TpuTensor):
+        storage_of(v).rows = True
+    return v.select(0, i)
 
 
 def _is_stacked(v, base) -> bool:
