@@ -99,8 +99,7 @@ def _keep_dist_layout(st, new):
 def reshard(a, sharding):
     """`a` laid out by `sharding` (jax.device_put). A change of layout over several devices is a
     program with collectives; on the CPU platform with a mesh (CONFIG.sync_dispatch) it is waited
-    for, as every eager op is: two such programs in flight at once can pair one's collective with
-    the other's across processes (gloo: "Received data size doesn't match expected size")."""
+    for, as every eager op is, so that no two such programs are in flight at once (backend.state.Config)."""
     out = jax.device_put(a, sharding)
     return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 

@@ -66,8 +66,6 @@ __all__ = [
     "stack_gradients",
 ]
 
-aten = torch.ops.aten
-
 
 class ScanError(RuntimeError):
     pass
