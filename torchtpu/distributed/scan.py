@@ -64,6 +64,7 @@ __all__ = [
     "stacked_parameters",
     "optimizer_parameters",
     "stack_gradients",
+    "loop_unrolled",
 ]
 
 
@@ -458,6 +459,29 @@ def _layer_rows(bases, index):
     return out
 
 
+def loop_unrolled() -> bool:
+    """Whether the blocks' loops are unrolled here: only on CPU devices of several processes, for
+    an XLA:CPU defect (elsewhere they are `lax.scan` loops).
+
+    XLA:CPU orders a program's collectives by *scheduling* edges: a collective may start once the
+    one before it has started. A plain collective runs to its end before the next starts, but a
+    while loop is asynchronous, so a collective after the loop that does not read its results
+    (the final norm's and the output projection's FSDP all-gathers in the evaluation step) runs
+    while the loop's own all-gathers do. Within one process each collective meets its peers by
+    its op id, so that is harmless; across processes XLA:CPU runs them on gloo with one tag for
+    all, the two streams of messages interleave differently on each host, and gloo aborts
+    ("Received data size doesn't match expected size"). Unrolled, the blocks are straight-line
+    code with no loop, the same arithmetic (tests/launch/test_launch.py checks the losses against
+    the unscanned job), a compile time that grows with depth again, and the same stacked
+    storage and checkpoints."""
+    return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+
+
+def _unroll():
+    """`lax.scan`'s `unroll` for the blocks' loops (see loop_unrolled)."""
+    return True if loop_unrolled() else 1
+
+
 def _stacked_bases(params, n: int, k: int):
     """Per slot, the array of the storage whose rows the n blocks' parameters are (see
     params._materialize_stacked); None unless every slot is stacked so."""
@@ -510,7 +534,7 @@ class _ScanFunction(torch.autograd.Function):
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
         xs_weights = weights if by_xs else []
-        out, inputs = jax.lax.scan(body, array_of(h), (indices, xs_weights))
+        out, inputs = jax.lax.scan(body, array_of(h), (indices, xs_weights), unroll=_unroll())
         ctx.job = job
         ctx.saved = (weights if by_xs else [], params_at, inputs, extra)
         ctx.h_dtype = h_dtype
@@ -539,7 +563,7 @@ class _ScanFunction(torch.autograd.Function):
             return g_h, g_params
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
-        g_h, g_stacked = jax.lax.scan(body, g_arr, (indices, inputs, xs_weights), reverse=True)
+        g_h, g_stacked = jax.lax.scan(body, g_arr, (indices, inputs, xs_weights), reverse=True, unroll=_unroll())
         ctx.saved = None
         grads = [None] * (job.n * k)
         for j in range(k):

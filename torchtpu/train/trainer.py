@@ -428,6 +428,15 @@ class Trainer:
             f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}"
         )
         log(f"peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+        if self.stacked:
+            from torchtpu.distributed.scan import loop_unrolled
+
+            if loop_unrolled():
+                log(
+                    "layer scan: the blocks run unrolled, not in a loop, on the CPU devices of several processes "
+                    "(XLA:CPU would run collectives after a loop concurrently with the loop's own, which gloo "
+                    "mismatches; torchtpu.distributed.scan.loop_unrolled)"
+                )
 
         profiler = Profiler(cfg)
         preemption = PreemptionWatch()  # SIGTERM: stop at a step boundary all processes agree on
