@@ -324,6 +324,7 @@ def test_two_hosts_with_the_layer_scan_match_and_resume_on_1x8_without_it(runs_8
     full = ["--activation_checkpoint.mode", "full"]
     text = run_to_end(launch(tmp, "two_by_4_scan", 2, 4, SHORT + full))
     assert "[host 1] " in text
+    assert "layer scan: the blocks run unrolled" in text, text[-3000:]
     want = losses(tmp / "one_by_8")
     assert_losses_close(losses(tmp / "two_by_4_scan"), want, [1, 2, 3, 4], rtol=1e-5)
     got_val, want_val = validation_losses(tmp / "two_by_4_scan"), validation_losses(tmp / "one_by_8")
