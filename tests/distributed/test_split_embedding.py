@@ -32,16 +32,16 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(embedding_cls=nn.Embedding):
+def _model(embedding_cls=nn.Embedding, vocab=VOCAB):
     torch.manual_seed(0)
-    return nn.Sequential(embedding_cls(VOCAB, DIM, padding_idx=PAD), nn.Linear(DIM, 8))
+    return nn.Sequential(embedding_cls(vocab, DIM, padding_idx=PAD), nn.Linear(DIM, 8))
 
 
-def _ids(rows=8, cols=5):
+def _ids(rows=8, cols=5, vocab=VOCAB):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (rows, cols), generator=g)
+    ids = torch.randint(0, vocab, (rows, cols), generator=g)
     ids[0, 0] = ids[5, 1] = PAD
-    ids[1, :] = VOCAB - 1  # the last row, from several tokens
+    ids[1, :] = vocab - 1  # the last row, from several tokens
     return ids
 
 
@@ -63,16 +63,20 @@ def _sharded(model, layout, mp=None):
     elif layout == "hsdp2x4":
         mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
         dp = mesh
-    else:  # tensor parallelism splits the vocabulary (rowwise), FSDP splits it further
+    elif layout == "tp2_fsdp4":  # tensor parallelism splits the vocabulary (rowwise), FSDP splits it further
         mesh = init_device_mesh("tpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
         parallelize_module(m, mesh["tp"], {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
         dp = mesh["dp_shard"]
+    else:  # "hsdp2x2_tp2": replicas, FSDP and TP, every kind of axis at once
+        mesh = init_device_mesh("tpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        parallelize_module(m, mesh["tp"], {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+        dp = mesh["dp_replicate", "dp_shard"]
     fully_shard(m[0], mesh=dp, **kw)
     fully_shard(m, mesh=dp, **kw)
     return m
 
 
-@pytest.mark.parametrize("layout", ["fsdp8", "hsdp2x4", "tp2_fsdp4"])
+@pytest.mark.parametrize("layout", ["fsdp8", "hsdp2x4", "tp2_fsdp4", "hsdp2x2_tp2"])
 def test_split_lookup_matches_cpu(layout):
     ref, ids = _model(), _ids()
     out_cpu, grads_cpu = _run(ref, ids, "cpu")
@@ -117,6 +121,47 @@ def test_more_tokens_than_rows_gathers_the_table_instead():
     torch.testing.assert_close(grads["0.weight"].cpu(), grads_cpu["0.weight"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["tp2_fsdp4", "hsdp2x2_tp2"])
+def test_more_tokens_than_rows_with_tp_gathers_the_table_over_the_batch_axes_only(layout):
+    """With more tokens than rows and a rowwise TP split, the table is gathered over the axes that
+    split the batch only (each TP rank keeps its rows, the lookups are summed over TP) and each
+    chip's gradient is reduce-scattered back: the split op runs in its table mode, same results."""
+    ref, ids = _model(), _ids(rows=16, cols=40)  # 16 x 40 tokens, 64 rows
+    out_cpu, grads_cpu = _run(ref, ids, "cpu")
+    m = _sharded(ref, layout)
+    with _Ops() as ops:
+        out, grads = _run(m, ids, "tpu")
+    assert "torchtpu.split_embedding.default" in ops.names
+    assert "torchtpu.split_embedding_backward.default" in ops.names
+    assert "aten.embedding.default" not in ops.names
+    torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
+    for name, g in grads_cpu.items():
+        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert grads["0.weight"][PAD].abs().max().item() == 0
+
+
+@pytest.mark.parametrize("cols", [5, 40])
+def test_tp_rows_with_fsdp_columns_gathers_the_columns(cols):
+    """66 rows: TP 2 leaves 33 per rank, which FSDP 4 cannot split, so FSDP splits the columns
+    (as for Llama 3.1 405B's table under TP 8 x FSDP 64). Then the batch axis splits the columns:
+    the table mode gathers the columns over it, each TP rank looks up its own rows, and the
+    gradient is reduce-scattered back to the column split."""
+    ref, ids = _model(vocab=66), _ids(cols=cols, vocab=66)
+    out_cpu, grads_cpu = _run(ref, ids, "cpu")
+    m = _sharded(ref, "tp2_fsdp4")
+    from torchtpu.distributed.params import get_layout
+
+    assert [list(d) for d in get_layout(m[0], "weight").dims] == [["tp"], ["dp_shard"]]
+    with _Ops() as ops:
+        out, grads = _run(m, ids, "tpu")
+    assert "torchtpu.split_embedding.default" in ops.names
+    assert "torchtpu.split_embedding_backward.default" in ops.names
+    torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
+    for name, g in grads_cpu.items():
+        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert grads["0.weight"][PAD].abs().max().item() == 0
+
+
 class _ScaledEmbedding(nn.Embedding):
     """An embedding with a forward of its own (as some transformers models have)."""
 
@@ -147,8 +192,9 @@ def test_deepcopy_looks_up_in_its_own_table():
 
 def test_transformers_gpt2_with_tied_embeddings_under_fsdp_matches_cpu():
     """transformers' GPT-2 (the token table tied to the LM head) under FSDP 8: the token lookup
-    splits (96 tokens, 128 rows), the position lookup ([1, seq] ids: a batch of 1) runs as
-    nn.Embedding's, and the loss and every gradient match PyTorch on CPU."""
+    moves the ids (96 tokens, 128 rows); the position lookup ([1, seq] ids: a batch of 1, not
+    split) looks up each chip's own rows and sums them (the table mode with nothing to gather);
+    the loss and every gradient match PyTorch on CPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -172,8 +218,8 @@ def test_transformers_gpt2_with_tied_embeddings_under_fsdp_matches_cpu():
     fully_shard(m, mesh=mesh)
     with _Ops() as ops:
         loss, grads = run(m, "tpu")
-    assert ops.names.count("torchtpu.split_embedding.default") == 1
-    assert ops.names.count("aten.embedding.default") == 1  # the positions
+    assert ops.names.count("torchtpu.split_embedding.default") == 2  # the tokens and the positions
+    assert ops.names.count("aten.embedding.default") == 0
     torch.testing.assert_close(loss.cpu(), loss_cpu, rtol=1e-5, atol=1e-6)
     for name, g in grads_cpu.items():
         torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
