@@ -115,26 +115,11 @@ def _plan(weight_spec: str, ids_spec: str):
     return w.mesh, w.spec, i.spec, out, rows, gathered, summed, batch_only
 
 
-def _shard_index(axes: tuple[str, ...]):
-    """This chip's block of a dim split over `axes` (the first axis major), inside shard_map."""
-    index = 0
-    for a in axes:
-        index = index * lax.axis_size(a) + lax.axis_index(a)
-    return index
-
-
-def _own_rows(ids, total: int, block: int, row_axes):
-    """(position of each id in this chip's block of rows, whether the block holds it)."""
-    ids = jnp.clip(ids, 0, total - 1)  # out-of-range ids: as torchtpu's plain lookup (clamped)
-    rel = ids - (_shard_index(row_axes) * block).astype(ids.dtype)
-    return rel, (rel >= 0) & (rel < block)
-
-
-def _table_rows(ids, total: int, block: int, row_axes, gathered, summed):
-    """For the table-gathering plan: (position of each id in this chip's table gathered over
-    `gathered`, whether that gathered table holds it). The rows are split into blocks of `block`
-    over `row_axes` (the first axis major); gathering over `gathered` (in row_axes order) leaves a
-    chip the blocks whose indices along the `summed` axes are its own."""
+def _held_rows(ids, total: int, block: int, row_axes, gathered, summed):
+    """(position of each id in the rows this chip holds, whether it holds that id's row), inside
+    shard_map. The table's rows are split into blocks of `block` over `row_axes` (the first axis
+    major); the chip holds its own block gathered over the `gathered` axes (in row_axes order,
+    none in the ids mode), that is the blocks whose indices along the `summed` axes are its own."""
     ids = jnp.clip(ids, 0, total - 1)  # out-of-range ids: as torchtpu's plain lookup (clamped)
     b, r = ids // block, ids % block
     index = {}
@@ -150,44 +135,41 @@ def _table_rows(ids, total: int, block: int, row_axes, gathered, summed):
     return g * block + r, mine
 
 
-def _table_plan(w_spec, i_spec, rows):
-    """For the table mode: (row axes the table is gathered over, in row order; column axes it is
-    gathered over; the lookup's output spec; batch axes that split neither rows nor columns)."""
-    id_axes = [a for e in i_spec for a in pl.entry_axes(e)]
+def _table_plan(w_spec, i_spec, rows, gathered, batch_only):
+    """For the table mode, from `_plan`'s axes: (row axes the table is gathered over, in row order;
+    column axes it is gathered over; the lookup's output spec; batch axes that split neither rows
+    nor columns)."""
     cols = pl.entry_axes(w_spec[1]) if len(w_spec) > 1 else ()
-    by_rows = tuple(a for a in rows if a in id_axes)
-    by_cols = tuple(a for a in cols if a in id_axes)
+    by_rows = tuple(a for a in rows if a in gathered)
+    by_cols = tuple(a for a in cols if a in batch_only)
     kept = tuple(a for a in cols if a not in by_cols)
     out = P(*i_spec, (kept[0] if len(kept) == 1 else kept) if kept else None)
-    batch_only = tuple(a for a in id_axes if a not in rows and a not in cols)
-    return by_rows, by_cols, out, batch_only
+    return by_rows, by_cols, out, tuple(a for a in batch_only if a not in cols)
 
 
 @lower(torch.ops.torchtpu.split_embedding.default)
 def _lookup(weight, ids, weight_spec, ids_spec, padding_idx, gather_table):
-    mesh, w_spec, i_spec, out_spec, rows, gathered, summed, _ = _plan(weight_spec, ids_spec)
+    mesh, w_spec, i_spec, out_spec, rows, gathered, summed, batch_only = _plan(weight_spec, ids_spec)
     total = weight.shape[0]
     if gather_table:
-        by_rows, by_cols, out_spec, _ = _table_plan(w_spec, i_spec, rows)
+        by_rows, by_cols, out_spec, _ = _table_plan(w_spec, i_spec, rows, gathered, batch_only)
 
     def local(w, i):
+        block = w.shape[0]
         if gather_table:
-            block = w.shape[0]
             if by_rows:
                 w = lax.all_gather(w, by_rows, axis=0, tiled=True)
             if by_cols:
                 w = lax.all_gather(w, by_cols, axis=1, tiled=True)
-            at, mine = _table_rows(i, total, block, rows, by_rows, summed)
-            out = jnp.take(w, jnp.where(mine, at, 0), axis=0)
-            out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
+            at, mine = _held_rows(i, total, block, rows, by_rows, summed)
         else:
             if gathered:
                 i = lax.all_gather(i, gathered, axis=0, tiled=True)
-            rel, mine = _own_rows(i, total, w.shape[0], rows)
-            out = jnp.take(w, jnp.where(mine, rel, 0), axis=0)
-            out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
-            if gathered:
-                out = lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
+            at, mine = _held_rows(i, total, block, rows, (), rows)
+        out = jnp.take(w, jnp.where(mine, at, 0), axis=0)
+        out = jnp.where(mine[..., None], out, jnp.zeros((), out.dtype))
+        if gathered and not gather_table:
+            out = lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         if summed:
             out = lax.psum(out, summed)
         return out
@@ -201,7 +183,7 @@ def _lookup_backward(grad, ids, weight_spec, ids_spec, padding_idx, gather_table
     block = rows // math.prod(mesh.shape[a] for a in row_axes)
     compute = jnp.float32 if grad.dtype in (jnp.bfloat16, jnp.float16) else grad.dtype
     if gather_table:
-        by_rows, by_cols, out_spec, batch_only = _table_plan(w_spec, i_spec, row_axes)
+        by_rows, by_cols, out_spec, batch_only = _table_plan(w_spec, i_spec, row_axes, gathered, batch_only)
 
     def local(g, i):
         if gather_table:
@@ -209,13 +191,13 @@ def _lookup_backward(grad, ids, weight_spec, ids_spec, padding_idx, gather_table
             # split the batch), then each chip keeps the sum of its own block: the transpose of
             # the forward's gathers
             span = block * math.prod(lax.axis_size(a) for a in by_rows)
-            at, mine = _table_rows(i, rows, block, row_axes, by_rows, summed)
+            at, mine = _held_rows(i, rows, block, row_axes, by_rows, summed)
         else:
             if gathered:
                 i = lax.all_gather(i, gathered, axis=0, tiled=True)
                 g = lax.all_gather(g, gathered, axis=0, tiled=True)
             span = block
-            at, mine = _own_rows(i, rows, block, row_axes)
+            at, mine = _held_rows(i, rows, block, row_axes, (), row_axes)
         if padding_idx >= 0:
             mine = mine & (i != padding_idx)
         at = jnp.where(mine, at, span).reshape(-1)  # not this chip's rows: dropped
