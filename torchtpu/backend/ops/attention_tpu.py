@@ -57,13 +57,16 @@ __all__ = [
     "interpret_kernels",
     "interpreting",
     "MASK_VALUE",
+    "MODEL_AXIS",
+    "mesh_of",
+    "bind_pallas",
 ]
 
 MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
 _LANES = 128  # Mosaic tiles: sequence blocks are multiples of 128
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_MODEL_AXIS = "tp"  # the tensor-parallel mesh axis splits heads; every other axis the batch
+MODEL_AXIS = "tp"  # the tensor-parallel mesh axis splits heads; every other axis the batch
 
 
 # ----------------------------------------------------------------------------- when it applies
@@ -165,7 +168,7 @@ def kernel_costs(
     }
 
 
-def _bind_pallas(fn, args, costs, interpret):
+def bind_pallas(fn, args, costs, interpret):
     """Run `fn(*args)` with its pallas_calls given `costs` (in call order) and, when
     interpreting, run as plain JAX (Pallas interpret mode) instead of Mosaic."""
     closed = jax.make_jaxpr(fn)(*args)
@@ -221,7 +224,7 @@ class _Split:
         return P(self.batch, self.heads, *([None] * (ndim - 2)))
 
 
-def _mesh_of(*arrays):
+def mesh_of(*arrays):
     """The mesh a program lays these arrays out on: inside a jit over mesh-sharded inputs JAX
     records it (abstract) in the types of the inputs and of everything computed from them."""
     for a in arrays:
@@ -232,12 +235,12 @@ def _mesh_of(*arrays):
 
 
 def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
-    mesh = _mesh_of(*arrays)
+    mesh = mesh_of(*arrays)
     if mesh is None or mesh.size == 1:
         return None
     sizes = dict(mesh.shape)
-    head_axis = _MODEL_AXIS if sizes.get(_MODEL_AXIS, 1) > 1 and heads % sizes[_MODEL_AXIS] == 0 else None
-    batch_axes = tuple(a for a in mesh.axis_names if a != _MODEL_AXIS and sizes[a] > 1)
+    head_axis = MODEL_AXIS if sizes.get(MODEL_AXIS, 1) > 1 and heads % sizes[MODEL_AXIS] == 0 else None
+    batch_axes = tuple(a for a in mesh.axis_names if a != MODEL_AXIS and sizes[a] > 1)
     if batch_axes and batch % math.prod(sizes[a] for a in batch_axes):
         batch_axes = ()  # an odd batch stays whole on each device (correct, only slower)
     if not batch_axes and head_axis is None:
@@ -317,7 +320,7 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
             )
 
         with jax.enable_x64(False):  # Mosaic index maps are 32-bit
-            o, l, m = _bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
+            o, l, m = bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
         return o, m + jnp.log(l)
 
     operands = (q, k, v) + ((bias,) if bias is not None else ())
@@ -379,8 +382,8 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
 
         with jax.enable_x64(False):
             args = (q, k, v, bias, m, g, di)
-            dk, dv = _bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
-            (dq_,) = _bind_pallas(lambda *a: (dq(*a),), args, [costs["backward_dq"]], interpret)
+            dk, dv = bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
+            (dq_,) = bind_pallas(lambda *a: (dq(*a),), args, [costs["backward_dq"]], interpret)
         return dq_, dk, dv
 
     operands = (q, k_full, v_full, g, m, di) + ((bias,) if bias is not None else ())
