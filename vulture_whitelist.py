@@ -19,6 +19,8 @@ _.max_memory_allocated
 _.mem_get_info
 _.get_device_name
 _._is_in_bad_fork
+# nn.Parameter subclasses on tpu (torchtpu.backend.module_moves): PyTorch reads a custom tensor's _is_param flag
+_._is_param
 
 # ATen schema arguments: the dispatcher binds a lowering's arguments by their schema names, so a
 # lowering declares the ones it has no use for (a tpu tensor has no pinned memory or memory format).
@@ -113,3 +115,52 @@ _.hbm_bandwidth
 _.profiler_warmup
 _.wandb_mode
 _.host_batch
+
+# vLLM (torchtpu.serve): vLLM finds the platform through the entry point and calls the Platform's,
+# Worker's, ModelRunner's and attention backend's methods by name, and workers' methods through
+# collective_rpc.
+_.TpuWorker
+_.init_device
+_._maybe_get_memory_pool_context
+_.determine_available_memory
+_.compile_or_warm_up_model
+_.wake_up
+_.torchtpu_cache_stats
+_._model_forward
+_.block_ids
+_.level
+_._zero_block_ids
+_.async_scheduling
+_.cache_dtype_str
+_.check_and_update_config
+_.common_prefix_len
+_.cudagraph_capture_sizes
+_.cudagraph_mode
+_.device_control_env_var
+_.device_name
+_.dispatch_key
+_.fast_build
+_.forward_includes_kv_cache_update
+_.get_attn_backend_cls
+_.get_builder_cls
+_.get_current_memory_usage
+_.get_device_communicator_cls
+_.get_device_total_memory
+_.get_impl_cls
+_.get_kv_cache_shape
+_.get_name
+_.get_supported_kernel_block_sizes
+_.initialize_kv_cache_tensors
+_.is_pin_memory_available
+_.kernel_block_sizes
+_.kv_cache_allocation_context
+_.load_model
+_.opaque_attention_op
+_.platform_plugin
+_.simple_compile_backend
+_.supported_dtypes
+_.supported_kv_cache_dtypes
+_.supports_attn_type
+_.supports_sliding_window
+_.supports_structured_output
+_.verify_quantization

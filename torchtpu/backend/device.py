@@ -197,6 +197,40 @@ def _build_module() -> types.ModuleType:
     return m
 
 
+def _route_accelerator_api(m: types.ModuleType) -> None:
+    """Make `torch.accelerator`'s memory and synchronisation calls answer for tpu.
+
+    Once tpu is the accelerator, PyTorch's `torch.accelerator.synchronize/empty_cache/memory_*`
+    go to C++ that expects a caching device allocator, which a Python backend has none of: they
+    raise internal asserts, and `empty_host_cache()` can crash the process at shutdown (vLLM
+    calls it there). They answer from torch.tpu instead. The device holds no allocator cache to
+    empty (XLA frees a buffer when its last array goes), so the empty_* calls do nothing."""
+    acc = torch.accelerator
+
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    def peak(device_index=None) -> int:
+        return m.max_memory_allocated(device_index)
+
+    routes = {
+        "synchronize": lambda device_index=None: m.synchronize(device_index),
+        "empty_cache": nothing,
+        "empty_host_cache": nothing,
+        "reset_peak_memory_stats": nothing,
+        "reset_accumulated_memory_stats": nothing,
+        "memory_stats": lambda device_index=None: m.memory_stats(device_index),
+        "memory_allocated": lambda device_index=None: m.memory_allocated(device_index),
+        "memory_reserved": lambda device_index=None: m.memory_allocated(device_index),
+        "max_memory_allocated": peak,
+        "max_memory_reserved": peak,
+        "get_memory_info": lambda device_index=None: m.mem_get_info(device_index),
+    }
+    for name, fn in routes.items():
+        if hasattr(acc, name):
+            setattr(acc, name, fn)
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -206,6 +240,7 @@ def register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend()
     module = _build_module()
     torch._register_device_module("tpu", module)
+    _route_accelerator_api(module)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
     lib = torch.library.Library("aten", "IMPL")

@@ -20,6 +20,15 @@ tpu tensor), and restore what a swap loses but `.data =` keeps:
   the `__dict__` that the swap sends away.
 
 Buffers are reassigned (`module._buffers[name] = fn(buf)`), as PyTorch does on every device.
+
+Parameter subclasses. Libraries give their weights behaviour through subclasses of
+`nn.Parameter` (vLLM's `ModelWeightParameter` carries its weight loader and which dim is split).
+For any tensor subclass PyTorch's `Parameter.__new__` returns the data itself flagged as a
+parameter, so `ModelWeightParameter(torch.empty(..., device="tpu"))` would be a plain tpu tensor
+whose subclass `__init__` never runs. Here a strict subclass of `nn.Parameter` given tpu data is
+an instance of that subclass mixed with TpuTensor (`tpu_parameter_class`): the subclass's
+methods and `__init__` come first, TpuTensor's storage and dispatch after them. Plain
+`nn.Parameter(tpu_tensor)` keeps PyTorch's behaviour.
 """
 
 from __future__ import annotations
@@ -76,5 +85,36 @@ def _apply(self: nn.Module, fn, recurse: bool = True):
                 p._post_accumulate_grad_hooks = post_accumulate
 
 
+_torch_parameter_new = nn.Parameter.__new__
+_PARAMETER_CLASSES: dict = {}
+
+
+def tpu_parameter_class(cls: type) -> type:
+    """`cls` (a subclass of nn.Parameter) mixed with TpuTensor, made once per class."""
+    mixed = _PARAMETER_CLASSES.get(cls)
+    if mixed is None:
+        mixed = _PARAMETER_CLASSES[cls] = type(f"Tpu{cls.__name__}", (cls, TpuTensor), {"__module__": cls.__module__})
+    return mixed
+
+
+def _parameter_new(cls, data=None, requires_grad=True):
+    if cls is nn.Parameter or not isinstance(data, TpuTensor):
+        return _torch_parameter_new(cls, data, requires_grad)
+    d = data.detach()
+    t = TpuTensor.__new__(
+        tpu_parameter_class(cls),
+        d._st,
+        d._vw,
+        tuple(d.shape),
+        d.dtype,
+        strides=d.stride(),
+        offset=d.storage_offset(),
+        requires_grad=requires_grad,
+    )
+    t._is_param = True
+    return t
+
+
 def install() -> None:
     nn.Module._apply = _apply
+    nn.Parameter.__new__ = _parameter_new

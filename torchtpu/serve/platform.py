@@ -1,0 +1,199 @@
+"""vLLM's Platform for the tpu device.
+
+vLLM asks its platform what the device is called and how to reach it (`device_type` "tpu", the
+PrivateUse1 dispatch key, torch.compile's "tpu" backend), which worker runs the model, which
+attention backend serves it, and lets it adjust the configuration before the engine starts.
+
+Tensor parallelism is one process. vLLM runs `tensor_parallel_size=N` as N worker processes, each
+holding its slice of every weight and joining the others' results with NCCL all-reduces. Here
+the model is one SPMD program over a device mesh: `check_and_update_config` records N in
+`additional_config["torchtpu_tensor_parallel_size"]` and gives vLLM a world of one process, whose
+model layers are built whole and whose weights are then laid out over the mesh's "tp" axis
+(sharding.py); XLA inserts the collectives. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+import torchtpu  # noqa: F401  (the tpu device and torch.compile's "tpu" backend)
+
+logger = init_logger(__name__)
+
+TP_KEY = "torchtpu_tensor_parallel_size"
+DEFAULT_BLOCK_SIZE = 32
+
+
+def tensor_parallel_size(vllm_config) -> int:
+    """The tensor-parallel degree the user asked for (vLLM itself sees 1)."""
+    extra = vllm_config.additional_config
+    return int(extra.get(TP_KEY, 1)) if isinstance(extra, dict) else 1
+
+
+class TpuPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "tpu"
+    device_type: str = "tpu"
+    dispatch_key: str = "PrivateUse1"
+    simple_compile_backend: str = "tpu"
+    dist_backend: str = "gloo"  # the one-process group vLLM's distributed state still builds
+    device_control_env_var: str = "TPU_VISIBLE_CHIPS"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32, torch.float16]
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise ValueError(f"dtype={dtype} is not supported on tpu; use bfloat16, float16 or float32")
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        import jax
+
+        return jax.devices()[device_id].device_kind
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        limit = torch.tpu.memory_stats(device_id).get("bytes_limit")
+        if limit:
+            return int(limit)
+        import psutil
+
+        return int(psutil.virtual_memory().total)  # XLA's CPU devices share the host's memory
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        pass
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    # vLLM's runner does its bookkeeping (slot mappings, sampling helpers) on the host, as on
+    # vLLM's CPU backend, with the same host kernels: vLLM's CPU C++ ops in place of its Triton
+    # kernels. Nothing CUDA is loaded; the model's own ops lower to XLA through torchtpu.
+    @classmethod
+    def import_kernels(cls) -> None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.register_triton_kernel_overrides()
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return False  # attention is called directly, inside the compiled step
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        from .attention import BACKEND_NAME, TpuAttentionBackend
+
+        if attn_selector_config.use_mla:
+            raise NotImplementedError(
+                "torchtpu serves models with standard multi-head/grouped-query attention; this model uses MLA "
+                "(multi-head latent attention), which has no tpu attention backend here"
+            )
+        if attn_selector_config.use_sparse:
+            raise NotImplementedError(
+                "torchtpu has no sparse-attention backend for vLLM; serve a dense-attention model"
+            )
+        if selected_backend is not None and selected_backend.name != BACKEND_NAME:
+            logger.info(
+                "torchtpu: attention backend %s is not available on tpu; using %s", selected_backend.name, BACKEND_NAME
+            )
+        return f"{TpuAttentionBackend.__module__}.{TpuAttentionBackend.__qualname__}"
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        raise ValueError(
+            f"quantization={quant!r} is not supported on tpu: torchtpu serves unquantized checkpoints "
+            "(bfloat16/float16/float32); serve the unquantized model or use another vLLM platform"
+        )
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError(
+                "torchtpu's vLLM platform runs tensor parallelism only: got pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}; "
+                "use tensor_parallel_size over the host's tpu devices"
+            )
+        if parallel.tensor_parallel_size > 1:
+            _one_process_tensor_parallel(vllm_config)
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = "torchtpu.serve.worker.TpuWorker"
+        if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+
+        # The model step is compiled by torchtpu (one XLA program per padding bucket), so vLLM's
+        # own compilation (Dynamo + Inductor, CUDA graphs) stays off.
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        vllm_config.scheduler_config.async_scheduling = False
+
+        model_config = vllm_config.model_config
+        if model_config is not None and vllm_config.speculative_config is not None:
+            raise ValueError("speculative decoding is not supported on tpu: leave speculative_config unset")
+        env = "VLLM_TPU_KVCACHE_SPACE"
+        if os.environ.get(env):
+            cache.kv_cache_memory_bytes = int(float(os.environ[env]) * (1 << 30))
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def supports_structured_output(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(torch.tpu.memory_allocated(device))
+
+
+def _one_process_tensor_parallel(vllm_config) -> None:
+    """Record the requested tensor-parallel degree and give vLLM a world of one process (see the
+    module docstring)."""
+    parallel = vllm_config.parallel_config
+    n = parallel.tensor_parallel_size
+    import jax
+
+    if n > jax.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={n} but this host has {jax.device_count()} tpu devices; use at most "
+            f"{jax.device_count()} (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise ValueError("torchtpu's tensor parallelism keeps its degree in additional_config, which must be a dict")
+    extra[TP_KEY] = n
+    parallel.tensor_parallel_size = 1
+    parallel.world_size = parallel.pipeline_parallel_size * parallel.prefill_context_parallel_size
+    parallel.distributed_executor_backend = "uni"

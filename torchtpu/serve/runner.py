@@ -1,0 +1,216 @@
+"""vLLM's model runner for the tpu device.
+
+`TpuModelRunner` is vLLM's CPU model runner (itself vLLM's GPU runner with host buffers): the
+persistent batch, the scheduler bookkeeping, the attention metadata and the sampler all stay
+vLLM's own and run on the host, as on vLLM's CPU backend. What moves to tpu is the model:
+
+- `load_model` builds vLLM's model with its parameters on tpu, still unallocated, lays them out
+  over the tensor-parallel mesh (sharding.py) and lets vLLM's weight loaders write each tensor
+  from the checkpoint straight into its shards;
+- `initialize_kv_cache_tensors` allocates one typed cache tensor per attention layer on tpu
+  (vLLM's one int8 byte buffer viewed as each layer's dtype is not how tpu memory works), laid
+  out over the kv-head axis under tensor parallelism;
+- `_model_forward` runs the whole forward step, from token ids to the logits of the sampled
+  positions, as one `torchtpu.compile` program per padding bucket (steps.py), with the caches and
+  parameters as its state (donated: the cache writes are in place). The logits come back to the
+  host, where vLLM's sampler runs unchanged (temperature, top-p/top-k, seeds, logprobs).
+
+vLLM's runner computes `model.compute_logits(hidden_states[logits_indices])` after the forward;
+here that product already came out of the step, so `_model_forward` returns it wrapped
+(`StepLogits`) and the model's `compute_logits` hands it through (`_LogitsPassThrough`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+
+import torchtpu
+
+from . import sharding, steps
+from .attention import DeviceAttentionMetadata, HostAttentionMetadata
+
+logger = init_logger(__name__)
+
+
+class StepLogits:
+    """The logits of the sampled positions, computed by the step; vLLM's runner indexes its
+    'hidden states' with the logits indices, which here is already done."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def __getitem__(self, index):
+        return self
+
+
+class _LogitsPassThrough:
+    """`model.compute_logits` for vLLM's runner: the step's logits as they are; anything else
+    (the step's own call, inside the program) goes to the model's own method."""
+
+    def __init__(self, compute_logits):
+        self.compute_logits = compute_logits
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if isinstance(hidden_states, StepLogits):
+            return hidden_states.logits
+        return self.compute_logits(hidden_states, *args, **kwargs)
+
+
+class TpuModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, mesh=None):
+        super().__init__(vllm_config, torch.device("cpu"))
+        self.tpu_device = torch.device("tpu", 0)
+        self.mesh = mesh
+        self.buckets = steps.Buckets(
+            self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_seqs,
+            -(-self.model_config.max_model_len // self.cache_config.block_size),
+        )
+        self.step = torchtpu.compile(self._step)
+        self.compiled_buckets: set = set()
+        self.layer_names: list[str] = []
+        self._logits_indices = None
+
+    # -- the model
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("torchtpu: loading dummy weights (elastic expert-parallel scale-up) is not supported")
+        model_config = self.model_config
+        if model_config.is_multimodal_model:
+            raise NotImplementedError(f"torchtpu serves text-only models; {model_config.architecture} is multimodal")
+        logger.info("torchtpu: loading %s onto tpu", model_config.model)
+        loader = get_model_loader(self.load_config)
+        # vLLM's BaseModelLoader.load_model, with the parameters laid out over the mesh between
+        # creating the model (tpu storage is allocated on first write) and loading its weights.
+        with set_default_torch_dtype(model_config.dtype):
+            with self.tpu_device:
+                model = loader.create_model(vllm_config=self.vllm_config, model_config=model_config)
+            if self.mesh is not None:
+                sharding.shard_model(model, self.mesh)
+            loader.load_weights(model, model_config)
+            process_weights_after_loading(model, model_config, self.tpu_device)
+        model.compute_logits = _LogitsPassThrough(model.compute_logits)
+        self.model = model.eval()
+
+    # -- the KV cache
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
+        kv_caches: dict[str, torch.Tensor] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                spec = group.kv_cache_spec
+                spec = getattr(spec, "kv_cache_specs", {}).get(name, spec)
+                if not isinstance(spec, AttentionSpec):
+                    raise NotImplementedError(
+                        f"torchtpu: layer {name} needs a {type(spec).__name__} cache; only attention caches are supported"
+                    )
+                shape = (kv_cache_config.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_size)
+                kv_caches[name] = sharding.kv_cache(shape, spec.dtype, self.mesh)
+        for layer_name, target in self.shared_kv_cache_layers.items():
+            kv_caches[layer_name] = kv_caches[target]
+        bind_kv_cache(
+            kv_caches,
+            self.compilation_config.static_forward_context,
+            self.kv_caches,
+            kv_cache_groups=kv_cache_config.kv_cache_groups,
+        )
+        self.layer_names = list(kv_caches)
+        return kv_caches
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        # A reused block's stale values are finite and lie past its sequence's context length,
+        # which attention masks; nothing to clear.
+        pass
+
+    # -- one step
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._logits_indices = out[0]
+        return out
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is not None or intermediate_tensors is not None:
+            raise NotImplementedError(
+                "torchtpu: the step takes token ids only (no input embeddings, no pipeline stages)"
+            )
+        metadata = get_forward_context().attn_metadata
+        host = next(iter(metadata.values())) if isinstance(metadata, dict) and metadata else None
+        if not isinstance(host, HostAttentionMetadata):
+            raise RuntimeError("torchtpu: a model step without the tpu attention backend's metadata")
+        n = host.num_actual_tokens
+        logits_indices = self._logits_indices.numpy()
+        bucket = self.buckets.for_batch(n, host.num_reqs)
+        packed = steps.pack(
+            bucket,
+            self.buckets.max_blocks_per_seq,
+            input_ids=input_ids[:n].numpy(),
+            positions=positions[:n].numpy(),
+            slot_mapping=host.slot_mapping.numpy(),
+            seq_lens=host.seq_lens.numpy(),
+            query_start_loc=host.query_start_loc.numpy(),
+            block_table=host.block_table.numpy(),
+            logits_indices=logits_indices,
+        )
+        logits = self.run_step(bucket, packed)
+        return StepLogits(logits[: len(logits_indices)])
+
+    def run_step(self, bucket: steps.Bucket, packed: np.ndarray) -> torch.Tensor:
+        """Run the compiled step of `bucket` on packed inputs; the logits rows, on the host."""
+        with torch.inference_mode(False), torch.no_grad():
+            logits = self.step(torch.from_numpy(packed).to(self.tpu_device), bucket)
+            self.compiled_buckets.add(bucket)
+            return logits.cpu()
+
+    def _step(self, packed: torch.Tensor, bucket: steps.Bucket) -> torch.Tensor:
+        x = steps.unpack(packed, bucket, self.buckets.max_blocks_per_seq)
+        metadata = DeviceAttentionMetadata(
+            slot_mapping=x["slot_mapping"],
+            kv_lens=x["kv_lens"],
+            block_tables=x["block_tables"],
+            cu_q_lens=x["cu_q_lens"],
+            num_seqs=x["num_seqs"],
+        )
+        with set_forward_context(
+            dict.fromkeys(self.layer_names, metadata), self.vllm_config, num_tokens=bucket.tokens, slot_mapping={}
+        ):
+            hidden = self.model(input_ids=x["input_ids"], positions=x["positions"])
+            return self.model.compute_logits(hidden[x["logits_indices"]])
+
+    # -- warm-up
+    def warming_up_model(self) -> None:
+        """Compile the step of every padding bucket (or load it from the persistent cache)."""
+        start = time.perf_counter()
+        before = torchtpu.cache_stats()["xla_compiles"]
+        for bucket in self.buckets.all():
+            self.run_step(bucket, _empty_step(bucket, self.buckets.max_blocks_per_seq))
+        logger.info(
+            "torchtpu: %d step programs ready in %.1f s (%d XLA compiles)",
+            len(self.compiled_buckets),
+            time.perf_counter() - start,
+            torchtpu.cache_stats()["xla_compiles"] - before,
+        )
+
+
+def _empty_step(bucket: steps.Bucket, max_blocks_per_seq: int) -> np.ndarray:
+    """A step of padding only: no request, every slot -1, so it writes nothing."""
+    return steps.pack(
+        bucket,
+        max_blocks_per_seq,
+        input_ids=np.zeros(0, np.int32),
+        positions=np.zeros(0, np.int32),
+        slot_mapping=np.zeros(0, np.int32),
+        seq_lens=np.zeros(0, np.int32),
+        query_start_loc=np.zeros(1, np.int32),
+        block_table=np.zeros((0, max_blocks_per_seq), np.int32),
+        logits_indices=np.zeros(0, np.int32),
+    )
