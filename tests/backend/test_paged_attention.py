@@ -137,7 +137,7 @@ def test_query_tilings_match_torch_cpu(q_tile):
 
 
 def test_write_kv_cache_op_matches_cpu_scatter():
-    """torch.ops.torchtpu.write_kv_cache mutates the tpu cache as index_put does on CPU: k at the
+    """torch.ops.torchtpu.paged_kv_write mutates the tpu cache as index_put does on CPU: k at the
     even, v at the odd head slots, padding slots (-1) skipped, the head dim padded with zeros."""
     g = torch.Generator().manual_seed(2)
     blocks, kv_heads, head_dim, tokens = 6, 2, 16, 7
@@ -152,7 +152,7 @@ def test_write_kv_cache_op_matches_cpu_scatter():
     kv[:, 0::2, :head_dim], kv[:, 1::2, :head_dim] = k, v
     want[slots[keep]] = kv[keep]
     on_tpu = cache.to("tpu")
-    torch.ops.torchtpu.write_kv_cache(on_tpu, k.to("tpu"), v.to("tpu"), slots.to("tpu"))
+    torch.ops.torchtpu.paged_kv_write(on_tpu, k.to("tpu"), v.to("tpu"), slots.to("tpu"))
     assert torch.equal(on_tpu.cpu(), want.reshape(shape))
 
 
@@ -193,7 +193,7 @@ def test_compiled_step_writes_the_cache_in_place():
     meta = [t.to("tpu") for t in (lens, tables, cu, n)]
 
     def step(q, k, v, slots):
-        torch.ops.torchtpu.write_kv_cache(on_tpu, k, v, slots)
+        torch.ops.torchtpu.paged_kv_write(on_tpu, k, v, slots)
         return torch.ops.torchtpu.ragged_paged_attention(q, on_tpu, *meta, 0.25)
 
     compiled = torchtpu.compile(step)

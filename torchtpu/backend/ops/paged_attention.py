@@ -1,11 +1,11 @@
-"""Paged KV cache and ragged paged attention for serving (pure JAX functions, torch ops on tpu).
+"""Paged KV cache and ragged paged attention for serving (pure JAX functions).
 
-Usage from PyTorch (tpu tensors; inside torchtpu.compile the cache write is an in-place update
-of the donated cache buffer):
+PyTorch reaches them through the torch ops of nn_paged.py (tpu tensors; inside torchtpu.compile
+the cache write is an in-place update of the donated cache buffer):
 
     cache = torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim),
                         dtype=torch.bfloat16, device="tpu")          # one tensor per layer
-    torch.ops.torchtpu.write_kv_cache(cache, k, v, slot_mapping)     # mutates cache
+    torch.ops.torchtpu.paged_kv_write(cache, k, v, slot_mapping)     # mutates cache
     out = torch.ops.torchtpu.ragged_paged_attention(
         q, cache, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, sliding_window, soft_cap)
 
@@ -45,6 +45,10 @@ sequences), and a prefill of n tokens reads its context n / q_tile times. The lo
 over the sequences and context a tile really has (their trip counts come from the data, the
 shapes do not).
 
+Pallas interpret mode does not run this kernel with jax 0.10.2 (the plain interpreter fails
+discharging its masked stores, the TPU interpreter on a reshaped ref), so on CPU the kernel is
+only compiled ahead of time for TPU topologies (tests/backend/test_paged_attention.py), not run.
+
 Under tensor parallelism (a mesh with a "tp" axis over which the kv heads divide) both
 functions run per shard under `jax.shard_map`: q and the cache split over heads, the metadata
 replicated; attention is independent per kv head, so no collective is needed.
@@ -54,12 +58,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as _rpa
 from jax.sharding import PartitionSpec as P
 
-from ..registry import lower
 from . import attention_tpu
 
 __all__ = [
@@ -409,47 +411,3 @@ def ragged_paged_attention(
 
     specs = [(1, 3), (2, 4), None, None, None, None]
     return _per_head_shard(local, split, specs, (1, 3))(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-
-
-# ----------------------------------------------------------------------------- torch ops
-
-_lib = torch.library.Library("torchtpu", "FRAGMENT")
-_lib.define(
-    "ragged_paged_attention(Tensor q, Tensor kv_cache, Tensor kv_lens, Tensor block_tables, Tensor cu_q_lens, "
-    "Tensor num_seqs, float sm_scale, int? sliding_window=None, float? soft_cap=None) -> Tensor"
-)
-_lib.define("write_kv_cache(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()")
-
-
-@torch.library.register_fake("torchtpu::ragged_paged_attention")
-def _attention_fake(
-    q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None
-):
-    return q.new_empty(q.shape)
-
-
-@torch.library.register_fake("torchtpu::write_kv_cache")
-def _write_fake(kv_cache, k, v, slot_mapping):
-    return None
-
-
-@lower(torch.ops.torchtpu.ragged_paged_attention.default)
-def _attention_op(
-    q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, sliding_window=None, soft_cap=None
-):
-    return ragged_paged_attention(
-        q,
-        kv_cache,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
-
-
-@lower(torch.ops.torchtpu.write_kv_cache.default)
-def _write_op(kv_cache, k, v, slot_mapping):
-    return (write_kv_cache(kv_cache, k, v, slot_mapping),)
