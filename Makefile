@@ -18,11 +18,13 @@ $(STAMP): pyproject.toml requirements/vllm.txt
 install: $(STAMP)
 
 # Architecture (import-linter contracts), lint, format and dead code; configured in pyproject.toml.
+# Then the documents: no history wording, README.md's length (tests/docs_lint.py says the rules).
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/vulture
+	$(PY) -m tests.docs_lint
 
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -p no:cacheprovider --durations=30 tests

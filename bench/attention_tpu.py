@@ -23,7 +23,7 @@ def compile_attention(args):
     import jax
     import jax.numpy as jnp
 
-    from torchtpu.backend.ops import nn as nn_ops
+    from torchtpu.backend.registry import LOWERINGS, aten
     from torchtpu.distributed import topology as topo
 
     dev = topo.topology_devices(args.topology)[0]
@@ -32,11 +32,13 @@ def compile_attention(args):
     kv = jax.ShapeDtypeStruct((args.batch, args.kv_heads, args.seq, args.head_dim), jnp.bfloat16, sharding=sh)
     S = args.seq
 
+    # the lowerings of the attention ops torchtitan's SDPA reaches on tpu, called on JAX arrays
+    forward = LOWERINGS[aten._scaled_dot_product_fused_attention_overrideable.default].fn
+    backward = LOWERINGS[aten._scaled_dot_product_fused_attention_overrideable_backward.default].fn
+
     def step(q, k, v, g):
-        out, lse = nn_ops._sdpa_overrideable(q, k, v, None, 0.0, True)[:2]
-        grads = nn_ops._sdpa_overrideable_backward(
-            g, q, k, v, None, [True] * 3, out, lse, None, None, S, S, 0.0, True, None, None
-        )
+        out, lse = forward(q, k, v, None, 0.0, True)[:2]
+        grads = backward(g, q, k, v, None, [True] * 3, out, lse, None, None, S, S, 0.0, True, None, None)
         return grads[:3]
 
     t0 = time.perf_counter()

@@ -26,14 +26,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def compile_once(argv, layers: int, chunk: int, dump: str) -> dict:
     from torchtpu.distributed.topology import compile_report, count_collectives, dump_compiles_to, largest_temporaries
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import _compile_step, unrolled
+    from torchtpu.train.dry_run import compile_step, unrolled
     from torchtpu.train.trainer import Trainer
 
     cfg = unrolled(load_config([*argv, "--tpu.loss_chunk_size", str(chunk)]))
     trainer = Trainer(cfg, n_layers=layers)
     t0 = time.perf_counter()
     with dump_compiles_to(dump):
-        compiled = _compile_step(trainer)
+        compiled = compile_step(trainer)
     seconds = time.perf_counter() - t0
     report = compile_report(compiled, trainer.mesh.jax_mesh)
     report["compile_seconds"] = seconds

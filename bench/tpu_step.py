@@ -61,12 +61,12 @@ BETAS, EPS = (0.9, 0.95), 1e-8
 
 def torchtpu_program(cfg, n_layers=None):
     """(compile_report, seconds to compile, trainer) of the trainer's step."""
-    from torchtpu.train.dry_run import _compile_step
+    from torchtpu.train.dry_run import compile_step
     from torchtpu.train.trainer import Trainer
 
     t = Trainer(cfg, n_layers=n_layers)
     t0 = time.perf_counter()
-    compiled = _compile_step(t)
+    compiled = compile_step(t)
     dt = time.perf_counter() - t0
     rep = compile_report(compiled, t.mesh.jax_mesh)
     return rep, dt, t
@@ -195,7 +195,7 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
 
     batch_axes = tuple(a for a in mesh.axis_names if a.startswith("dp") and mesh.shape[a] > 1) or None
     tok = jax.ShapeDtypeStruct(
-        (dims.local_batch_size * dims.dp, dims.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes, None))
+        (dims.micro_batch_size, dims.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(batch_axes, None))
     )
     count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
     t0 = time.perf_counter()
@@ -296,7 +296,7 @@ def main(argv=None):
     dims = base.dims
     chips = dims.world_size
     peak = small_tt[0]["peak_bf16_flops_per_device"]
-    tokens_micro = dims.local_batch_size * dims.dp * dims.seq_len
+    tokens_micro = dims.micro_batch_size * dims.seq_len
     model_per_chip = flops_per_token * tokens_micro / chips
     for name in ("torchtpu", "pure JAX"):
         e = est[name]

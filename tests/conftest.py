@@ -44,6 +44,13 @@ def assert_close_to_cpu(actual, expected, msg="", *, rtol, atol):
     )
 
 
+def pytest_configure(config):
+    # the OpInfo pass-rate check over the whole session, on the results every worker's tests report
+    from tests.opinfo.pass_rate import register
+
+    register(config)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) the tests that share a

@@ -96,7 +96,7 @@ def train_main(argv: list[str] | None = None) -> int:
     debug = _wants_debug(args)
     from torchtpu.train.config_manager import HelpRequested, load_config
     from torchtpu.train.job_config import ConfigError, topology_num_devices
-    from torchtpu.train.parallel_dims import validate
+    from torchtpu.train.parallel_dims import resolve_dims
 
     try:
         try:
@@ -112,11 +112,11 @@ def train_main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.tpu.topology:
             # The target slice is named: check the configuration against it before any device work.
-            validate(cfg, topology_num_devices(cfg.tpu.topology))
+            resolve_dims(cfg, topology_num_devices(cfg.tpu.topology))
         _apply_xla_env(cfg, args, as_program)
         from torchtpu.train.trainer import main as run
 
-        # The trainer calls validate(cfg, <global device count>) once the devices are known.
+        # The trainer calls resolve_dims(cfg, <global device count>) once the devices are known.
         status = run(cfg)
         return status if isinstance(status, int) and not isinstance(status, bool) else 0
     except ConfigError as e:

@@ -31,12 +31,11 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     from torchtpu.models.llama3.parallelize import parallelize_llama
     from torchtpu.train.job_config import ConfigError
     from torchtpu.train.model_builder import build_model_args
-    from torchtpu.train.parallel_dims import validate
+    from torchtpu.train.parallel_dims import resolve_dims
     from torchtpu.train.tokenizer import build_tokenizer
-    from torchtpu.train.trainer import MESH_AXES
 
-    dims = validate(cfg, len(jax.devices()))
-    mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES)
+    dims = resolve_dims(cfg, len(jax.devices()))
+    mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names)
     tok = build_tokenizer(cfg.model.hf_assets_path or None)
     args = build_model_args(cfg, tok.vocab_size)
     args.max_seq_len = max(args.max_seq_len, total_len)  # the RoPE table must reach every position

@@ -162,13 +162,13 @@ def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_pa
 def _trainer_step_hlo(tmp_path, n_layers, *extra):
     """The trainer's compiled step (debugmodel, FSDP over 8 CPU devices) at `n_layers` blocks."""
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import _compile_step
+    from torchtpu.train.dry_run import compile_step
     from torchtpu.train.trainer import Trainer
 
     from ..train.test_trainer import small_argv
 
     t = Trainer(load_config(small_argv(tmp_path, "--activation_checkpoint.mode", "full", *extra)), n_layers=n_layers)
-    return t, _compile_step(t).as_text()
+    return t, compile_step(t).as_text()
 
 
 def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
@@ -253,14 +253,14 @@ def test_tpu_step_casts_one_block_of_the_stacked_weights_at_a_time():
     if not libtpu_available():
         pytest.skip("libtpu is not installed")
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import _compile_step
+    from torchtpu.train.dry_run import compile_step
     from torchtpu.train.trainer import Trainer
 
     argv = ["--config", "train_configs/llama3_8b.toml", "--dry-run", "--tpu.topology", "v5p:2x2x1"]
     argv += ["--model.flavor", "debugmodel", "--training.seq_len", "1024", "--tpu.loss_chunk_size", "1024"]
     t = Trainer(load_config(argv), n_layers=4)
     assert t.stacked and t.cfg.training.mixed_precision_param == "bfloat16"
-    hlo = _compile_step(t).as_text()
+    hlo = compile_step(t).as_text()
     stacked_f32 = set(re.findall(r"f32\[4,\d+,\d+\]", hlo))
     stacked_bf16 = set(re.findall(r"bf16\[4,\d+,\d+\]", hlo))
     print("stacked f32", sorted(stacked_f32), "stacked bf16", sorted(stacked_bf16))

@@ -225,7 +225,7 @@ def plan(cfg) -> dict:
 
     out: dict = {}
     out["devices"] = _outcome(lambda: [d.platform for d in P.job_devices(cfg)])
-    dims = _outcome(lambda: P.validate(cfg, 8))
+    dims = _outcome(lambda: P.resolve_dims(cfg, 8))
     out["dims"] = dims
     out["model_args"] = _outcome(lambda: dataclasses.asdict(M.build_model_args(cfg, None)))
     out["dtype"] = _outcome(

@@ -120,7 +120,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
     layers)."""
     import torchtpu.train.dry_run as dry_run_module
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import _compile_step, dry_run, step_estimate
+    from torchtpu.train.dry_run import compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
 
     argv = [
@@ -135,7 +135,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
         "full",
     ]
     t = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
-    full = compile_report(_compile_step(t), t.mesh.jax_mesh)
+    full = compile_report(compile_step(t), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
     del t
 

@@ -92,12 +92,12 @@ def test_wide_types_counts_shapes_and_emulation_calls():
 
 def _compiled_step_text(tmp_path, *extra, n_layers=None):
     from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import _compile_step
+    from torchtpu.train.dry_run import compile_step
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--job.dump_folder", str(tmp_path), "--dry-run", "--tpu.topology", "v5p:2x2x1", *extra])
     t = Trainer(cfg, n_layers=n_layers)
-    compiled = _compile_step(t)
+    compiled = compile_step(t)
     return compiled, t
 
 

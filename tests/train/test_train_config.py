@@ -347,7 +347,7 @@ def test_shipped_config_parses_and_validates(name):
     devices, topology = SHIPPED[name]
     path = CONFIGS / name
     cfg = C.load_config(["--config", str(path)])
-    dims = P.validate(cfg, devices)
+    dims = P.resolve_dims(cfg, devices)
     assert dims.world_size == devices
     assert dims.dp_replicate * dims.dp_shard * dims.tp == devices
     assert dims.global_batch_size == dims.local_batch_size * dims.dp * dims.grad_accum_steps
@@ -361,7 +361,7 @@ def test_shipped_config_parses_and_validates(name):
         assert cfg.training.mixed_precision_reduce == "float32"
         assert cfg.activation_checkpoint.mode in ("full", "selective")
     # and through the command line, against the named slice
-    assert P.validate(C.load_config(["--config", str(path), "--topology", topology]), devices) == dims
+    assert P.resolve_dims(C.load_config(["--config", str(path), "--topology", topology]), devices) == dims
 
 
 def test_shipped_config_details():
@@ -369,21 +369,21 @@ def test_shipped_config_details():
     assert (debug.model.name, debug.model.flavor, debug.training.dataset) == ("llama3", "debugmodel", "bundled")
     assert debug.model.hf_assets_path == "" and debug.checkpoint.enable is False
     assert debug.training.seq_len in (128, 256) and debug.metrics.log_freq == 10
-    dims = P.validate(debug, 8)
+    dims = P.resolve_dims(debug, 8)
     assert (dims.dp_shard, dims.tp, dims.grad_accum_steps) == (8, 1, 1)
-    assert P.validate(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
-    d70 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
+    assert P.resolve_dims(C.load_config(["--config", str(CONFIGS / "llama3_8b.toml")]), 4).grad_accum_steps == 8
+    d70 = P.resolve_dims(C.load_config(["--config", str(CONFIGS / "llama3_70b.toml")]), 64)
     assert (d70.dp_shard, d70.tp, d70.global_batch_size, d70.grad_accum_steps) == (8, 8, 32, 2)
-    d405 = P.validate(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
+    d405 = P.resolve_dims(C.load_config(["--config", str(CONFIGS / "llama3_405b.toml")]), 512)
     assert (d405.dp_shard, d405.tp, d405.grad_accum_steps) == (64, 8, 2)
 
 
 # ----------------------------------------------------------------------------------------------
-# validate()
+# resolve_dims()
 # ----------------------------------------------------------------------------------------------
 
 
-def test_validate_resolves_degrees_and_accumulation():
+def test_resolve_dims_resolves_degrees_and_accumulation():
     cfg = C.load_config(
         [
             "--parallelism.data_parallel_replicate_degree",
@@ -398,38 +398,44 @@ def test_validate_resolves_degrees_and_accumulation():
             "128",
         ]
     )
-    dims = P.validate(cfg, 8)
+    dims = P.resolve_dims(cfg, 8)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp) == (2, 2, 2, 1, 1)
     assert dims.dp == 4 and dims.grad_accum_steps == 2 and dims.global_batch_size == 32
     assert dims.mesh_shape == (2, 2, 2) and dims.fsdp_enabled and dims.tp_enabled
     assert dims.tokens_per_step == 32 * 128
 
 
-def test_validate_multislice_mesh():
+def test_resolve_dims_multislice_mesh():
     cfg = C.load_config(["--parallelism.num_slices", "2", "--parallelism.data_parallel_replicate_degree", "2"])
-    dims = P.validate(cfg, 16)
+    dims = P.resolve_dims(cfg, 16)
     assert dims.mesh_shape == (2, 8, 1) and dims.dcn_mesh_shape == (2, 1, 1) and dims.ici_mesh_shape == (1, 8, 1)
     cfg = C.load_config(["--parallelism.num_slices", "2", "--parallelism.dcn_axis", "dp_shard"])
-    assert P.validate(cfg, 16).ici_mesh_shape == (1, 8, 1)
+    assert P.resolve_dims(cfg, 16).ici_mesh_shape == (1, 8, 1)
     with pytest.raises(S.ConfigError, match=r"\[parallelism\] num_slices = 2 .*dcn_axis.*multiple of num_slices"):
-        P.validate(C.load_config(["--parallelism.num_slices", "2"]), 16)
+        P.resolve_dims(C.load_config(["--parallelism.num_slices", "2"]), 16)
+    # the axes dcn_axis may name (the config schema imports no torchtpu module) are the mesh's data-parallel dims
+    from torchtpu.distributed.batch import DATA_PARALLEL_DIMS
+    from torchtpu.distributed.mesh import JOB_MESH_DIMS
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(S.Parallelism)}["dcn_axis"]
+    assert choices == DATA_PARALLEL_DIMS and dims.mesh_axis_names == JOB_MESH_DIMS
 
 
-def test_validate_checks_paths_only_when_set(tmp_path):
+def test_resolve_dims_checks_paths_only_when_set(tmp_path):
     cfg = C.load_config([])
-    P.validate(cfg, 8)  # nothing set, nothing needed
+    P.resolve_dims(cfg, 8)  # nothing set, nothing needed
     cfg.model.hf_assets_path = str(tmp_path)
     cfg.training.dataset_path = str(tmp_path)
-    P.validate(cfg, 8)
+    P.resolve_dims(cfg, 8)
     cfg.training.dataset_path = "gs://bucket/c4"  # remote: not checked here
-    P.validate(cfg, 8)
+    P.resolve_dims(cfg, 8)
 
 
-def test_validate_rejects_bad_values_set_in_code():
+def test_resolve_dims_rejects_bad_values_set_in_code():
     cfg = C.load_config([])
     cfg.training.steps = "10"
     with pytest.raises(S.ConfigError, match=r"\[training\] steps = \"10\".*expected an integer"):
-        P.validate(cfg, 8)
+        P.resolve_dims(cfg, 8)
 
 
 def test_xla_env_updates_environment_wins():
@@ -541,7 +547,7 @@ def test_config_error_inside_trainer_maps_to_exit_2(monkeypatch, capsys):
 
     def main(cfg):
         seen["cfg"] = cfg
-        P.validate(cfg, 6)  # debug_model.toml with 4-way TP cannot use 6 devices
+        P.resolve_dims(cfg, 6)  # debug_model.toml with 4-way TP cannot use 6 devices
 
     monkeypatch.setitem(sys.modules, "torchtpu.train.trainer", types.SimpleNamespace(main=main))
     status, out, err = run_cli(["--config", DEBUG, "--parallelism.tensor_parallel_degree", "4"], capsys)

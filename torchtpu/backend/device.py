@@ -70,9 +70,9 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 
 def _copy_from(self, dst, non_blocking=False):
-    from .transfer import _copy_
+    from .transfer import copy_tensor
 
-    _copy_((dst, self), {})
+    copy_tensor((dst, self), {})
     return dst
 
 

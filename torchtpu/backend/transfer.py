@@ -34,7 +34,9 @@ def cpu_to_array(t: torch.Tensor, device_index: int):
 
 
 @custom(aten.copy_.default)
-def _copy_(args, kwargs):
+def copy_tensor(args, kwargs):
+    """aten.copy_(self, src): `src` (tpu or CPU) written into `self` (tpu or CPU), broadcast and cast
+    to `self`'s shape and dtype."""
     self, src = args[0], args[1]
     if isinstance(self, TpuTensor):
         if isinstance(src, TpuTensor):

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Replicate, Shard
 
 from . import placements as pl
-from .mesh import DeviceMesh
+from .mesh import JOB_MESH_DIMS, DeviceMesh
 
 __all__ = [
     "DATA_PARALLEL_DIMS",
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # The job mesh's dims that split the batch (HSDP: replicas x shards).
-DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+DATA_PARALLEL_DIMS = JOB_MESH_DIMS[:2]
 
 
 def batch_placements(mesh: DeviceMesh) -> tuple:

@@ -21,7 +21,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initialize"]
+__all__ = ["JOB_MESH_DIMS", "DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initialize"]
+
+# The dims of a training job's mesh, outermost first: data-parallel replicas (HSDP's replicate
+# axis, the one multislice jobs split across slices by default), data-parallel shards (FSDP) and
+# tensor parallelism. Every other spelling of these names derives from this one.
+JOB_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
 def initialize(

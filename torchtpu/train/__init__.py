@@ -6,4 +6,4 @@ the other modules are imported where they are used.
 
 from .config_manager import load_config  # noqa: F401
 from .job_config import ConfigError, JobConfig  # noqa: F401
-from .parallel_dims import ParallelDims, validate  # noqa: F401
+from .parallel_dims import ParallelDims, resolve_dims  # noqa: F401

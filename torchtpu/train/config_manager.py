@@ -4,7 +4,7 @@ and the checks that involve more than one key.
 Precedence: command line > TOML file > defaults.
 
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.steps", "20"])
-    dims = validate(cfg, num_devices=8)      # parallel_dims.validate: degrees, accumulation steps
+    dims = resolve_dims(cfg, num_devices=8)  # parallel_dims.resolve_dims: degrees, accumulation steps
     print(cfg.to_toml())
 
 Every problem raises ConfigError with a one-line message naming the file (or "command line"),

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["dry_run", "estimate_lines", "recompute_factor", "step_estimate"]
+__all__ = ["compile_step", "dry_run", "estimate_lines", "recompute_factor", "step_estimate", "unrolled"]
 
 
 def recompute_factor(ac_mode: str) -> float:
@@ -45,7 +45,7 @@ def _micro_batch(trainer):
     from torchtpu.models.llama3.parallelize import batch_placements
 
     dims = trainer.dims
-    shape = (dims.local_batch_size * dims.dp, dims.seq_len)
+    shape = (dims.micro_batch_size, dims.seq_len)
     placements = batch_placements(trainer.mesh)
     # One micro-batch: with accumulation the step repeats the same forward/backward over the
     # same buffers, so memory is one micro-batch's; time and FLOPs are scaled to the step.
@@ -57,7 +57,7 @@ def _micro_batch(trainer):
     ]
 
 
-def _compile_step(trainer):
+def compile_step(trainer):
     """The step of `trainer` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
     return trainer.step_fn.compile_for(_micro_batch(trainer))
 

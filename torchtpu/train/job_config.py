@@ -8,7 +8,7 @@ CUDA are left out (naming one gives an error that says so); TPU-specific keys li
 
 Reading a configuration (defaults < TOML file < command line), --help and the checks that involve
 several keys are in config_manager.py; resolving the parallel degrees for a device count is
-parallel_dims.validate. This module only imports the standard library, so `--help` and config
+parallel_dims.resolve_dims. This module only imports the standard library, so `--help` and config
 errors are fast.
 """
 

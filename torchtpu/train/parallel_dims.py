@@ -1,25 +1,26 @@
 """The parallelism of a run: the degrees of the mesh axes and the batch arithmetic, resolved from a
 configuration for a device count.
 
-    dims = validate(cfg, num_devices=8)   # ParallelDims(dp_replicate=1, dp_shard=8, tp=1, ...)
-    dims.mesh_shape, dims.grad_accum_steps, dims.tokens_per_step
+    dims = resolve_dims(cfg, num_devices=8)   # ParallelDims(dp_replicate=1, dp_shard=8, tp=1, ...)
+    dims.mesh_shape, dims.micro_batch_size, dims.grad_accum_steps, dims.tokens_per_step
 
 This module only imports the standard library.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .config_manager import check_fields, check_paths, check_relations, describe_keys
 from .job_config import ConfigError, JobConfig
 
-__all__ = ["ParallelDims", "validate", "job_devices"]
+__all__ = ["ParallelDims", "resolve_dims", "job_devices"]
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved parallelism for a device count (what validate returns).
+    """Resolved parallelism for a device count (what resolve_dims returns).
 
     Mesh axes, outermost first: dp_replicate, dp_shard, tp (pp and cp are always 1 in torchtpu).
     """
@@ -42,6 +43,16 @@ class ParallelDims:
         """Data-parallel degree: how many different micro-batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
+    def micro_batch_for(self, local_batch_size: int) -> int:
+        """Sequences in one micro-batch over all data-parallel ranks when each rank takes
+        `local_batch_size` of them (a training or a validation batch)."""
+        return local_batch_size * self.dp
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences in one training micro-batch: local_batch_size x dp, the rows of the token arrays."""
+        return self.micro_batch_for(self.local_batch_size)
+
     @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard > 1
@@ -52,7 +63,11 @@ class ParallelDims:
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
-        return ("dp_replicate", "dp_shard", "tp")
+        """The mesh's dims, in mesh_shape's order (distributed.mesh.JOB_MESH_DIMS; imported when
+        asked, so that resolving a configuration needs only the standard library)."""
+        from torchtpu.distributed.mesh import JOB_MESH_DIMS
+
+        return JOB_MESH_DIMS
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -73,7 +88,7 @@ class ParallelDims:
         return self.global_batch_size * self.seq_len
 
 
-def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
+def resolve_dims(cfg: JobConfig, num_devices: int) -> ParallelDims:
     """Check cfg for a run on num_devices chips (all hosts together) and resolve the parallel degrees.
 
     torchtitan's rules: data_parallel_shard_degree = -1 takes the devices the other degrees leave;
@@ -85,7 +100,7 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
     check_fields(cfg)
     check_relations(cfg)
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ConfigError(f"validate: num_devices = {num_devices!r}: must be a positive integer")
+        raise ConfigError(f"resolve_dims: num_devices = {num_devices!r}: must be a positive integer")
     par = cfg.parallelism
     sec = ("parallelism",)
     rep, shard, tp = par.data_parallel_replicate_degree, par.data_parallel_shard_degree, par.tensor_parallel_degree
@@ -133,8 +148,21 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
                 f"{describe_keys(cfg, ('validation',), ['seq_len'])}: with tensor_parallel_degree = "
                 f"{tp} (sequence parallel) seq_len must be a multiple of {tp}"
             )
-    dp = rep * shard
-    micro = tr.local_batch_size * dp
+    dims = ParallelDims(
+        world_size=num_devices,
+        dp_replicate=rep,
+        dp_shard=shard,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        local_batch_size=tr.local_batch_size,
+        global_batch_size=tr.global_batch_size,
+        grad_accum_steps=1,
+        seq_len=tr.seq_len,
+        num_slices=par.num_slices,
+        dcn_axis=par.dcn_axis,
+    )
+    micro = dims.micro_batch_size
     if tr.global_batch_size == -1:
         global_batch = micro
     else:
@@ -143,24 +171,11 @@ def validate(cfg: JobConfig, num_devices: int) -> ParallelDims:
             raise ConfigError(
                 f"{describe_keys(cfg, ('training',), ['global_batch_size', 'local_batch_size'])}: "
                 f"global_batch_size must be a multiple of local_batch_size x data-parallel degree "
-                f"= {tr.local_batch_size} x {dp} = {micro} (e.g. {micro} or {2 * micro}), or -1 "
+                f"= {tr.local_batch_size} x {dims.dp} = {micro} (e.g. {micro} or {2 * micro}), or -1 "
                 f"for {micro}"
             )
     check_paths(cfg)
-    return ParallelDims(
-        world_size=num_devices,
-        dp_replicate=rep,
-        dp_shard=shard,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        local_batch_size=tr.local_batch_size,
-        global_batch_size=global_batch,
-        grad_accum_steps=global_batch // micro,
-        seq_len=tr.seq_len,
-        num_slices=par.num_slices,
-        dcn_axis=par.dcn_axis,
-    )
+    return dataclasses.replace(dims, global_batch_size=global_batch, grad_accum_steps=global_batch // micro)
 
 
 def job_devices(cfg: JobConfig) -> list:

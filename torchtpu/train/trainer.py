@@ -5,8 +5,8 @@
 What a run does, in order:
 
 1. Devices and mesh. The devices are this job's (all hosts') JAX devices, or with `[tpu] topology`
-   and `--dry-run` the compile-only devices of that TPU slice. `validate(cfg, len(devices))`
-   resolves the parallel degrees; the mesh has the axes ("dp_replicate", "dp_shard", "tp").
+   and `--dry-run` the compile-only devices of that TPU slice. `resolve_dims(cfg, len(devices))`
+   resolves the parallel degrees; the mesh has the axes `distributed.mesh.JOB_MESH_DIMS`.
 2. Model. torchtitan's Llama 3 `Transformer` for `[model] flavor` is built on `meta` (its
    vocab_size is the flavor's; a tokenizer with a larger vocabulary is refused; max_seq_len is
    the training seq_len), parallelized with `parallelize_llama` (FSDP/HSDP, tensor and sequence
@@ -55,12 +55,10 @@ from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
 from .optimizer import build_optimizer, init_optimizer_state, track_stacked_state
-from .parallel_dims import ParallelDims, job_devices, validate
+from .parallel_dims import ParallelDims, job_devices, resolve_dims
 from .profiling import Profiler
 
 __all__ = ["Trainer", "main"]
-
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +85,7 @@ def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=N
             cfg.training.dataset_path,
             tokenizer,
             cfg.training.seq_len,
-            dims.local_batch_size * dims.dp,
+            dims.micro_batch_size,
             rows,
             seed=cfg.debug.seed if cfg.debug.seed is not None else 0,
         )
@@ -168,14 +166,14 @@ class Trainer:
 
         # -- devices, mesh
         self.devices = job_devices(cfg)
-        self.dims: ParallelDims = validate(cfg, len(self.devices))
+        self.dims: ParallelDims = resolve_dims(cfg, len(self.devices))
         dims = self.dims
         kwargs = {}
         if cfg.tpu.topology:
             kwargs["devices"] = self.devices
         if dims.num_slices > 1:
             kwargs["dcn_mesh_shape"] = dims.dcn_mesh_shape
-        self.mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=MESH_AXES, **kwargs)
+        self.mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names, **kwargs)
 
         # -- tokenizer and model arguments
         try:
@@ -244,9 +242,8 @@ class Trainer:
         # -- data
         self.dataloader = None
         if not self.dry:
-            micro = dims.local_batch_size * dims.dp
             self.dataloader = build_train_dataloader(
-                cfg, self.tokenizer, dims, self._host_rows(micro, cfg.training.seq_len)
+                cfg, self.tokenizer, dims, self._host_rows(dims.micro_batch_size, cfg.training.seq_len)
             )
 
         # -- held-out evaluation ([validation])
@@ -423,7 +420,7 @@ class Trainer:
         world = dims.world_size
         log(
             f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
-            f"{dict(zip(MESH_AXES, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
+            f"{dict(zip(dims.mesh_axis_names, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
             f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
             f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}"
         )

@@ -54,7 +54,7 @@ class Validator:
         self.tokenizer = tokenizer
         self.place = place
         self.loss_context = loss_context
-        micro = v.local_batch_size * dims.dp
+        micro = dims.micro_batch_for(v.local_batch_size)
         self.global_rows = micro
         self.rows = host_rows(micro, v.seq_len) if host_rows is not None else tuple(range(micro))
         self.host_batch = len(self.rows)

@@ -39,7 +39,7 @@ def _scalar(x):
     return x
 
 
-def _finish(out, value):
+def write_out(out, value):
     """Write `value` (computed for `out`'s dtype) into `out`, resizing it, and return `out`."""
     jdt = dtypes.to_jax_dtype(out.dtype)
     if value.dtype != jdt:
@@ -59,7 +59,7 @@ def _out_handler(*ops):
             def h(args, kwargs, _op=op):
                 b = bind(_op, args, kwargs)
                 out = b.pop("out")
-                return _finish(out, fn(b, out))
+                return write_out(out, fn(b, out))
 
             custom(op)(h)
         return fn

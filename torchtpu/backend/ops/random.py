@@ -293,7 +293,7 @@ custom(aten.normal_.default)(_inplace_from(aten.normal_functional.default))
 
 def _randperm_out(args, kwargs):
     from .. import random as tpu_random
-    from .factory import _finish
+    from .factory import write_out
 
     func = aten.randperm.generator_out if len(args) > 1 or "generator" in kwargs else aten.randperm.out
     b = bind(func, args, kwargs)
@@ -304,7 +304,7 @@ def _randperm_out(args, kwargs):
     index = storage_of(out).device_index if isinstance(out, TpuTensor) else 0
     key = jax.random.wrap_key_data(tpu_random.next_key_data(index))
     perm = _randperm_exe(n)(key)
-    return _finish(out, perm)
+    return write_out(out, perm)
 
 
 _RANDPERM: dict = {}

@@ -37,8 +37,11 @@ from ...distributed import (
     fully_shard,
     parallelize_module,
 )
-from ...distributed.batch import batch_placements  # noqa: F401  (the model's batch layout; callers import it from here)
-from ...distributed.mesh import DeviceMesh
+from ...distributed.batch import (
+    DATA_PARALLEL_DIMS,
+    batch_placements,  # noqa: F401  (the model's batch layout; callers import it from here)
+)
+from ...distributed.mesh import JOB_MESH_DIMS, DeviceMesh
 from ...distributed.params import release_parameter, use_parameter
 from ...distributed.scan import scan_layers as scan_blocks
 
@@ -104,9 +107,9 @@ def parallelize_llama(
             f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or scan_layers=False"
         )
     names = mesh.mesh_dim_names
-    unknown = [n for n in names if n not in ("dp_replicate", "dp_shard", "tp")]
+    unknown = [n for n in names if n not in JOB_MESH_DIMS]
     if unknown:
-        raise ValueError(f"parallelize_llama: mesh dims {unknown} are not supported (use dp_replicate, dp_shard, tp)")
+        raise ValueError(f"parallelize_llama: mesh dims {unknown} are not supported (use {', '.join(JOB_MESH_DIMS)})")
     if _has(mesh, "tp"):
         tp = mesh["tp"]
         n = tp.size()
@@ -120,7 +123,7 @@ def parallelize_llama(
             parallelize_module(layer, tp, block)
     if ac_mode != "none" and not scan_layers:
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
-    dp = [n for n in ("dp_replicate", "dp_shard") if _has(mesh, n)]
+    dp = [n for n in DATA_PARALLEL_DIMS if _has(mesh, n)]
     fsdp_applied = False
     if dp:
         dp_mesh = mesh[tuple(dp)] if len(dp) == 2 or dp == ["dp_shard"] else None
