@@ -45,6 +45,11 @@ def _ids(rows=8, cols=5, vocab=VOCAB):
     return ids
 
 
+# Gradients are float32 sums over every token; a sharded run adds them in another order (seen: 2.3e-5
+# apart on one element of 128). A wrong lookup or a missing reduce-scatter is off by O(1).
+GRAD_TOL = 1e-4
+
+
 def _run(model, ids, device):
     g = torch.Generator().manual_seed(2)
     target = torch.randn(*ids.shape, 8, generator=g)
@@ -88,7 +93,9 @@ def test_split_lookup_matches_cpu(layout):
     assert "aten.embedding.default" not in ops.names
     torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
     for name, g in grads_cpu.items():
-        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[name].cpu(), g, rtol=GRAD_TOL, atol=GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
     assert grads["0.weight"][PAD].abs().max().item() == 0  # padding_idx gets no gradient
 
 
@@ -118,7 +125,7 @@ def test_more_tokens_than_rows_gathers_the_table_instead():
     assert "torchtpu.split_embedding.default" not in ops.names
     assert "aten.embedding.default" in ops.names
     torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads["0.weight"].cpu(), grads_cpu["0.weight"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["0.weight"].cpu(), grads_cpu["0.weight"], rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
 @pytest.mark.parametrize("layout", ["tp2_fsdp4", "hsdp2x2_tp2"])
@@ -136,7 +143,9 @@ def test_more_tokens_than_rows_with_tp_gathers_the_table_over_the_batch_axes_onl
     assert "aten.embedding.default" not in ops.names
     torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
     for name, g in grads_cpu.items():
-        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[name].cpu(), g, rtol=GRAD_TOL, atol=GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
     assert grads["0.weight"][PAD].abs().max().item() == 0
 
 
@@ -158,7 +167,9 @@ def test_tp_rows_with_fsdp_columns_gathers_the_columns(cols):
     assert "torchtpu.split_embedding_backward.default" in ops.names
     torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
     for name, g in grads_cpu.items():
-        torch.testing.assert_close(grads[name].cpu(), g, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grads[name].cpu(), g, rtol=GRAD_TOL, atol=GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
     assert grads["0.weight"][PAD].abs().max().item() == 0
 
 
@@ -176,7 +187,7 @@ def test_subclass_with_its_own_forward_keeps_it():
     assert "forward" not in m[0].__dict__
     out, grads = _run(m, ids, "tpu")
     torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads["0.weight"].cpu(), grads_cpu["0.weight"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["0.weight"].cpu(), grads_cpu["0.weight"], rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
 def test_deepcopy_looks_up_in_its_own_table():
