@@ -25,7 +25,7 @@ commands and quoted log lines may say anything):
     `pytorch/pytorch#161129` is fine.
 - ALLOWED lists the exact phrases exempted from a rule (with the reason); keep it short.
 
-The README checks are off until the README is rewritten: CHECK_README is the switch the lead flips.
+Each document has a switch (CHECK_README, CHECK_BENCHMARKS, CHECK_DOCS); all are on.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The switch for README.md (its length and its wording). Flip to True once README.md is rewritten.
-CHECK_README = False
+# The switch for README.md (its length and its wording).
+CHECK_README = True
 README_MAX_LINES = 250
 
 # Documents checked besides README.md: BENCHMARKS.md and every Markdown file under docs/.
-CHECK_BENCHMARKS = False
-CHECK_DOCS = False
+CHECK_BENCHMARKS = True
+CHECK_DOCS = True
 
 _DATE = r"\d{4}-\d\d-\d\d"
 _HISTORY = [
