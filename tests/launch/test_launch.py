@@ -508,31 +508,41 @@ def test_configuration_error_is_not_retried(tmp_path):
 def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
     """[comm] init_timeout_seconds is jax.distributed's join timeout: process 0 of a 2-process job whose
     peer never comes gives up after it, not after the 300 s default."""
-    port = free_port()
     code = (
-        "import torchtpu\nfrom torchtpu.distributed import initialize\n"
-        f"initialize('127.0.0.1:{port}', 2, 0, init_timeout_seconds={{t}})\n"
+        "import time, torchtpu\nfrom torchtpu.distributed import initialize\n"
+        "print('joining', time.monotonic(), flush=True)\n"
+        "initialize('127.0.0.1:{port}', 2, 0, init_timeout_seconds={t})\n"
     )
     env = _env(JAX_PLATFORMS="cpu")
-    short = subprocess.Popen(
-        [PY, "-c", code.format(t=3)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        out, _ = short.communicate(timeout=60)
-    finally:
-        short.kill()
-    assert short.returncode != 0
-    assert "DEADLINE_EXCEEDED" in out or "Deadline Exceeded" in out, out[-2000:]
-    port2 = free_port()
+    port_long = free_port()
+    port_short = next(p for p in iter(free_port, None) if p != port_long)
+    # Both processes start together: the one with the long timeout waits while the short one runs out.
     long = subprocess.Popen(
-        [PY, "-c", code.replace(str(port), str(port2)).format(t=120)],
+        [PY, "-c", code.format(port=port_long, t=120)],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    short = subprocess.Popen(
+        [PY, "-c", code.format(port=port_short, t=3)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
-        time.sleep(25)  # well past the short timeout plus start-up: still waiting for its peer
+        out, _ = short.communicate(timeout=120)
+        assert short.returncode != 0
+        assert "DEADLINE_EXCEEDED" in out or "Deadline Exceeded" in out, out[-2000:]
+        line = long.stdout.readline()  # the long one has started to wait for its peer
+        assert line.startswith("joining"), line
+        # 10 s after it began to wait, well past the short timeout: it is still waiting
+        while time.monotonic() < float(line.split()[1]) + 10:
+            assert long.poll() is None
+            time.sleep(0.2)
         assert long.poll() is None
     finally:
-        long.kill()
-        long.wait()
+        for p in (short, long):
+            p.kill()
+            p.wait()
