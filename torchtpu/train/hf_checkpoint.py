@@ -1,10 +1,10 @@
 """Hugging Face safetensors folders in and out: sharded reads, streamed writes.
 
 A Hugging Face model folder is `config.json` plus either `model.safetensors` or
-`model.safetensors.index.json` and the `*.safetensors` files it names. An exported folder also
-holds the tokenizer's files, with its BOS/EOS/pad ids in `config.json` and
-`generation_config.json`, so transformers, vLLM and torchtpu.generate load it with no other path. Names and the RoPE row
-permutation of q/k come from torchtitan's state-dict adapter (torchtpu.models.llama3.hf).
+`model.safetensors.index.json` and the `*.safetensors` files it names. Names and the RoPE row
+permutation of q/k come from torchtitan's state-dict adapter (torchtpu.models.llama3.hf). An
+exported folder also holds the tokenizer's files, with its BOS/EOS/pad ids in `config.json` and
+`generation_config.json`, so transformers, vLLM and torchtpu.generate load it with no other path.
 
     load_hf_into_model(folder, model, model_args)   # fill a (sharded) tpu model in place
     save_model_as_hf(folder, model, model_args, torch.bfloat16, tokenizer=build_tokenizer(None))
