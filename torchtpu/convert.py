@@ -1,6 +1,6 @@
 """`torchtpu-convert`: Llama 3 weights between torchtpu, Hugging Face, torchtitan DCP and torch.save.
 
-    torchtpu-convert SRC DST --to hf       --flavor 8B [--dtype bfloat16]
+    torchtpu-convert SRC DST --to hf       --flavor 8B [--dtype bfloat16] [--tokenizer PATH]
     torchtpu-convert SRC DST --to torchtpu --flavor 8B [--step 0]
     torchtpu-convert SRC DST --to dcp      --flavor 8B
     torchtpu-convert SRC DST --to torch    --flavor 8B
@@ -18,8 +18,11 @@ SRC's format is recognised from what it holds (--from names it explicitly):
 Inside, every format is torchtitan's Llama 3 state dict; Hugging Face names and the q/k RoPE
 permutation come from torchtitan's state-dict adapter. Sources are read one tensor at a time
 (safetensors slices, DCP per-key loads, torch.load with mmap, Orbax partial restores). A Hugging
-Face output is written tensor by tensor in files of at most --max-shard-size; DCP, torch.save and
-torchtpu outputs are written from one in-memory copy. Runs on the CPU; no TPU is needed.
+Face output is written tensor by tensor in files of at most --max-shard-size, with a tokenizer
+(--tokenizer, as the trainer's [model] hf_assets_path; by default a Hugging Face source's own, else
+torchtpu's bundled one) and its BOS/EOS/pad ids, so transformers and vLLM load the folder as it
+is. DCP, torch.save and torchtpu outputs are written from one in-memory copy. Runs on the CPU; no
+TPU is needed.
 """
 
 from __future__ import annotations
@@ -189,7 +192,14 @@ def _check_names(src, model_args):
 
 
 def write_output(
-    src, dst: str, fmt: str, model_args, dtype: torch.dtype, step: int = 0, max_shard_bytes: int | None = None
+    src,
+    dst: str,
+    fmt: str,
+    model_args,
+    dtype: torch.dtype,
+    step: int = 0,
+    max_shard_bytes: int | None = None,
+    tokenizer=None,
 ) -> str:
     order = _check_names(src, model_args)
 
@@ -201,7 +211,13 @@ def write_output(
 
         shapes = dict(src.entries)
         return save_hf(
-            dst, [(n, shapes[n]) for n in order], src.get, model_args, dtype, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
+            dst,
+            [(n, shapes[n]) for n in order],
+            src.get,
+            model_args,
+            dtype,
+            max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+            tokenizer=tokenizer,
         )
     state = {n: cast(src.get(n)).contiguous() for n in order}
     if fmt == "torch":
@@ -241,6 +257,28 @@ def _model_args(flavor: str):
     return dataclasses.replace(llama3_args[flavor])
 
 
+def output_tokenizer(choice: str | None, src: str, src_format: str, model_args):
+    """The tokenizer a Hugging Face output gets: --tokenizer's (None for 'none'); by default a
+    Hugging Face source's own tokenizer files, else torchtpu's bundled tokenizer."""
+    from torchtpu.train.tokenizer import build_tokenizer
+
+    if choice is not None and choice.lower() == "none":
+        return None
+    if choice is None and src_format == "hf":
+        if any(os.path.isfile(os.path.join(src, n)) for n in ("tokenizer.json", "tokenizer.model")):
+            choice = src
+    try:
+        tok = build_tokenizer(choice or None)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"--tokenizer: {e}") from None
+    if tok.vocab_size > model_args.vocab_size:
+        raise ConvertError(
+            f"--tokenizer {tok.source}: {tok.vocab_size} ids but the model's vocabulary has "
+            f"{model_args.vocab_size}; pass the tokenizer the model was trained with (or --tokenizer none)"
+        )
+    return tok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="torchtpu-convert", description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="checkpoint to read (format recognised, or --from)")
@@ -264,17 +302,27 @@ def main(argv=None) -> int:
         metavar="BYTES",
         help="Hugging Face output: largest safetensors file (default 5 GiB)",
     )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="Hugging Face output: the tokenizer written beside the weights, a folder or file as [model] "
+        "hf_assets_path takes (default: a Hugging Face source's own, else torchtpu's bundled one; "
+        "'none' writes none)",
+    )
     a = p.parse_args(argv)
     try:
         args = _model_args(a.flavor)
-        src = open_source(
-            a.src, a.src_format, args, a.step if (a.src_format or detect_format(a.src)) == "torchtpu" else None
+        src_format = a.src_format or detect_format(a.src)
+        src = open_source(a.src, src_format, args, a.step if src_format == "torchtpu" else None)
+        tok = output_tokenizer(a.tokenizer, a.src, src_format, args) if a.to == "hf" else None
+        out = write_output(
+            src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size, tokenizer=tok
         )
-        out = write_output(src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size)
     except (ConvertError, ValueError, KeyError) as e:
         print(f"torchtpu-convert: {e}", file=sys.stderr)
         return 2
-    print(f"torchtpu-convert: wrote {a.to} {out}")
+    print(f"torchtpu-convert: wrote {a.to} {out}" + (f" (tokenizer {tok.source})" if tok is not None else ""))
     return 0
 
 

@@ -6,7 +6,9 @@
 
 The model, tokenizer and mesh are the job's ([model], [parallelism] of the config; any trainer
 option may follow as an override). --checkpoint is a torchtpu-train checkpoint folder (its newest
-step), one step_N folder (full or model-only), or a Hugging Face model folder. The prompt is run
+step), one step_N folder (full or model-only), or a Hugging Face model folder. With
+[model] hf_assets_path empty, a Hugging Face folder's own tokenizer files (a torchtpu-train
+export has them) are used; else the bundled tokenizer. The prompt is run
 through the model once (prefill), then one token at a time against a KV cache
 (torchtpu.models.llama3.decode); both are `torchtpu.compile` programs, and the decode step is one
 program reused for every token (the position is a tensor input). --temperature 0 is greedy.
@@ -18,7 +20,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main", "generate", "load_for_generation"]
+__all__ = ["main", "generate", "load_for_generation", "tokenizer_for"]
+
+
+def tokenizer_for(cfg, checkpoint: str):
+    """The job's tokenizer: [model] hf_assets_path's; when that is empty, the tokenizer files of
+    `checkpoint` if it is a Hugging Face folder holding them; else the bundled one."""
+    import os
+
+    from torchtpu.train.hf_checkpoint import is_hf_folder
+    from torchtpu.train.tokenizer import build_tokenizer
+
+    path = cfg.model.hf_assets_path
+    if not path and is_hf_folder(checkpoint):
+        if any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("tokenizer.json", "tokenizer.model")):
+            path = checkpoint
+    return build_tokenizer(path or None)
 
 
 def load_for_generation(cfg, checkpoint: str, total_len: int):
@@ -32,11 +49,10 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     from torchtpu.train.job_config import ConfigError
     from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.parallel_dims import resolve_dims
-    from torchtpu.train.tokenizer import build_tokenizer
 
     dims = resolve_dims(cfg, len(jax.devices()))
     mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names)
-    tok = build_tokenizer(cfg.model.hf_assets_path or None)
+    tok = tokenizer_for(cfg, checkpoint)
     args = build_model_args(cfg, tok.vocab_size)
     args.max_seq_len = max(args.max_seq_len, total_len)  # the RoPE table must reach every position
     from torchtitan.models.llama3 import Transformer
@@ -157,9 +173,7 @@ def main(argv=None) -> int:
 
         torch.manual_seed(a.seed)
         torch.tpu.manual_seed_all(a.seed)
-        from torchtpu.train.tokenizer import build_tokenizer
-
-        tok = build_tokenizer(cfg.model.hf_assets_path or None)
+        tok = tokenizer_for(cfg, a.checkpoint)
         ids = tok.encode(a.prompt, bos=True, eos=False)
         model, mesh, tok = load_for_generation(cfg, a.checkpoint, len(ids) + a.max_new_tokens)
     except ConfigError as e:

@@ -89,6 +89,15 @@ def test_torch_hf_dcp_torch_roundtrip_and_bf16(tmp_path, titan_state):
     )
     files = sorted(os.listdir(tmp_path / "hf"))
     assert "model.safetensors.index.json" in files and "config.json" in files
+    # the tokenizer (bundled by default) and its ids: transformers encodes as torchtpu-train does
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+    from transformers import AutoTokenizer
+
+    from torchtpu.train.tokenizer import build_tokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("a dog")["input_ids"] == build_tokenizer(None).encode(
+        "a dog", bos=True, eos=False
+    )
     # transformers reads it, and its logits are those of the torchtitan model
     from torchtitan.models.llama3 import Transformer, llama3_args
 
@@ -109,6 +118,12 @@ def test_torch_hf_dcp_torch_roundtrip_and_bf16(tmp_path, titan_state):
         assert torch.equal(out[k], v), k
 
     convert(tmp_path / "sd.pt", tmp_path / "hf16", "--to", "hf", "--flavor", "debugmodel", "--dtype", "bfloat16")
+    # an HF source passes its own tokenizer on; --tokenizer none writes none
+    convert(tmp_path / "hf", tmp_path / "hf_again", "--to", "hf", "--flavor", "debugmodel")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "hf_again" / name).read_bytes(), name
+    convert(tmp_path / "hf", tmp_path / "bare", "--to", "hf", "--flavor", "debugmodel", "--tokenizer", "none")
+    assert sorted(os.listdir(tmp_path / "bare")) == ["config.json", "model.safetensors"]
     w = load_file(tmp_path / "hf16" / "model.safetensors")
     assert w["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(w["model.embed_tokens.weight"], titan_state["tok_embeddings.weight"].to(torch.bfloat16))

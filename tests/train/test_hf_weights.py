@@ -19,7 +19,7 @@ from torchtpu.train.config_manager import load_config
 from torchtpu.train.job_config import ConfigError
 
 from ..processes import free_port, run_together
-from .debug_run import REPO, debug_argv
+from .debug_run import DEBUG_TOML, REPO, debug_argv
 
 SEQ, STEPS = 32, 3
 
@@ -87,7 +87,13 @@ def test_export_loads_in_transformers_and_logits_match(exported):
     from transformers import LlamaForCausalLM
 
     folder = exported["folder"]
-    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(folder)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf.eval()
     with torch.no_grad():
@@ -97,6 +103,76 @@ def test_export_loads_in_transformers_and_logits_match(exported):
     print(f"max |torchtpu - transformers| logits = {diff:.2e}")
     assert got.shape == ref.shape == (8, 16, 2048)
     assert diff <= 1e-4
+
+
+PROMPT, NEW = "Once upon a time there was a", 16
+
+
+def test_export_carries_its_tokenizer_and_greedy_text_agrees(exported, capsys):
+    """With no tokenizer path given, transformers reads the export's tokenizer and special-token
+    ids, encodes a prompt as torchtpu-train does (BOS first), and its greedy continuation is the
+    one `python -m torchtpu.generate` prints from the same folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchtpu.generate import main
+    from torchtpu.train.tokenizer import build_tokenizer
+
+    folder = exported["folder"]
+    ours = build_tokenizer(None)  # the debug job's tokenizer (bundled)
+    ids = {"bos_token_id": ours.bos_id, "eos_token_id": ours.eos_id, "pad_token_id": ours.pad_id}
+    assert ids == {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert {k: config.get(k) for k in ids} == ids
+    assert json.load(open(os.path.join(folder, "generation_config.json"))) == ids
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 1)
+    enc = tok(PROMPT, return_tensors="pt")
+    assert enc["input_ids"][0].tolist() == ours.encode(PROMPT, bos=True, eos=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf.generate(**enc, max_new_tokens=NEW, do_sample=False)
+    new = out[0, enc["input_ids"].shape[1] :].tolist()
+    expected = PROMPT + tok.decode(new, skip_special_tokens=True)
+
+    argv = ["--config", DEBUG_TOML, "--checkpoint", folder, "--prompt", PROMPT, "--max-new-tokens", str(NEW)]
+    code = main([*argv, "--temperature", "0"])
+    printed = capsys.readouterr().out
+    print(f"transformers: {expected!r}\ntorchtpu.generate: {printed.splitlines()[-1]!r}")
+    assert code == 0
+    assert printed.endswith(expected + "\n")
+
+
+def test_export_copies_a_jobs_own_tokenizer_files(tmp_path):
+    """A job whose hf_assets_path is a Hugging Face tokenizer folder exports that tokenizer: its
+    tokenizer_config.json and chat template as they are, its pad token named in config.json."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from torchtpu.train.tokenizer import BUNDLED_TOKENIZER, build_tokenizer
+
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    shutil.copyfile(BUNDLED_TOKENIZER, assets / "tokenizer.json")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "pad_token": "<|begin_of_text|>",
+    }
+    (assets / "tokenizer_config.json").write_text(json.dumps(config))
+    (assets / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    tok = build_tokenizer(str(assets))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 0)
+    folder = _write_folder(tmp_path / "hf", _debug_args(), tokenizer=tok)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        assert (assets / name).read_bytes() == open(os.path.join(folder, name), "rb").read(), name
+    assert json.load(open(os.path.join(folder, "config.json")))["pad_token_id"] == 0
+    hf_tok = AutoTokenizer.from_pretrained(folder)
+    assert hf_tok("a cat")["input_ids"] == tok.encode("a cat", bos=True, eos=False)
+    chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == "hi\n"
 
 
 def test_import_first_loss_equals_exporting_runs_next_loss(exported, tmp_path):
@@ -183,7 +259,13 @@ def test_sharded_load_matches_unsharded(exported, tmp_path, layout):
     assert diff <= 1e-5
 
 
-def _write_folder(folder, model_args, max_shard_bytes=None, seed=0):
+def _debug_args():
+    from torchtitan.models.llama3 import llama3_args
+
+    return llama3_args["debugmodel"]
+
+
+def _write_folder(folder, model_args, max_shard_bytes=None, seed=0, tokenizer=None):
     """A Hugging Face folder of random weights for `model_args`, written tensor by tensor."""
     from torchtitan.models.llama3 import Transformer
 
@@ -195,7 +277,13 @@ def _write_folder(folder, model_args, max_shard_bytes=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     kw = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
     return save_hf(
-        folder, entries, lambda n: torch.randn(dict(entries)[n], generator=g) * 0.02, model_args, torch.float32, **kw
+        folder,
+        entries,
+        lambda n: torch.randn(dict(entries)[n], generator=g) * 0.02,
+        model_args,
+        torch.float32,
+        tokenizer=tokenizer,
+        **kw,
     )
 
 

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="where", metavar="{local,tpu-vm,gke,skypilot}")
+    sub = p.add_subparsers(dest="where", metavar="{local,tpu-vm,gke,skypilot,gke-serve}")
     sub.required = True
 
     lo = sub.add_parser(
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tpu_vm(sub)
     _add_gke(sub)
     _add_skypilot(sub)
+    _add_gke_serve(sub)
     return p
 
 
@@ -143,6 +144,12 @@ def _add_skypilot(sub) -> None:
     render.add_skypilot_parser(sub)
 
 
+def _add_gke_serve(sub) -> None:
+    from . import render
+
+    render.add_gke_serve_parser(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, cmd = _split_command(argv)
@@ -151,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(own)
     except SystemExit as e:
         return EXIT_CONFIG if e.code else 0
+    if args.where == "gke-serve":  # a server, not a training command: what follows -- goes to vLLM
+        from . import render
+
+        return render.gke_serve(args, cmd)
     try:
         if not cmd:
             raise UsageError(

@@ -1,9 +1,12 @@
-"""`torchtpu-launch gke` and `torchtpu-launch skypilot`: manifests rendered from templates/, not run.
+"""`torchtpu-launch gke`, `skypilot` and `gke-serve`: manifests rendered from templates/, not run.
 
 `gke` prints a JobSet manifest for GKE TPU node pools (then, as comments, the equivalent `xpk
 workload create` command); `skypilot` prints a SkyPilot task. Both run one torchelastic agent
 (torchtpu.launch.agent) per TPU host around the training command, so exit statuses, logs and the
 restart contract are the same as with `local` and `tpu-vm`.
+
+`gke-serve` prints a Deployment and a Service running vLLM's OpenAI server with torchtpu's
+platform, one single-host TPU slice per replica (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -221,6 +224,102 @@ def skypilot(args, cmd: list[str]) -> int:
         text = render_skypilot(args, cmd)
     except RenderError as e:
         print(f"torchtpu-launch skypilot: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.stdout.write(text)
+    return 0
+
+
+# ----------------------------------------------------------------------------------- serving
+
+SERVE_PORT = 8000  # vLLM's own default
+
+
+def add_gke_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "gke-serve",
+        help="print a GKE Deployment + Service serving a model with vLLM",
+        description="Render a Deployment and a Service running vLLM's OpenAI server with torchtpu's "
+        "platform on GKE TPU node pools, one TPU host per replica; printed, not applied. Options after "
+        "-- go to the server (e.g. -- --max-model-len 8192).",
+    )
+    p.add_argument("--name", required=True, help="deployment and service name (lower case, digits and -)")
+    p.add_argument("--tpu", required=True, help="one host's slice as GENERATION:TOPOLOGY, e.g. v6e:2x4 (8 chips)")
+    p.add_argument("--image", required=True, help="container image with torchtpu and vLLM installed (make install)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="what the server loads: a Hugging Face folder in the container (baked in or on a mounted "
+        "volume, e.g. a torchtpu-train export) or a Hugging Face Hub id",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="pods, each on its own TPU host (default 1)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="chips the model is split over (default: every chip of the host)",
+    )
+    p.add_argument("--port", type=int, default=SERVE_PORT, help=f"server and service port (default {SERVE_PORT})")
+    p.add_argument(
+        "--service-type",
+        default="ClusterIP",
+        choices=("ClusterIP", "LoadBalancer", "NodePort"),
+        help="how the Service is reached (default ClusterIP: inside the cluster)",
+    )
+    p.add_argument(
+        "--startup-minutes",
+        type=int,
+        default=30,
+        help="how long a pod may take to load and compile before /health must answer (default 30)",
+    )
+    p.add_argument("--workdir", default=None, help="the container's working folder (default /app)")
+
+
+def render_gke_serve(args, server_args: list[str]) -> str:
+    """The Deployment and Service for `args`, the options of `torchtpu-launch gke-serve`; each pod
+    runs vLLM's OpenAI server with `server_args` after the options rendered from `args`."""
+    import json
+
+    name = _name(args.name)
+    s = slice_shape(args.tpu)
+    if s["hosts_per_slice"] != 1:
+        raise RenderError(
+            f"--tpu {args.tpu}: {s['chips']} chips on {s['hosts_per_slice']} hosts; a server runs on one "
+            "TPU host (tensor parallelism over its chips): pick a single-host slice such as v5e:2x4, "
+            "v6e:2x4, v5p:2x2x1 or v4:2x2x1, and --replicas for more throughput"
+        )
+    chips = s["chips_per_host"]
+    tp = chips if args.tensor_parallel_size is None else args.tensor_parallel_size
+    if not 1 <= tp <= chips:
+        raise RenderError(
+            f"--tensor-parallel-size {tp}: the host of --tpu {args.tpu} has {chips} chips; use 1 to {chips}"
+        )
+    for option, value, low in (("--replicas", args.replicas, 0), ("--startup-minutes", args.startup_minutes, 1)):
+        if value < low:
+            raise RenderError(f"{option} {value}: must be at least {low}")
+    if not 1 <= args.port <= 65535:
+        raise RenderError(f"--port {args.port}: not a TCP port (1 to 65535)")
+    own = ["--model", args.model, "--host", "0.0.0.0", "--port", str(args.port), "--tensor-parallel-size", str(tp)]
+    return _render(
+        "serve_gke.yaml",
+        name=name,
+        replicas=args.replicas,
+        accelerator=s["accelerator"],
+        topology=s["topology"],
+        image=args.image,
+        workdir=args.workdir or "/app",
+        args=json.dumps(own + list(server_args)),  # a JSON list is a YAML flow sequence, every item quoted
+        port=args.port,
+        chips_per_host=chips,
+        startup_checks=args.startup_minutes * 6,  # probes every 10 s
+        service_type=args.service_type,
+    )
+
+
+def gke_serve(args, server_args: list[str]) -> int:
+    try:
+        text = render_gke_serve(args, server_args)
+    except RenderError as e:
+        print(f"torchtpu-launch gke-serve: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(text)
     return 0

@@ -2,10 +2,12 @@
 
 A Hugging Face model folder is `config.json` plus either `model.safetensors` or
 `model.safetensors.index.json` and the `*.safetensors` files it names. Names and the RoPE row
-permutation of q/k come from torchtitan's state-dict adapter (torchtpu.models.llama3.hf).
+permutation of q/k come from torchtitan's state-dict adapter (torchtpu.models.llama3.hf). An
+exported folder also holds the tokenizer's files, with its BOS/EOS/pad ids in `config.json` and
+`generation_config.json`, so transformers, vLLM and torchtpu.generate load it with no other path.
 
     load_hf_into_model(folder, model, model_args)   # fill a (sharded) tpu model in place
-    save_model_as_hf(folder, model, model_args, torch.bfloat16)
+    save_model_as_hf(folder, model, model_args, torch.bfloat16, tokenizer=build_tokenizer(None))
     arrays = load_hf_arrays(folder, {name: (shape, dtype, sharding)}, model_args)
 
 Reading is sharded: each process asks safetensors for exactly the slices of each tensor that its
@@ -38,6 +40,7 @@ __all__ = [
 ]
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # Hugging Face's own default shard size
@@ -260,14 +263,15 @@ def save_hf(
     dtype: torch.dtype,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     write: bool = True,
-    config_extra: dict | None = None,
+    tokenizer=None,
 ) -> str:
     """Write torchtitan-named tensors as a Hugging Face folder, one tensor fetched at a time.
 
     entries: [(torchtitan name, shape)] in the order to write; fetch(name) -> the full tensor (CPU)
     (called on every process: it may be a collective gather); floating tensors are cast to
     `dtype`. Only a process with `write` set writes. Written into a temporary folder that
-    replaces `folder` when complete."""
+    replaces `folder` when complete. With `tokenizer` (torchtpu.train.tokenizer), its files and
+    special-token ids go in too."""
     from safetensors.torch import save_file
 
     names = HFNames(model_args)
@@ -304,7 +308,12 @@ def save_hf(
         del tensors
     if write:
         cfg = hf_config(model_args, str(dtype).removeprefix("torch."))
-        cfg.update(config_extra or {})
+        if tokenizer is not None:
+            ids = special_token_ids(tokenizer)
+            cfg.update(ids)
+            with open(os.path.join(tmp, GENERATION_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(ids, f, indent=2)
+            tokenizer.export_files(tmp)
         with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2)
         if not single:
@@ -314,6 +323,15 @@ def save_hf(
             shutil.rmtree(folder)
         os.replace(tmp, folder)
     return folder
+
+
+def special_token_ids(tokenizer) -> dict:
+    """The BOS/EOS/pad ids as config.json and generation_config.json name them."""
+    return {
+        "bos_token_id": int(tokenizer.bos_id),
+        "eos_token_id": int(tokenizer.eos_id),
+        "pad_token_id": int(tokenizer.pad_id),
+    }
 
 
 def gather_to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -343,10 +361,11 @@ def save_model_as_hf(
     model_args,
     dtype: torch.dtype,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    config_extra: dict | None = None,
+    tokenizer=None,
 ) -> str:
-    """Write a torchtitan Llama 3 model (tpu tensors, any sharding) as a Hugging Face folder.
-    Every process calls it (the gathers are collective); process 0 writes."""
+    """Write a torchtitan Llama 3 model (tpu tensors, any sharding) as a Hugging Face folder, with
+    `tokenizer`'s files when given. Every process calls it (the gathers are collective); process 0
+    writes."""
     import jax
 
     from .checkpoint import canonical_name
@@ -361,5 +380,5 @@ def save_model_as_hf(
         dtype,
         max_shard_bytes,
         write=jax.process_index() == 0,
-        config_extra=config_extra,
+        tokenizer=tokenizer,
     )

@@ -362,8 +362,9 @@ class Checkpoint:
     last_save_in_hf: bool = _opt(
         False,
         "Also write the final weights as a Hugging Face folder, "
-        "<folder>/hf_step_N (config.json + safetensors in export_dtype; needs "
-        "last_save_model_only).",
+        "<folder>/hf_step_N (config.json + safetensors in export_dtype, the "
+        "tokenizer's files and generation_config.json: transformers and vLLM load "
+        "it as it is; needs last_save_model_only).",
     )
     export_dtype: str = _opt(
         "float32", "Dtype of the weights in the final model-only save.", choices=("float16", "bfloat16", "float32")

@@ -3,13 +3,15 @@
 tok = build_tokenizer(None)                       # bundled (torchtpu/train/assets/tokenizer.json)
 tok = build_tokenizer("assets/hf/Llama-3.1-8B")   # a folder holding tokenizer.json or tokenizer.model
 ids = tok.encode("Hello", bos=True, eos=True)
-tok.decode(ids), tok.vocab_size, tok.bos_id, tok.eos_id
+tok.decode(ids), tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id
+tok.export_files("outputs/hf_step_40")           # the files transformers and vLLM load it from
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BUNDLED_TOKENIZER = os.path.join(ASSETS_DIR, "tokenizer.json")
@@ -17,6 +19,9 @@ BUNDLED_TOKENIZER = os.path.join(ASSETS_DIR, "tokenizer.json")
 # Names that mark the beginning / end of a document in common tokenizers, most specific first.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|im_start|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|eot_id|>", "<|im_end|>")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+# Files of a Hugging Face tokenizer besides tokenizer.json / tokenizer.model, copied as they are.
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 # Llama 3's pre-tokenization regex (from its published tokenizer configuration).
 LLAMA3_PATTERN = (
@@ -27,11 +32,15 @@ LLAMA3_NUM_SPECIAL = 256
 
 
 class Tokenizer:
-    """Common interface: encode/decode, vocab_size, bos_id, eos_id, and where it came from."""
+    """Common interface: encode/decode, vocab_size, bos_id, eos_id, pad_id, and where it came from.
+
+    pad_id is the tokenizer's own padding token, or eos_id when it has none (nothing in training
+    pads; a Hugging Face export names it for the tools that do)."""
 
     vocab_size: int
     bos_id: int
     eos_id: int
+    pad_id: int
     source: str
 
     def _encode_plain(self, text: str) -> list[int]:
@@ -46,6 +55,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def export_files(self, folder: str) -> list[str]:
+        """Write the files transformers and vLLM load this tokenizer from into `folder` (a
+        Hugging Face model folder); returns their names."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -75,6 +89,8 @@ class HFTokenizer(Tokenizer):
             self.bos_id = self.eos_id
         if self.eos_id is None:
             self.eos_id = self.bos_id
+        pad = self._special_id(config.get("pad_token"), _PAD_NAMES)
+        self.pad_id = self.eos_id if pad is None else pad
 
     def _special_id(self, configured, names):
         if isinstance(configured, dict):
@@ -90,6 +106,33 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def export_files(self, folder: str) -> list[str]:
+        """tokenizer.json, and the tokenizer's own tokenizer_config.json and side files when it has
+        them, else a tokenizer_config.json naming its BOS/EOS/pad tokens.
+
+        torchtpu-train starts every document with BOS. A tokenizer.json with no post-processor
+        (the bundled one) would let transformers and vLLM encode a prompt without it, so the
+        exported copy gets one that prepends BOS, as Llama 3's own tokenizer.json has."""
+        with open(self.source, encoding="utf-8") as f:
+            spec = json.load(f)
+        if spec.get("post_processor") is None:
+            spec["post_processor"] = _prepend_template(self._tok.id_to_token(self.bos_id), self.bos_id)
+        with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(spec, f, ensure_ascii=False)
+        written = ["tokenizer.json"] + _copy_side_files(os.path.dirname(self.source), folder)
+        if "tokenizer_config.json" not in written:
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": self._tok.id_to_token(self.bos_id),
+                "eos_token": self._tok.id_to_token(self.eos_id),
+                "pad_token": self._tok.id_to_token(self.pad_id),
+                "clean_up_tokenization_spaces": False,
+            }
+            with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
+            written.append("tokenizer_config.json")
+        return sorted(written)
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -125,6 +168,7 @@ class TiktokenTokenizer(Tokenizer):
         self.vocab_size = n + len(specials)
         self.bos_id = self._special["<|begin_of_text|>"]
         self.eos_id = self._special["<|end_of_text|>"]
+        self.pad_id = self._special["<|finetune_right_pad_id|>"]
 
     def _encode_plain(self, text: str) -> list[int]:
         # Special-token text inside a document is encoded as ordinary text, never as a control token.
@@ -132,6 +176,35 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+    def export_files(self, folder: str) -> list[str]:
+        """tokenizer.model and the side files beside it (tokenizer_config.json, ...). transformers
+        reads a tiktoken ranks file only through a tokenizer.json converted from it, so for tools
+        that need one, point hf_assets_path at the model's Hugging Face tokenizer.json instead."""
+        shutil.copyfile(self.source, os.path.join(folder, "tokenizer.model"))
+        return sorted(["tokenizer.model"] + _copy_side_files(os.path.dirname(self.source), folder))
+
+
+def _prepend_template(bos: str, bos_id: int) -> dict:
+    """A `tokenizers` TemplateProcessing post-processor that starts each sequence with `bos`."""
+    token = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [token, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [token, {"Sequence": {"id": "A", "type_id": 0}}, token, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+
+
+def _copy_side_files(src: str, folder: str) -> list[str]:
+    """Copy the tokenizer side files present in `src` (never from torchtpu's bundled assets,
+    which have none) into `folder`; their names."""
+    if os.path.abspath(src) == ASSETS_DIR:
+        return []
+    names = [n for n in _SIDE_FILES if os.path.isfile(os.path.join(src, n))]
+    for n in names:
+        shutil.copyfile(os.path.join(src, n), os.path.join(folder, n))
+    return names
 
 
 def _read_tokenizer_config(folder: str) -> dict:

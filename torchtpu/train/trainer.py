@@ -356,7 +356,7 @@ class Trainer:
 
     def _save_hf(self, step: int) -> None:
         """checkpoint.last_save_in_hf: the final weights also as a Hugging Face folder
-        (<checkpoint folder>/hf_step_N, in checkpoint.export_dtype)."""
+        (<checkpoint folder>/hf_step_N, in checkpoint.export_dtype), with the job's tokenizer."""
         import torch
 
         from .hf_checkpoint import save_model_as_hf
@@ -368,7 +368,7 @@ class Trainer:
             self.model,
             self.model_args,
             getattr(torch, ck.export_dtype),
-            config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
+            tokenizer=self.tokenizer,
         )
         log(f"final weights as a Hugging Face folder: {folder}")
 
