@@ -111,8 +111,8 @@ def test_state_dict_same_with_scan_on_and_off():
 # ----------------------------------------------------------------------------- trainer
 
 
-def _checkpointing_argv(tmp_path):
-    """The trainer test job with full recomputation (so the layer scan), 4 steps, a checkpoint every 2."""
+def _checkpointing_argv(tmp_path, steps=4):
+    """The trainer test job with full recomputation (so the layer scan), a checkpoint every 2 steps."""
     from ..train.test_trainer import small_argv
 
     return small_argv(
@@ -120,7 +120,7 @@ def _checkpointing_argv(tmp_path):
         "--activation_checkpoint.mode",
         "full",
         "--training.steps",
-        "4",
+        str(steps),
         "--checkpoint.enable",
         "--checkpoint.interval",
         "2",
@@ -129,15 +129,21 @@ def _checkpointing_argv(tmp_path):
     )
 
 
-def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_path):
+def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_scan(tmp_path):
     """The trainer with full recomputation and the layer scan (its default) against the plain
-    PyTorch loop of tests/train/test_trainer.py; its checkpoint then resumes with the scan off."""
+    PyTorch loop of tests/train/test_trainer.py. Its step-2 checkpoint resumes with the scan off
+    (steps 3-4, per-parameter optimizer state from the stacked one); the step-4 checkpoint that
+    unscanned run writes resumes with the scan on again (steps 5-6, stacked state from the
+    per-parameter one). Both resumed runs (an eager first step, then the compiled one) continue
+    the scanned run's losses."""
+    import shutil
+
     from torchtpu.train.config_manager import load_config
     from torchtpu.train.trainer import Trainer
 
     from ..train.test_trainer import cpu_state, reference_losses
 
-    argv = _checkpointing_argv(tmp_path)
+    argv = _checkpointing_argv(tmp_path / "a", steps=6)
     cfg = load_config(argv)
     assert cfg.tpu.scan_layers
     a = Trainer(cfg)
@@ -146,16 +152,30 @@ def test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan(tmp_pa
     hist_a = a.train()
     del a
     ref = reference_losses(cfg, init, 4)
-    got = [h["loss"] for h in hist_a]
+    got = [h["loss"] for h in hist_a[:4]]
     rel = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
     print(f"trainer (scanned) {got}\nCPU               {ref}\nmax relative difference {rel:.2e}")
     assert rel <= 1e-4
 
-    b = Trainer(load_config(argv + ["--checkpoint.load_step", "2", "--tpu.scan_layers", "false"]))
+    # scanned checkpoint -> unscanned run, steps 3-4 on the 6-step schedule; it saves its full state at 4
+    (tmp_path / "b" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoint" / "step_2", tmp_path / "b" / "checkpoint" / "step_2")
+    argv_b = _checkpointing_argv(tmp_path / "b")
+    b = Trainer(
+        load_config(
+            argv_b
+            + ["--tpu.scan_layers", "false", "--lr_scheduler.total_steps", "6", "--checkpoint.no-last_save_model_only"]
+        )
+    )
     assert not is_scanned(b.model.layers)
     hist_b = b.train()
-    assert [h["step"] for h in hist_b] == [3, 4]
-    for h in hist_b:
+    del b
+    # unscanned checkpoint -> scanned run, steps 5-6
+    c = Trainer(load_config(_checkpointing_argv(tmp_path / "b", steps=6)))
+    assert is_scanned(c.model.layers) and c.stacked
+    hist_c = c.train()
+    assert [h["step"] for h in hist_b] == [3, 4] and [h["step"] for h in hist_c] == [5, 6]
+    for h in hist_b + hist_c:
         assert h["loss"] == pytest.approx(hist_a[h["step"] - 1]["loss"], rel=1e-5)
 
 
@@ -223,25 +243,6 @@ def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
     owner._parameters[name] = nn.Parameter(row.detach().clone())
     with pytest.raises(RuntimeError, match="replaced after the optimizer was built"):
         stack_gradients(t2.stacked, t2.model)
-
-
-def test_unscanned_checkpoint_resumes_with_scan(tmp_path):
-    """A checkpoint written without the layer scan (per-parameter optimizer state) resumes with it
-    (stacked optimizer state) and continues with the same losses."""
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.trainer import Trainer
-
-    argv = _checkpointing_argv(tmp_path)
-    a = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]))
-    assert not is_scanned(a.model.layers)
-    hist_a = a.train()
-    del a
-    b = Trainer(load_config(argv + ["--checkpoint.load_step", "2"]))
-    assert is_scanned(b.model.layers) and b.stacked
-    hist_b = b.train()
-    assert [h["step"] for h in hist_b] == [3, 4]
-    for h in hist_b:
-        assert h["loss"] == pytest.approx(hist_a[h["step"] - 1]["loss"], rel=1e-5)
 
 
 def test_tpu_step_casts_one_block_of_the_stacked_weights_at_a_time():

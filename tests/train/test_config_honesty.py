@@ -71,7 +71,7 @@ _COVERING_RUNS = {
     "tests/train/test_hf_weights.py::test_export_loads_in_transformers_and_logits_match": [
         "checkpoint.last_save_in_hf"
     ],
-    "tests/distributed/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoint_resumes_without_scan": [
+    "tests/distributed/test_scan_layers.py::test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_scan": [
         "tpu.scan_layers"
     ],
     "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["tpu.loss_chunk_size"],
