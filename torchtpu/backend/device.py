@@ -307,6 +307,7 @@ def register() -> None:
     lib.impl("_pin_memory", _pin_memory_cpu, "CPU")
     lib.impl("is_pinned", _is_pinned_cpu, "CPU")
     register._lib = lib  # keep the registrations alive
-    from . import module_moves
+    from . import autocast, module_moves
 
     module_moves.install()
+    autocast.register()

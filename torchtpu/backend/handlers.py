@@ -150,8 +150,13 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         for t, new in zip(targets[0], results):
             write_value(t, new)
         return returns(plan, args, kwargs, [])
+    resize = func._schema.overload_name.startswith("out") or "out" in plan.arg_names
     for t, new in zip(targets, results):
-        write_value(t, new, resize=func._schema.overload_name.startswith("out") or "out" in plan.arg_names)
+        if isinstance(t, (list, tuple)):  # a mutated Tensor[] among others (GradScaler's unscale)
+            for ti, ni in zip(t, new):
+                write_value(ti, ni, resize=resize)
+        else:
+            write_value(t, new, resize=resize)
     return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
 
 

@@ -3,7 +3,8 @@
 - equal / allclose: answer a Python bool (a device-to-host read, like on any accelerator);
 - hash_tensor: xor of the 64-bit patterns of the values;
 - histogram / histogramdd: counts through a segment sum, edges like PyTorch's linspace;
-- segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops.
+- segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops;
+- GradScaler's two kernels: unscale with an inf/NaN check, and the loss-scale update.
 """
 
 from __future__ import annotations
@@ -395,3 +396,31 @@ def copy(self, src, non_blocking=False):
     if jnp.iscomplexobj(src) and not jnp.iscomplexobj(self):
         src = jnp.real(src)
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+# ----------------------------------------------------------------------------- GradScaler
+
+
+@lower(aten._amp_foreach_non_finite_check_and_unscale.default)
+def amp_foreach_non_finite_check_and_unscale(self, found_inf, inv_scale):
+    # found_inf becomes 1 when any gradient holds an inf or NaN; each gradient is multiplied by
+    # inv_scale in its own dtype, as ATen's kernel does
+    bad = found_inf
+    scaled = []
+    for g in self:
+        bad = jnp.maximum(bad, jnp.any(~jnp.isfinite(g)).astype(found_inf.dtype))
+        scaled.append((g * inv_scale.astype(jnp.float32)).astype(g.dtype))
+    return scaled, bad
+
+
+@lower(aten._amp_update_scale.default)
+def amp_update_scale(self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
+    # ATen's rule: back off and reset the tracker after an overflow; otherwise grow the scale
+    # (if the grown scale is finite) once `growth_interval` steps in a row were finite
+    inf = found_inf.reshape(()) > 0
+    grown = growth_tracker + 1
+    grow = grown == growth_interval
+    bigger = self * scale_growth_factor
+    scale = jnp.where(inf, self * scale_backoff_factor, jnp.where(grow & jnp.isfinite(bigger), bigger, self))
+    tracker = jnp.where(inf | grow, jnp.zeros_like(growth_tracker), grown)
+    return scale.astype(self.dtype), tracker.astype(growth_tracker.dtype)
