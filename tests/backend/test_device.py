@@ -121,6 +121,9 @@ def test_item_tolist_numpy_repr():
     assert t[1, 1].item() == -4.25
     assert t.tolist() == [[1.5, 2.0], [3.0, -4.25]]
     np.testing.assert_array_equal(t.cpu().numpy(), np.array([[1.5, 2.0], [3.0, -4.25]], np.float32))
+    with pytest.raises(TypeError, match=r"can't convert tpu:0 device type tensor to numpy. Use Tensor.cpu\(\)"):
+        t.numpy()
+    np.testing.assert_array_equal(t.numpy(force=True), t.cpu().numpy())
     r = repr(t)
     assert "device='tpu:0'" in r and "-4.2500" in r
     g = t.clone().requires_grad_()

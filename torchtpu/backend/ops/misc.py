@@ -4,6 +4,7 @@
 - hash_tensor: xor of the 64-bit patterns of the values;
 - histogram / histogramdd: counts through a segment sum, edges like PyTorch's linspace;
 - segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops;
+- bincount: its length is the largest value + 1, read from the concrete input (eager only);
 - GradScaler's two kernels: unscale with an inf/NaN check, and the loss-scale update.
 """
 
@@ -396,6 +397,25 @@ def copy(self, src, non_blocking=False):
     if jnp.iscomplexobj(src) and not jnp.iscomplexobj(self):
         src = jnp.real(src)
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+# ----------------------------------------------------------------------------- bincount
+
+
+@lower(aten.bincount.default, jit=False)
+def bincount(self, weights=None, minlength=0):
+    if isinstance(self, jax.core.Tracer):
+        raise NotImplementedError(
+            "torchtpu: bincount's output length depends on the largest input value, so it cannot be part "
+            "of a compiled program; call it outside, or count with a fixed length "
+            "(torch.zeros(n).index_add_(0, x, ones) or scatter_add_)"
+        )
+    length = max(int(minlength), int(np.asarray(self).max()) + 1 if self.size else 0)
+    if weights is None:
+        return jnp.zeros(length, jnp.int64).at[self].add(1)
+    # PyTorch sums float32 weights in float32 and every other weight dtype in float64
+    dtype = jnp.float32 if weights.dtype == jnp.float32 else jnp.float64
+    return jnp.zeros(length, dtype).at[self].add(weights.astype(dtype))
 
 
 # ----------------------------------------------------------------------------- GradScaler
