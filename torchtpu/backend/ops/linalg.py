@@ -215,6 +215,38 @@ def cdist_backward(grad, x1, x2, p, cdist):
     return res
 
 
+@lower(aten._pdist_forward.default, static=("p",))
+def pdist_forward(self, p=2.0):
+    # the upper triangle of cdist(x, x), computed from differences as CPU does (never the matmul form)
+    n = self.shape[0]
+    rows, cols = np.triu_indices(n, 1)
+    return cdist_forward(self, self, p, 2)[rows, cols]
+
+
+@lower(aten._pdist_backward.default, static=("p",))
+def pdist_backward(grad, self, p, pdist):
+    # a pair's gradient reaches both rows with opposite signs: the gradient of cdist(x, x) with
+    # the pair's gradient and distance on both sides of the diagonal
+    n = self.shape[0]
+    rows, cols = np.triu_indices(n, 1)
+    g = jnp.zeros((n, n), grad.dtype).at[rows, cols].set(grad).at[cols, rows].set(grad)
+    d = jnp.zeros((n, n), pdist.dtype).at[rows, cols].set(pdist).at[cols, rows].set(pdist)
+    return cdist_backward(g, self, self, p, d)
+
+
+@lower(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    # bilinear's contraction: each input gets size-1 dims at its expand positions, the three
+    # broadcast products are summed over sumdim (which leaves the result)
+    def expanded(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+
+    prod = expanded(i1, expand1) * expanded(i2, expand2) * expanded(i3, expand3)
+    return jnp.sum(prod, axis=tuple(sumdim)) if sumdim else prod
+
+
 # ----------------------------------------------------------------------------- LU family
 
 
