@@ -20,7 +20,6 @@ _BOTH: dict[str, str] = {
     "nn.functional.linear_cross_entropy.chunked_none": "torch_nn._linear_cross_entropy_batch_chunked has no lowering",
     "_upsample_bilinear2d_aa": "antialiased upsampling has no lowering",
     "grid_sampler_3d": "aten.grid_sampler_3d has no lowering (2-D is lowered)",
-    "dist": "a decomposition calls __array__ on a traced scalar (p given as a 0-dim tensor)",
     "linalg.eigh": "eigenvector signs differ from CPU's LAPACK for some matrices (eigenvalues match)",
 }
 

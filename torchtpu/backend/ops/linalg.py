@@ -215,6 +215,20 @@ def cdist_backward(grad, x1, x2, p, cdist):
     return res
 
 
+@lower(aten.dist.default, static=("p",))
+def dist(self, other, p=2):
+    # the p-norm of the broadcast difference; p is static (its value picks the formula)
+    diff = jnp.abs(self - other).astype(jnp.result_type(self, other))
+    p = float(p)
+    if p == 0:
+        return jnp.sum(diff != 0).astype(diff.dtype)
+    if p == float("inf"):
+        return jnp.max(diff, initial=0).astype(diff.dtype)
+    if p == float("-inf"):
+        return jnp.min(diff, initial=float("inf")).astype(diff.dtype)
+    return jnp.sum(diff**p) ** (1.0 / p)
+
+
 @lower(aten._pdist_forward.default, static=("p",))
 def pdist_forward(self, p=2.0):
     # the upper triangle of cdist(x, x), computed from differences as CPU does (never the matmul form)
