@@ -33,6 +33,7 @@ _.pin_memory
 _.memory_format
 _.non_blocking
 _.unsafe
+_.unroll_dim
 _.sparse_grad
 _.sparse
 _.sorted_

@@ -16,8 +16,6 @@ _BOTH: dict[str, str] = {
     "sparse.mm.reduce": SPARSE,
     "to_sparse": SPARSE,
     "chalf": "complex32 has no JAX/XLA dtype",
-    "nn.functional.linear_cross_entropy.chunked": "torch_nn._linear_cross_entropy_batch_chunked has no lowering",
-    "nn.functional.linear_cross_entropy.chunked_none": "torch_nn._linear_cross_entropy_batch_chunked has no lowering",
     "_upsample_bilinear2d_aa": "antialiased upsampling has no lowering",
     "grid_sampler_3d": "aten.grid_sampler_3d has no lowering (2-D is lowered)",
     "linalg.eigh": "eigenvector signs differ from CPU's LAPACK for some matrices (eigenvalues match)",
