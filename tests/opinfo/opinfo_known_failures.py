@@ -18,7 +18,6 @@ _BOTH: dict[str, str] = {
     "chalf": "complex32 has no JAX/XLA dtype",
     "_upsample_bilinear2d_aa": "antialiased upsampling has no lowering",
     "grid_sampler_3d": "aten.grid_sampler_3d has no lowering (2-D is lowered)",
-    "linalg.eigh": "eigenvector signs differ from CPU's LAPACK for some matrices (eigenvalues match)",
 }
 
 FORWARD: dict[str, str] = {
