@@ -22,9 +22,6 @@ _BOTH: dict[str, str] = {
 
 FORWARD: dict[str, str] = {
     **_BOTH,
-    "linalg.ldl_factor": "linalg_ldl_factor_ex has no lowering",
-    "linalg.ldl_factor_ex": "linalg_ldl_factor_ex has no lowering",
-    "linalg.ldl_solve": "linalg_ldl_factor_ex / ldl_solve have no lowering",
     "matrix_exp": "differs from CPU beyond 1e-4 on an ill-conditioned sample (JAX's Pade/scaling-squaring)",
 }
 

@@ -616,6 +616,68 @@ def linalg_eigvals(self):
     return linalg_eig(self)[0]
 
 
+def _lapack(routine, dtype):
+    import scipy.linalg.lapack
+
+    prefix = {np.float32: "s", np.float64: "d", np.complex64: "c", np.complex128: "z"}[np.dtype(dtype).type]
+    return getattr(scipy.linalg.lapack, prefix + routine)
+
+
+def _host_ldl_factor(a, hermitian):
+    # LAPACK's Bunch-Kaufman factorisation, the one PyTorch's CPU and CUDA kernels call (lower
+    # triangle; 1-based pivots, negative for 2x2 blocks). XLA has none.
+    complex_herm = hermitian and np.iscomplexobj(a)
+    factor = _lapack("hetrf" if complex_herm else "sytrf", a.dtype)
+    n = a.shape[-1]
+    flat = a.reshape(-1, n, n)
+    ld, piv, info = np.empty_like(flat), np.empty(flat.shape[:-1], np.int32), np.empty(len(flat), np.int32)
+    for i, m in enumerate(flat):
+        ldu, ipiv, inf = factor(m, lower=1)
+        ld[i], piv[i], info[i] = np.tril(ldu), ipiv, inf
+    return ld.reshape(a.shape), piv.reshape(a.shape[:-1]), info.reshape(a.shape[:-2])
+
+
+@lower(aten.linalg_ldl_factor_ex.default)
+def linalg_ldl_factor_ex(self, hermitian=False, check_errors=False):
+    if self.shape[-1] == 0:
+        return self, jnp.zeros(self.shape[:-1], jnp.int32), jnp.zeros(self.shape[:-2], jnp.int32)
+    shapes = (
+        jax.ShapeDtypeStruct(self.shape, self.dtype),
+        jax.ShapeDtypeStruct(self.shape[:-1], jnp.int32),
+        jax.ShapeDtypeStruct(self.shape[:-2], jnp.int32),
+    )
+    return jax.pure_callback(lambda a: _host_ldl_factor(np.asarray(a), hermitian), shapes, self)
+
+
+def _host_ldl_solve(ld, pivots, b, hermitian):
+    complex_herm = hermitian and np.iscomplexobj(ld)
+    solve = _lapack("hetrs" if complex_herm else "sytrs", ld.dtype)
+    n = ld.shape[-1]
+    batch = np.broadcast_shapes(ld.shape[:-2], pivots.shape[:-1], b.shape[:-2])
+    ld = np.broadcast_to(ld, batch + ld.shape[-2:]).reshape(-1, n, n)
+    pivots = np.broadcast_to(pivots, batch + pivots.shape[-1:]).reshape(-1, n)
+    bb = np.broadcast_to(b, batch + b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = np.empty_like(bb)
+    for i in range(len(ld)):
+        out[i] = solve(ld[i], pivots[i], bb[i], lower=1)[0]
+    return out.reshape(batch + b.shape[-2:])
+
+
+@lower(aten.linalg_ldl_solve.default)
+def linalg_ldl_solve(LD, pivots, B, hermitian=False):
+    batch = jnp.broadcast_shapes(LD.shape[:-2], pivots.shape[:-1], B.shape[:-2])
+    shape = jax.ShapeDtypeStruct(batch + B.shape[-2:], jnp.result_type(LD, B))
+    if LD.shape[-1] == 0 or B.shape[-1] == 0:
+        return jnp.zeros(shape.shape, shape.dtype)
+    return jax.pure_callback(
+        lambda ld, p, b: _host_ldl_solve(np.asarray(ld), np.asarray(p), np.asarray(b), hermitian).astype(shape.dtype),
+        shape,
+        LD,
+        pivots,
+        B,
+    )
+
+
 @lower(aten.linalg_matrix_exp.default)
 def matrix_exp(self):
     if self.shape[-1] == 0:
