@@ -19,6 +19,11 @@ _.max_memory_allocated
 _.mem_get_info
 _.get_device_name
 _._is_in_bad_fork
+_.memory_reserved
+_.max_memory_reserved
+_.including_emulation
+_.empty_cache
+_.reset_peak_memory_stats
 # nn.Parameter subclasses on tpu (torchtpu.backend.module_moves): PyTorch reads a custom tensor's _is_param flag
 _._is_param
 
@@ -28,6 +33,7 @@ _.pin_memory
 _.memory_format
 _.non_blocking
 _.unsafe
+_.unroll_dim
 _.sparse_grad
 _.sparse
 _.sorted_

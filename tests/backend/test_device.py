@@ -51,6 +51,31 @@ def test_torch_tpu_module():
         torch.tpu.set_device(99)
 
 
+def test_what_device_agnostic_pytorch_reads_from_torch_tpu():
+    """torch.utils.checkpoint, torch.random.fork_rng, DataLoader pinning and FSDP-style stream
+    code read these from the device module, as they read them from torch.cuda."""
+    assert torch.tpu._initialized and torch.tpu.is_initialized() and torch.tpu.is_bf16_supported()
+    with torch.random.fork_rng(devices=[0], device_type="tpu"):
+        forked = torch.rand(5, device="tpu").cpu()
+    assert torch.equal(torch.rand(5, device="tpu").cpu(), forked)
+    # a state set inside a compiled step cannot come from outside one (another key stream)
+    state = torch.tpu.get_rng_state()
+    step = torchtpu.compile(lambda x: (torch.tpu.set_rng_state(state), x + 1)[1])
+    with pytest.raises(RuntimeError, match="taken outside a compiled step"):
+        for _ in range(2):  # the first call runs eagerly
+            step(torch.ones(2, device="tpu"))
+    loader = torch.utils.data.DataLoader(torch.arange(6.0).reshape(3, 2), batch_size=2, pin_memory=True)
+    batches = list(loader)
+    assert all(b.is_pinned() for b in batches) and not torch.ones(2).is_pinned()
+    torch.testing.assert_close(torch.cat(batches), torch.arange(6.0).reshape(3, 2))
+    s = torch.tpu.current_stream()
+    assert s.device == torch.device("tpu", 0) and s == torch.tpu.default_stream()
+    with torch.tpu.stream(torch.tpu.Stream()):
+        e = torch.tpu.Event()
+        e.record()
+    assert e.query()
+
+
 def test_to_other_device_index():
     x = torch.arange(6.0).to("tpu:3")
     assert x.device == torch.device("tpu:3")
@@ -96,6 +121,9 @@ def test_item_tolist_numpy_repr():
     assert t[1, 1].item() == -4.25
     assert t.tolist() == [[1.5, 2.0], [3.0, -4.25]]
     np.testing.assert_array_equal(t.cpu().numpy(), np.array([[1.5, 2.0], [3.0, -4.25]], np.float32))
+    with pytest.raises(TypeError, match=r"can't convert tpu:0 device type tensor to numpy. Use Tensor.cpu\(\)"):
+        t.numpy()
+    np.testing.assert_array_equal(t.numpy(force=True), t.cpu().numpy())
     r = repr(t)
     assert "device='tpu:0'" in r and "-4.2500" in r
     g = t.clone().requires_grad_()

@@ -16,21 +16,12 @@ _BOTH: dict[str, str] = {
     "sparse.mm.reduce": SPARSE,
     "to_sparse": SPARSE,
     "chalf": "complex32 has no JAX/XLA dtype",
-    "nn.functional.linear_cross_entropy.chunked": "torch_nn._linear_cross_entropy_batch_chunked has no lowering",
-    "nn.functional.linear_cross_entropy.chunked_none": "torch_nn._linear_cross_entropy_batch_chunked has no lowering",
     "_upsample_bilinear2d_aa": "antialiased upsampling has no lowering",
-    "nn.functional.bilinear": "aten._trilinear has no lowering",
     "grid_sampler_3d": "aten.grid_sampler_3d has no lowering (2-D is lowered)",
-    "nn.functional.pdist": "aten._pdist_forward has no lowering",
-    "dist": "a decomposition calls __array__ on a traced scalar (p given as a 0-dim tensor)",
-    "linalg.eigh": "eigenvector signs differ from CPU's LAPACK for some matrices (eigenvalues match)",
 }
 
 FORWARD: dict[str, str] = {
     **_BOTH,
-    "linalg.ldl_factor": "linalg_ldl_factor_ex has no lowering",
-    "linalg.ldl_factor_ex": "linalg_ldl_factor_ex has no lowering",
-    "linalg.ldl_solve": "linalg_ldl_factor_ex / ldl_solve have no lowering",
     "matrix_exp": "differs from CPU beyond 1e-4 on an ill-conditioned sample (JAX's Pade/scaling-squaring)",
 }
 

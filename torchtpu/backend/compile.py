@@ -194,6 +194,7 @@ class _Entry:
         "state_shardings",
         "mesh",
         "host",
+        "written",
     )
 
 
@@ -387,6 +388,7 @@ class CompiledFunction:
                             out_kinds.append(("T", o.dtype, storage_of(o).device_index))
                         else:
                             out_kinds.append(("V", o))
+                    written = {j for j, st in enumerate(state) if st.array is not state_arrays[j]}
                     new_state = [keep_sharding(st.array, sh) for st, sh in zip(state, entry.state_shardings)]
                     del out, targs, tkwargs, new_flat, out_flat
                     alive = [r() for r in created]
@@ -408,7 +410,7 @@ class CompiledFunction:
                     f"(eager) call: {names}. Their values would be frozen into the program. Pass them as "
                     "arguments, or make the first call take the same path as later calls."
                 )
-            holder.update(created=alive, out_tree=out_tree, out_kinds=out_kinds, n_random=n_random)
+            holder.update(created=alive, out_tree=out_tree, out_kinds=out_kinds, n_random=n_random, written=written)
             return out_arrays, new_state, [st.array for st in alive]
 
         donate = (0,) if self.donate else ()
@@ -445,6 +447,15 @@ class CompiledFunction:
             )
             hyper = jax.device_put(hyper, target) if hyper is not None else None
             host_arrays = [jax.device_put(a, target) for a in host_arrays]
+        # An argument that is also state (`h = step(h)` where the warm-up saw h's storage made,
+        # or a parameter passed in) is read from its own buffer: XLA refuses a buffer donated
+        # and read in the same call. Which state the step writes is known once it is traced.
+        state_index = {id(st): j for j, st in enumerate(entry.state)}
+        aliased = [(n, state_index.get(id(storage_of(flat[i])))) for n, i in enumerate(entry.arg_storages)]
+        aliased = [(n, j) for n, j in aliased if j is not None]
+        arg_arrays = list(arg_arrays)
+        for n, _ in aliased:
+            arg_arrays[n] = jax.numpy.copy(arg_arrays[n])
         gen = tpu_random.generator(0)
         key_data = tpu_random.key_data_for_step(gen)
         if entry.executable is None:
@@ -454,6 +465,17 @@ class CompiledFunction:
             entry.executable = lowered.compile()
             entry.lowered_text = lowered.as_text()
             self.last = entry
+        if first_holder is not None:
+            entry.written = first_holder["written"]
+        for n, j in aliased:
+            if j in (entry.written or ()):
+                t = flat[entry.arg_storages[n]]
+                raise RuntimeError(
+                    f"torchtpu.compile: tensor argument {n} of the step (a {tuple(t.shape)} {t.dtype} tensor) is "
+                    "also state the step writes in place (a parameter, buffer or optimizer state): in eager "
+                    "mode the argument would see the writes, inside one program it cannot. Pass a copy "
+                    "(`.clone()`), or let the step read that tensor where it lives instead of passing it."
+                )
         out_arrays, new_state, created_arrays = entry.executable(state_arrays, arg_arrays, key_data, hyper, host_arrays)
         if entry.mesh is not None and CONFIG.sync_dispatch:
             # every output: a program that changes no state (an evaluation step) must also be done
@@ -495,7 +517,7 @@ class CompiledFunction:
         entry, holder, lowered = self._lower_for(args, kwargs)
         entry.executable = aot_compile(lowered)
         entry.lowered_text = lowered.as_text()
-        for k in ("created", "out_tree", "out_kinds", "n_random"):
+        for k in ("created", "out_tree", "out_kinds", "n_random", "written"):
             setattr(entry, k, holder.get(k))
         self.last = entry
         return entry.executable

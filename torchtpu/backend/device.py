@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+import weakref
 
 import jax
 import torch
@@ -74,6 +76,21 @@ def _copy_from(self, dst, non_blocking=False):
 
     copy_tensor((dst, self), {})
     return dst
+
+
+# CPU tensors made by pin_memory(): host buffers staged for tpu transfers. XLA copies from any
+# host buffer, so pinning is a contiguous copy; is_pinned() answers for the copies it made.
+_pinned: weakref.WeakSet = weakref.WeakSet()
+
+
+def _pin_memory_cpu(self, device=None):
+    out = self.clone(memory_format=torch.contiguous_format)
+    _pinned.add(out)
+    return out
+
+
+def _is_pinned_cpu(self, device=None) -> bool:
+    return any(t.untyped_storage().data_ptr() == self.untyped_storage().data_ptr() for t in list(_pinned))
 
 
 def device_memory_stats(device: jax.Device) -> dict:
@@ -166,6 +183,9 @@ def _build_module() -> types.ModuleType:
         s = _memory_stats(device)
         return int(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)))
 
+    memory_reserved = memory_allocated
+    max_memory_reserved = max_memory_allocated
+
     def mem_get_info(device=None):
         s = _memory_stats(device)
         total = int(s.get("bytes_limit", 0))
@@ -173,6 +193,37 @@ def _build_module() -> types.ModuleType:
 
     def get_device_name(device=None) -> str:
         return _devices()[_index(device)].device_kind
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return True
+
+    def init() -> None:
+        return None
+
+    _lazy_init = init
+
+    # XLA orders a device's work itself: one stream per device, events complete at once. The
+    # generic torch.Stream/torch.Event answer through the device guard (FSDP, DataLoader and
+    # torch.distributed ask the device module for these).
+    Stream = torch.Stream
+    Event = torch.Event
+
+    def current_stream(device=None) -> torch.Stream:
+        return torch.accelerator.current_stream(_index(device))
+
+    default_stream = current_stream
+
+    def set_stream(stream) -> None:
+        torch.accelerator.set_stream(stream)
+
+    def stream(stream):
+        return contextlib.nullcontext() if stream is None else stream
+
+    def empty_cache() -> None:
+        return None
+
+    def reset_peak_memory_stats(device=None) -> None:
+        return None
 
     def _is_in_bad_fork() -> bool:
         return False
@@ -194,6 +245,9 @@ def _build_module() -> types.ModuleType:
         if name not in ("m",) and not name.startswith("__"):
             setattr(m, name, fn)
     m.device_count = device_count
+    # torch.utils.checkpoint saves and restores a device's RNG state around recomputation only
+    # when its module says it is initialised: without this, recomputed dropout draws new masks.
+    m._initialized = True
     return m
 
 
@@ -248,7 +302,12 @@ def register() -> None:
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     # torch.tensor(data, device="tpu") and x[[1, 2]] copy with the Python key excluded
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    # Tensor.pin_memory() (DataLoader(pin_memory=True)) asks the accelerator's hooks for a pinned
+    # allocator, which a Python backend cannot provide: answer at the CPU kernels instead.
+    lib.impl("_pin_memory", _pin_memory_cpu, "CPU")
+    lib.impl("is_pinned", _is_pinned_cpu, "CPU")
     register._lib = lib  # keep the registrations alive
-    from . import module_moves
+    from . import autocast, module_moves
 
     module_moves.install()
+    autocast.register()

@@ -110,12 +110,25 @@ def dispatch(func, args, kwargs):
         else:
             out = CUSTOM[func](args, kwargs)
     except UnsupportedOp:
+        if _has_own_kernel(func):
+            # a library's custom op (torch.library.custom_op) implemented in torch ops for every
+            # device: run that implementation, whose ops are lowered
+            return func.redispatch(_BACKEND, *args, **kwargs)
         if CONFIG.cpu_fallback:
             return cpu_fallback(func, args, kwargs)
         raise
     if CONFIG.debug and not STATE.trace_depth:
         check_finite(func, out)
     return out
+
+
+_BACKEND = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+
+def _has_own_kernel(func) -> bool:
+    return func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeExplicitAutograd"
+    )
 
 
 def _keep_layout(src, out):
@@ -150,8 +163,13 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         for t, new in zip(targets[0], results):
             write_value(t, new)
         return returns(plan, args, kwargs, [])
+    resize = func._schema.overload_name.startswith("out") or "out" in plan.arg_names
     for t, new in zip(targets, results):
-        write_value(t, new, resize=func._schema.overload_name.startswith("out") or "out" in plan.arg_names)
+        if isinstance(t, (list, tuple)):  # a mutated Tensor[] among others (GradScaler's unscale)
+            for ti, ni in zip(t, new):
+                write_value(ti, ni, resize=resize)
+        else:
+            write_value(t, new, resize=resize)
     return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
 
 

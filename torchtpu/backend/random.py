@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 _DEFAULT_SEED = 67280421310721
+# marks a state taken inside a compiled step (its offset is the step's key counter)
+_TRACED_FLAG = 1 << 63
 
 
 class Generator:
@@ -33,13 +35,28 @@ class Generator:
             return o
 
     def get_state(self) -> torch.Tensor:
-        return torch.tensor(np.array([self.seed, self.offset], dtype=np.uint64).view(np.uint8))
+        # Inside a compiled step the position in the stream is the step's key counter: the state
+        # saved there (by torch.utils.checkpoint, fork_rng) replays the same masks when set again.
+        offset = self.offset if TRACED is None else TRACED.count | _TRACED_FLAG
+        return torch.tensor(np.array([self.seed, offset], dtype=np.uint64).view(np.uint8))
 
     def set_state(self, state: torch.Tensor):
         raw = state.detach().cpu().to(torch.uint8).numpy().view(np.uint64)
         if raw.shape != (2,):
             raise ValueError("invalid tpu RNG state: expected a 16-byte uint8 tensor from torch.tpu.get_rng_state()")
-        self.seed, self.offset = int(raw[0]), int(raw[1])
+        seed, offset = int(raw[0]), int(raw[1])
+        taken_traced = bool(offset & _TRACED_FLAG)
+        if taken_traced != (TRACED is not None):
+            taken, setting = ("inside", "outside") if taken_traced else ("outside", "inside")
+            raise RuntimeError(
+                f"torch.tpu.set_rng_state: this state was taken {taken} a compiled step and is set {setting} "
+                "one, where random ops draw from another stream. Take and set the state on the same side, "
+                "or reseed with torch.manual_seed."
+            )
+        if TRACED is not None:
+            TRACED.count = offset & ~_TRACED_FLAG
+        else:
+            self.seed, self.offset = seed, offset
 
 
 _GENERATORS: dict[int, Generator] = {}

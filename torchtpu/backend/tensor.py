@@ -131,6 +131,15 @@ class TpuTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
+    def numpy(self, *, force: bool = False):
+        # CUDA's rule: a device tensor is copied to the host explicitly; force=True does it here
+        if force:
+            return self.detach().cpu().resolve_conj().resolve_neg().numpy()
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+            "host memory first."
+        )
+
     def __reduce_ex__(self, proto):
         # Serialise like any storage-less accelerator tensor: a CPU copy plus a device string
         # that honours torch.load(map_location=...) and that weights_only loading accepts.

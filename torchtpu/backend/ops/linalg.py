@@ -215,6 +215,52 @@ def cdist_backward(grad, x1, x2, p, cdist):
     return res
 
 
+@lower(aten.dist.default, static=("p",))
+def dist(self, other, p=2):
+    # the p-norm of the broadcast difference; p is static (its value picks the formula)
+    diff = jnp.abs(self - other).astype(jnp.result_type(self, other))
+    p = float(p)
+    if p == 0:
+        return jnp.sum(diff != 0).astype(diff.dtype)
+    if p == float("inf"):
+        return jnp.max(diff, initial=0).astype(diff.dtype)
+    if p == float("-inf"):
+        return jnp.min(diff, initial=float("inf")).astype(diff.dtype)
+    return jnp.sum(diff**p) ** (1.0 / p)
+
+
+@lower(aten._pdist_forward.default, static=("p",))
+def pdist_forward(self, p=2.0):
+    # the upper triangle of cdist(x, x), computed from differences as CPU does (never the matmul form)
+    n = self.shape[0]
+    rows, cols = np.triu_indices(n, 1)
+    return cdist_forward(self, self, p, 2)[rows, cols]
+
+
+@lower(aten._pdist_backward.default, static=("p",))
+def pdist_backward(grad, self, p, pdist):
+    # a pair's gradient reaches both rows with opposite signs: the gradient of cdist(x, x) with
+    # the pair's gradient and distance on both sides of the diagonal
+    n = self.shape[0]
+    rows, cols = np.triu_indices(n, 1)
+    g = jnp.zeros((n, n), grad.dtype).at[rows, cols].set(grad).at[cols, rows].set(grad)
+    d = jnp.zeros((n, n), pdist.dtype).at[rows, cols].set(pdist).at[cols, rows].set(pdist)
+    return cdist_backward(g, self, self, p, d)
+
+
+@lower(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    # bilinear's contraction: each input gets size-1 dims at its expand positions, the three
+    # broadcast products are summed over sumdim (which leaves the result)
+    def expanded(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+
+    prod = expanded(i1, expand1) * expanded(i2, expand2) * expanded(i3, expand3)
+    return jnp.sum(prod, axis=tuple(sumdim)) if sumdim else prod
+
+
 # ----------------------------------------------------------------------------- LU family
 
 
@@ -568,6 +614,68 @@ def linalg_eig(self):
 @lower(aten.linalg_eigvals.default)
 def linalg_eigvals(self):
     return linalg_eig(self)[0]
+
+
+def _lapack(routine, dtype):
+    import scipy.linalg.lapack
+
+    prefix = {np.float32: "s", np.float64: "d", np.complex64: "c", np.complex128: "z"}[np.dtype(dtype).type]
+    return getattr(scipy.linalg.lapack, prefix + routine)
+
+
+def _host_ldl_factor(a, hermitian):
+    # LAPACK's Bunch-Kaufman factorisation, the one PyTorch's CPU and CUDA kernels call (lower
+    # triangle; 1-based pivots, negative for 2x2 blocks). XLA has none.
+    complex_herm = hermitian and np.iscomplexobj(a)
+    factor = _lapack("hetrf" if complex_herm else "sytrf", a.dtype)
+    n = a.shape[-1]
+    flat = a.reshape(-1, n, n)
+    ld, piv, info = np.empty_like(flat), np.empty(flat.shape[:-1], np.int32), np.empty(len(flat), np.int32)
+    for i, m in enumerate(flat):
+        ldu, ipiv, inf = factor(m, lower=1)
+        ld[i], piv[i], info[i] = np.tril(ldu), ipiv, inf
+    return ld.reshape(a.shape), piv.reshape(a.shape[:-1]), info.reshape(a.shape[:-2])
+
+
+@lower(aten.linalg_ldl_factor_ex.default)
+def linalg_ldl_factor_ex(self, hermitian=False, check_errors=False):
+    if self.shape[-1] == 0:
+        return self, jnp.zeros(self.shape[:-1], jnp.int32), jnp.zeros(self.shape[:-2], jnp.int32)
+    shapes = (
+        jax.ShapeDtypeStruct(self.shape, self.dtype),
+        jax.ShapeDtypeStruct(self.shape[:-1], jnp.int32),
+        jax.ShapeDtypeStruct(self.shape[:-2], jnp.int32),
+    )
+    return jax.pure_callback(lambda a: _host_ldl_factor(np.asarray(a), hermitian), shapes, self)
+
+
+def _host_ldl_solve(ld, pivots, b, hermitian):
+    complex_herm = hermitian and np.iscomplexobj(ld)
+    solve = _lapack("hetrs" if complex_herm else "sytrs", ld.dtype)
+    n = ld.shape[-1]
+    batch = np.broadcast_shapes(ld.shape[:-2], pivots.shape[:-1], b.shape[:-2])
+    ld = np.broadcast_to(ld, batch + ld.shape[-2:]).reshape(-1, n, n)
+    pivots = np.broadcast_to(pivots, batch + pivots.shape[-1:]).reshape(-1, n)
+    bb = np.broadcast_to(b, batch + b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = np.empty_like(bb)
+    for i in range(len(ld)):
+        out[i] = solve(ld[i], pivots[i], bb[i], lower=1)[0]
+    return out.reshape(batch + b.shape[-2:])
+
+
+@lower(aten.linalg_ldl_solve.default)
+def linalg_ldl_solve(LD, pivots, B, hermitian=False):
+    batch = jnp.broadcast_shapes(LD.shape[:-2], pivots.shape[:-1], B.shape[:-2])
+    shape = jax.ShapeDtypeStruct(batch + B.shape[-2:], jnp.result_type(LD, B))
+    if LD.shape[-1] == 0 or B.shape[-1] == 0:
+        return jnp.zeros(shape.shape, shape.dtype)
+    return jax.pure_callback(
+        lambda ld, p, b: _host_ldl_solve(np.asarray(ld), np.asarray(p), np.asarray(b), hermitian).astype(shape.dtype),
+        shape,
+        LD,
+        pivots,
+        B,
+    )
 
 
 @lower(aten.linalg_matrix_exp.default)

@@ -3,7 +3,9 @@
 - equal / allclose: answer a Python bool (a device-to-host read, like on any accelerator);
 - hash_tensor: xor of the 64-bit patterns of the values;
 - histogram / histogramdd: counts through a segment sum, edges like PyTorch's linspace;
-- segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops.
+- segment_reduce and its backward: segment ids from `lengths`/`offsets`, then segment ops;
+- bincount: its length is the largest value + 1, read from the concrete input (eager only);
+- GradScaler's two kernels: unscale with an inf/NaN check, and the loss-scale update.
 """
 
 from __future__ import annotations
@@ -395,3 +397,50 @@ def copy(self, src, non_blocking=False):
     if jnp.iscomplexobj(src) and not jnp.iscomplexobj(self):
         src = jnp.real(src)
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+# ----------------------------------------------------------------------------- bincount
+
+
+@lower(aten.bincount.default, jit=False)
+def bincount(self, weights=None, minlength=0):
+    if isinstance(self, jax.core.Tracer):
+        raise NotImplementedError(
+            "torchtpu: bincount's output length depends on the largest input value, so it cannot be part "
+            "of a compiled program; call it outside, or count with a fixed length "
+            "(torch.zeros(n).index_add_(0, x, ones) or scatter_add_)"
+        )
+    length = max(int(minlength), int(np.asarray(self).max()) + 1 if self.size else 0)
+    if weights is None:
+        return jnp.zeros(length, jnp.int64).at[self].add(1)
+    # PyTorch sums float32 weights in float32 and every other weight dtype in float64
+    dtype = jnp.float32 if weights.dtype == jnp.float32 else jnp.float64
+    return jnp.zeros(length, dtype).at[self].add(weights.astype(dtype))
+
+
+# ----------------------------------------------------------------------------- GradScaler
+
+
+@lower(aten._amp_foreach_non_finite_check_and_unscale.default)
+def amp_foreach_non_finite_check_and_unscale(self, found_inf, inv_scale):
+    # found_inf becomes 1 when any gradient holds an inf or NaN; each gradient is multiplied by
+    # inv_scale in its own dtype, as ATen's kernel does
+    bad = found_inf
+    scaled = []
+    for g in self:
+        bad = jnp.maximum(bad, jnp.any(~jnp.isfinite(g)).astype(found_inf.dtype))
+        scaled.append((g * inv_scale.astype(jnp.float32)).astype(g.dtype))
+    return scaled, bad
+
+
+@lower(aten._amp_update_scale.default)
+def amp_update_scale(self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
+    # ATen's rule: back off and reset the tracker after an overflow; otherwise grow the scale
+    # (if the grown scale is finite) once `growth_interval` steps in a row were finite
+    inf = found_inf.reshape(()) > 0
+    grown = growth_tracker + 1
+    grow = grown == growth_interval
+    bigger = self * scale_growth_factor
+    scale = jnp.where(inf, self * scale_backoff_factor, jnp.where(grow & jnp.isfinite(bigger), bigger, self))
+    tracker = jnp.where(inf | grow, jnp.zeros_like(growth_tracker), grown)
+    return scale.astype(self.dtype), tracker.astype(growth_tracker.dtype)

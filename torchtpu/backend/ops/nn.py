@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..registry import POST, aten, bind, lower
+from ..registry import POST, aten, bind, custom, lower
 from . import attention_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -922,3 +922,59 @@ def _register_sdpa():
 
 
 _register_sdpa()
+
+
+# ----------------------------------------------------------------------------- packed sequences
+# pack_padded_sequence's lengths are a CPU tensor (ATen requires it), and so is the packed
+# sequence's batch_sizes, as on CUDA: the layout is known on the host and the data moves with one
+# gather (forward) or one scatter (backward) on the device.
+
+
+def _packed_rows(batch_sizes, batch):
+    # row of each packed element in the time-major (T * B, ...) view of the padded input
+    return [t * batch + b for t, n in enumerate(batch_sizes) for b in range(n)]
+
+
+@custom(aten._pack_padded_sequence.default)
+def pack_padded_sequence(args, kwargs):
+    import torch
+
+    a = bind(aten._pack_padded_sequence.default, args, kwargs)
+    x, lengths = a["input"], a["lengths"]
+    if lengths.device.type != "cpu" or lengths.dim() != 1:
+        raise RuntimeError(
+            f"pack_padded_sequence: 'lengths' must be a 1-D CPU int64 tensor, got {lengths.dim()}-D on {lengths.device}"
+        )
+    if a["batch_first"]:
+        x = x.transpose(0, 1)
+    steps, batch = x.shape[0], x.shape[1]
+    lengths = [int(n) for n in lengths.tolist()]
+    if len(lengths) != batch:
+        raise RuntimeError(f"pack_padded_sequence: expected {batch} lengths (the batch size), got {len(lengths)}")
+    if any(n <= 0 for n in lengths):
+        raise RuntimeError("pack_padded_sequence: every sequence length must be greater than 0")
+    if any(p < n for p, n in zip(lengths, lengths[1:])):
+        raise RuntimeError(
+            "pack_padded_sequence: `lengths` must be sorted in decreasing order; pass enforce_sorted=False "
+            "to pack unsorted sequences"
+        )
+    if lengths[0] > steps:
+        raise RuntimeError(f"pack_padded_sequence: a length of {lengths[0]} exceeds the {steps} padded steps")
+    batch_sizes = [sum(1 for n in lengths if n > t) for t in range(lengths[0])]
+    rows = torch.tensor(_packed_rows(batch_sizes, batch), device=x.device)
+    data = x.reshape(steps * batch, *x.shape[2:]).index_select(0, rows)
+    return data, torch.tensor(batch_sizes, dtype=torch.int64)
+
+
+@custom(aten._pack_padded_sequence_backward.default)
+def pack_padded_sequence_backward(args, kwargs):
+    import torch
+
+    a = bind(aten._pack_padded_sequence_backward.default, args, kwargs)
+    grad, sizes, batch_first = a["grad"], [int(s) for s in a["input_size"]], a["batch_first"]
+    if batch_first:
+        sizes[0], sizes[1] = sizes[1], sizes[0]
+    batch_sizes = [int(n) for n in a["batch_sizes"].tolist()]
+    rows = torch.tensor(_packed_rows(batch_sizes, sizes[1]), device=grad.device)
+    out = grad.new_zeros((sizes[0] * sizes[1], *sizes[2:])).index_copy(0, rows, grad).reshape(sizes)
+    return out.transpose(0, 1) if batch_first else out

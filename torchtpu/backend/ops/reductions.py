@@ -291,6 +291,12 @@ def all_(self, dim=None, keepdim=False):
     return jnp.all(self.astype(jnp.bool_), axis=_axes(dim, self.ndim, empty_means_all=False), keepdims=keepdim)
 
 
+@lower(aten._is_all_true.default)
+def is_all_true(self):
+    # torch.distributions' argument validation (a bool tensor's all)
+    return jnp.all(self)
+
+
 @lower(aten.any.default, aten.any.dim, aten.any.dims)
 def any_(self, dim=None, keepdim=False):
     return jnp.any(self.astype(jnp.bool_), axis=_axes(dim, self.ndim, empty_means_all=False), keepdims=keepdim)
