@@ -241,6 +241,7 @@ def run_mpmd():
 
     # A collective that only rank 0 calls, in a group with a 5 s timeout: rank 0 raises naming it.
     quick = dist.new_group(timeout=timedelta(seconds=5))
+    quick2 = dist.new_group(timeout=timedelta(seconds=3))
     if rank == 0:
         start = time.monotonic()
         try:
@@ -254,7 +255,6 @@ def run_mpmd():
         else:
             raise AssertionError("an all_reduce no peer called returned")
     # a recv whose sender never sends
-    quick2 = dist.new_group(timeout=timedelta(seconds=3))
     if rank == 1:
         try:
             dist.recv(torch.zeros(2, device="tpu"), 0, group=quick2)

@@ -21,11 +21,11 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
     SequenceParallel,
 )
 
+from . import process_group  # noqa: F401  (registers the "tpu" backend of torch.distributed)
 from .batch import batch_placements, place_batch  # noqa: F401
 from .collectives import local_map, loss_parallel, vocab_parallel_cross_entropy  # noqa: F401
 from .dtensor import distribute_tensor, local_shards, shard_as  # noqa: F401
 from .fsdp import FSDPState, MixedPrecisionPolicy, fully_shard  # noqa: F401
 from .mesh import DeviceMesh, current_mesh, init_device_mesh, initialize, set_mesh  # noqa: F401
-from . import process_group  # noqa: F401,E402  (registers the "tpu" backend of torch.distributed)
 from .parallel import parallelize_module  # noqa: F401
 from .params import empty, local_bytes, materialize  # noqa: F401

@@ -42,6 +42,7 @@ __all__ = ["BACKEND_NAME", "TpuProcessGroup"]
 BACKEND_NAME = "tpu"
 _AXIS = "r"
 _RO = dist.ReduceOp
+_JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 # ----------------------------------------------------------------------------- work
@@ -105,7 +106,7 @@ def _mine(out):
     return out.addressable_shards[0].data
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program(mesh: Mesh, kind: str, static):
     """A jitted shard_map over `mesh` for one op; each device's block is its rank's flat tensor."""
 
@@ -213,6 +214,10 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, global_ranks, group_name: str):
         super().__init__(rank, size)
+        # A group made again under the same name (init_process_group after destroy_process_group,
+        # in one job) meets in the same store: its keys carry the how-manieth instance it is.
+        generation = (store.add("instances", 1) - 1) // size
+        store = dist.PrefixStore(f"{generation}/", store)
         self._store = store
         self._rank = rank
         self._size = size
@@ -227,12 +232,22 @@ class TpuProcessGroup(dist.ProcessGroup):
         me = jax.local_devices()[0]
         store.set(f"device/{rank}", str(me.id))
         keys = [f"device/{r}" for r in range(size)]
-        store.wait(keys, timeout)
+        # making a group is not an op: a short timeout for the group's ops is no limit here
+        store.wait(keys, max(timeout, _JOIN_TIMEOUT))
         by_id = {d.id: d for d in jax.devices()}
         self._devices = [by_id[int(v)] for v in store.multi_get(keys)]
         self._device = me
         self._mesh = Mesh(np.array(self._devices), (_AXIS,))
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._gloo_group = None
+
+    @property
+    def _gloo(self):
+        """A gloo group over the same ranks for CPU tensors, made by the first op on CPU tensors
+        (which every member calls)."""
+        if self._gloo_group is None:
+            store = dist.PrefixStore("gloo/", self._store)
+            self._gloo_group = dist.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
+        return self._gloo_group
 
     # -- identity
     def size(self):
@@ -535,7 +550,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._store.delete_key(f"{key}/{'recv' if what == 'send' else 'send'}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair_mesh(a, b) -> Mesh:
     return Mesh(np.array([a, b]), (_AXIS,))
 
@@ -564,7 +579,7 @@ def _join_jax(store, rank: int, size: int, timeout: timedelta) -> None:
     initialize(f"{host}:{port}", size, rank, init_timeout_seconds=int(timeout.total_seconds()))
 
 
-def _create(opts, backend_options=None) -> TpuProcessGroup:
+def _create(opts, _backend_options=None) -> TpuProcessGroup:
     return TpuProcessGroup(
         opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.global_ranks_in_group, opts.group_id
     )
