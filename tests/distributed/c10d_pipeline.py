@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 64, 32, 8, 8, 4, 3
+VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 64, 32, 8, 8, 4, 2
 
 
 class Embed(nn.Module):

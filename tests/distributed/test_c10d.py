@@ -36,7 +36,7 @@ def _env(**extra):
 def _workers(n: int, part: str) -> list[str]:
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
     cmds = [["env", f"RANK={i}", f"LOCAL_RANK={i}", sys.executable, str(WORKER), part] for i in range(n)]
-    return run_together(cmds, env, timeout=400)
+    return run_together(cmds, env, timeout=600)
 
 
 def _checked(outs: list[str]) -> list[set[str]]:
@@ -108,7 +108,7 @@ def _assert_tutorial_matches(found, world: int):
             np.testing.assert_array_equal(wt, found[(demo, "tpu", 0)][1])
 
 
-def _run(cmd, env, timeout=400) -> str:
+def _run(cmd, env, timeout=600) -> str:
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-4000:]
     return p.stdout
