@@ -80,7 +80,7 @@ def run_collectives():
                 if async_op:
                     assert w.wait()
                 dist.all_reduce(c, op=op, group=GLOO)
-                check(f"all_reduce {op} {d} async={async_op}", t, c)
+                check(f"all_reduce {str(op).split('.')[-1]} {d} async={async_op}", t, c)
         # a view into a base: the result is written through the view, the rest of the base kept
         (tb, tv), (cb, cv) = non_contiguous((4, 3), dtype, 2)
         dist.all_reduce(tv)
@@ -161,6 +161,25 @@ def run_collectives():
         dist.reduce_scatter_tensor(co, cv.contiguous(), group=GLOO)  # gloo wants it contiguous
         check(f"reduce_scatter_tensor non-contiguous {d}", to, co)
 
+    # rooted ops
+    t, c = both(data((world, 3), torch.float32, 15))
+    dist.reduce(t, dst=1, op=RO.MAX)
+    dist.reduce(c, dst=1, op=RO.MAX, group=GLOO)
+    if rank == 1:
+        check("reduce", t, c)
+    x, xc = both(data((3,), torch.float32, 16))
+    to = [torch.zeros(3, device="tpu") for _ in range(world)] if rank == 0 else None
+    co = [torch.zeros(3) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, to, dst=0)
+    dist.gather(xc, co, dst=0, group=GLOO)
+    if rank == 0:
+        check("gather", to, co)
+    parts = [data((2,), torch.int64, 17 + j) for j in range(world)]
+    to, co = torch.zeros(2, dtype=torch.int64, device="tpu"), torch.zeros(2, dtype=torch.int64)
+    dist.scatter(to, [p.to("tpu") for p in parts] if rank == 0 else None, src=0)
+    dist.scatter(co, parts if rank == 0 else None, src=0, group=GLOO)
+    check("scatter", to, co)
+
     # point to point: a ring with send/recv, and the same exchange as one batch_isend_irecv
     for dtype in DTYPES:
         d = str(dtype).split(".")[1]
@@ -218,6 +237,43 @@ def run_collectives():
     checks.append("barrier")
 
 
+# ----------------------------------------------------------------------------- DDP
+
+
+def run_ddp():
+    """DDP with no_sync and several gradient buckets on tpu against DDP on CPU over gloo."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 6)
+            self.b = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(rank)  # different on every rank: DDP broadcasts rank 0's
+    base = Branchy()
+    results = []
+    for device, group in (("tpu", None), ("cpu", GLOO)):
+        model = Branchy()
+        model.load_state_dict(base.state_dict())
+        ddp = DDP(model.to(device), process_group=group, bucket_cap_mb=1e-4)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(50 + rank)
+        for _ in range(2):
+            with ddp.no_sync():  # gradients accumulate locally
+                ddp(torch.randn(4, 6, generator=g).to(device)).square().mean().backward()
+            ddp(torch.randn(4, 6, generator=g).to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().cpu() for p in ddp.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    checks.append("DDP with no_sync, several buckets")
+
+
 # ----------------------------------------------------------------------------- MPMD and failures
 
 
@@ -268,6 +324,8 @@ def run_mpmd():
 
 if part in ("all", "collectives"):
     run_collectives()
+if part in ("all", "ddp") and world == 2:
+    run_ddp()
 if part in ("all", "mpmd"):
     run_mpmd()
 if part in ("all", "pipeline") and world == 2:

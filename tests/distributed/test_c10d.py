@@ -51,8 +51,9 @@ def _checked(outs: list[str]) -> list[set[str]]:
 
 
 EVERY_RANK = [
-    "all_reduce ReduceOp.PRODUCT bfloat16 async=True",
-    "all_reduce ReduceOp.BXOR int64 async=False",
+    "all_reduce PRODUCT bfloat16 async=True",
+    "all_reduce BXOR int64 async=False",
+    "all_reduce MIN float32 async=True",
     "all_reduce non-contiguous int64",
     "all_reduce avg bfloat16",
     "all_gather float32 async=True",
@@ -63,6 +64,7 @@ EVERY_RANK = [
     "send/recv ring int64",
     "batch_isend_irecv both ways bfloat16",
     "MPMD: rank 0 runs extra programs between collectives",
+    "scatter",
     "barrier",
 ]
 
@@ -75,6 +77,8 @@ def test_every_collective_on_2_processes_and_a_gpipe_pipeline():
         assert len(names) >= 90
     assert "lone all_reduce times out" in done[0]
     assert "lone recv times out" in done[1]
+    assert "gather" in done[0] and "reduce" in done[1]
+    assert all("DDP with no_sync, several buckets" in names for names in done)
     assert "GPipe over 2 stages, 4 micro-batches = one process" in done[1]
 
 
