@@ -322,6 +322,30 @@ def run_mpmd():
     dist.barrier()
 
 
+def run_global_mesh():
+    """After init_process_group("tpu"), torchtpu's global mesh spans every rank's device: FSDP's
+    fully_shard and distribute_tensor over it give the single-device results."""
+    from torch.distributed.tensor import Shard
+
+    from torchtpu.distributed import distribute_tensor, fully_shard, init_device_mesh
+
+    mesh = init_device_mesh("tpu", (world,), mesh_dim_names=("dp_shard",))
+    x = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3)
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    check("distribute_tensor over the process-group mesh", (d * 2).sum(0), (x * 2).sum(0))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3 * world, 4)
+    ref = torch.nn.Linear(3 * world, 4)
+    ref.load_state_dict(lin.state_dict())
+    fully_shard(lin, mesh=mesh)
+    inp = torch.randn(8, 3 * world, generator=torch.Generator().manual_seed(3))
+    lin(distribute_tensor(inp, mesh, [Shard(0)])).square().sum().backward()
+    ref(inp).square().sum().backward()
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor().cpu(), q.grad, rtol=1e-5, atol=1e-5)
+    checks.append("fully_shard over the process-group mesh = one device")
+
+
 if part in ("all", "collectives"):
     run_collectives()
 if part in ("all", "ddp") and world == 2:
@@ -332,6 +356,8 @@ if part in ("all", "pipeline") and world == 2:
     from tests.distributed.c10d_pipeline import run_pipeline
 
     checks += run_pipeline(rank, world)
+if part in ("all", "mesh"):
+    run_global_mesh()  # last: the global mesh makes every eager op wait for its result
 for c in checks:
     print("ok", c)
 print(f"checks {len(checks)}", flush=True)

@@ -2,8 +2,9 @@
 XLA CPU device each, gloo on CPU as the oracle:
 
 - every collective, sync and async, float32 / bfloat16 / int64, views; point to point; subgroups;
-  MPMD; a lone collective and a lone recv time out naming the op (c10d_worker.py, which also runs
-  a 2-stage GPipe pipeline against one process: c10d_pipeline.py);
+  MPMD; a lone collective and a lone recv time out naming the op; DDP with no_sync; torchtpu's
+  global mesh (fully_shard, distribute_tensor) after init_process_group (c10d_worker.py, which also
+  runs a 2-stage GPipe pipeline against one process: c10d_pipeline.py);
 - PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py).
 
 Each launch checks many things: a process launch costs seconds, so there are four."""
@@ -66,6 +67,8 @@ EVERY_RANK = [
     "MPMD: rank 0 runs extra programs between collectives",
     "scatter",
     "barrier",
+    "distribute_tensor over the process-group mesh",
+    "fully_shard over the process-group mesh = one device",
 ]
 
 
