@@ -98,7 +98,7 @@ def _tutorial_results(out: str):
     """{(demo, device, rank): (loss, weights)} from the tutorial's printed lines."""
     found = {}
     for demo, device, rank, loss, weights in re.findall(
-        r"^(?:\[\S+\]:)?(basic|checkpoint) (tpu|cpu) rank (\d+) loss (\S+) weights (\[.*\])$", out, re.M
+        r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) loss (\S+) weights (\[.*\])$", out, re.M
     ):
         found[(demo, device, int(rank))] = (float(loss), np.array(eval(weights)))
     return found
