@@ -176,3 +176,11 @@ _.supports_attn_type
 _.supports_sliding_window
 _.supports_structured_output
 _.verify_quantization
+
+# torch.distributed calls these of a process group (torchtpu.distributed.process_group) and its Work
+_.is_completed
+_.get_future
+_.getBackendName
+_.allreduce_coalesced
+_.all_gather_single_coalesced
+_.reduce_scatter_single_coalesced

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
+import os
+import re
 import types
 import weakref
 
@@ -22,7 +25,24 @@ def _devices():
 
 
 def device_count() -> int:
+    """The number of tpu devices: every device of the job once JAX runs. Before that, in a process
+    that is to join a multi-process job (WORLD_SIZE > 1: torchrun, torchtpu-launch), this host's
+    own devices, counted without starting JAX, so that `torch.accelerator.device_count()` or
+    `set_device_index(local_rank)` before `init_process_group` leave the join possible."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _host_device_count()
     return len(_devices())
+
+
+def _host_device_count() -> int:
+    from .._platform import has_tpu_chips
+
+    if has_tpu_chips() and os.environ.get("JAX_PLATFORMS", "tpu") != "cpu":
+        return len(glob.glob("/dev/accel*")) or len(glob.glob("/dev/vfio/[0-9]*")) or 1
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else 1
 
 
 class _DeviceGuard(torch._C._acc.DeviceGuard):

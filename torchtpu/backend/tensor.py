@@ -163,6 +163,13 @@ _TENSOR_DATA = torch._C.TensorBase.data
 _JAX_TO_TORCH = dtypes.JAX_TO_TORCH
 
 
+def jax_device(device_index: int):
+    """The JAX device of tpu:`device_index`: index 0 is this process's first device (JAX's default
+    device, which in a job of several processes is not the job's device 0), other indices are the
+    job's devices in `jax.devices()` order."""
+    return jax.local_devices()[0] if device_index == 0 else jax.devices()[device_index]
+
+
 def place(x, device_index: int):
     """Put host data (or an array) on tpu:`device_index`.
 

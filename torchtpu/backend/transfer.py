@@ -13,14 +13,14 @@ from .fallback import to_cpu
 from .handlers import cast, resize_tensor, set_meta
 from .optable import custom
 from .state import is_tracing, note_mesh
-from .tensor import TpuTensor, new_base, place, storage_of
+from .tensor import TpuTensor, jax_device, new_base, place, storage_of
 from .views import array_of, write
 
 aten = torch.ops.aten
 
 
 def _device(index: int):
-    return jax.devices()[index]
+    return jax_device(index)
 
 
 def cpu_to_array(t: torch.Tensor, device_index: int):

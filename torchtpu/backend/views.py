@@ -18,7 +18,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array typ
 from . import dtypes
 from .optable import LOWERINGS
 from .state import CONFIG, HOOKS, STATE
-from .tensor import Storage, TpuTensor
+from .tensor import Storage, TpuTensor, jax_device
 
 aten = torch.ops.aten
 
@@ -43,7 +43,7 @@ def storage_array(st: Storage):
             a = jnp.zeros(st.shape, jdt, device=st.dist.sharding)  # made in place, never whole on one device
             st.array = a
         else:
-            with jax.default_device(jax.devices()[st.device_index]):
+            with jax.default_device(jax_device(st.device_index)):
                 a = _ZEROS(st.shape, jdt)
             st.array = a
     return a

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401
     SequenceParallel,
 )
 
+from . import process_group  # noqa: F401  (registers the "tpu" backend of torch.distributed)
 from .batch import batch_placements, place_batch  # noqa: F401
 from .collectives import local_map, loss_parallel, vocab_parallel_cross_entropy  # noqa: F401
 from .dtensor import distribute_tensor, local_shards, shard_as  # noqa: F401

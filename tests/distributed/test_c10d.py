@@ -1,0 +1,133 @@
+"""torch.distributed on tpu (the "tpu" c10d backend), in real jobs of 2 and 4 processes with one
+XLA CPU device each, gloo on CPU as the oracle:
+
+- every collective, sync and async, float32 / bfloat16 / int64, views; point to point; subgroups;
+  MPMD; a lone collective and a lone recv time out naming the op; DDP with no_sync; torchtpu's
+  global mesh (fully_shard, distribute_tensor) after init_process_group (c10d_worker.py, which also
+  runs a 2-stage GPipe pipeline against one process: c10d_pipeline.py);
+- PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py).
+
+Each launch checks many things: a process launch costs seconds, so there are four."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..processes import free_port, run_together
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+WORKER = HERE / "c10d_worker.py"
+TUTORIAL = HERE / "ddp_tutorial.py"
+
+
+def _env(**extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra)
+    return env
+
+
+def _workers(n: int, part: str) -> list[str]:
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+    cmds = [["env", f"RANK={i}", f"LOCAL_RANK={i}", sys.executable, str(WORKER), part] for i in range(n)]
+    return run_together(cmds, env, timeout=600)
+
+
+def _checked(outs: list[str]) -> list[set[str]]:
+    done = []
+    for out in outs:
+        m = re.search(r"^checks (\d+)$", out, re.M)
+        assert m, out[-3000:]
+        names = set(re.findall(r"^ok (.*)$", out, re.M))
+        assert len(names) == int(m.group(1)), out[-3000:]
+        done.append(names)
+    return done
+
+
+EVERY_RANK = [
+    "all_reduce PRODUCT bfloat16 async=True",
+    "all_reduce BXOR int64 async=False",
+    "all_reduce MIN float32 async=True",
+    "all_reduce non-contiguous int64",
+    "all_reduce avg bfloat16",
+    "all_gather float32 async=True",
+    "all_gather_into_tensor into a view bfloat16",
+    "reduce_scatter_tensor non-contiguous float32",
+    "broadcast int64 async=True",
+    "all_to_all_single splits bfloat16 async=True",
+    "send/recv ring int64",
+    "batch_isend_irecv both ways bfloat16",
+    "MPMD: rank 0 runs extra programs between collectives",
+    "scatter",
+    "barrier",
+    "distribute_tensor over the process-group mesh",
+    "fully_shard over the process-group mesh = one device",
+]
+
+
+def test_every_collective_on_2_processes_and_a_gpipe_pipeline():
+    done = _checked(_workers(2, "all"))
+    for names in done:
+        assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
+        assert "all_reduce in a subgroup" in names and "send/recv in a subgroup (global ranks)" in names
+        assert len(names) >= 90
+    assert "lone all_reduce times out" in done[0]
+    assert "lone recv times out" in done[1]
+    assert "gather" in done[0] and "reduce" in done[1]
+    assert all("DDP with no_sync, several buckets" in names for names in done)
+    assert "GPipe over 2 stages, 4 micro-batches = one process" in done[1]
+
+
+def test_every_collective_on_4_processes():
+    done = _checked(_workers(4, "all"))
+    for r, names in enumerate(done):
+        assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
+        assert ("all_reduce in a subgroup" in names) == (r in (0, 2))
+    assert "lone all_reduce times out" in done[0]
+    assert "lone recv times out" in done[1]
+
+
+def _tutorial_results(out: str):
+    """{(demo, device, rank): (loss, weights)} from the tutorial's printed lines."""
+    found = {}
+    for demo, device, rank, loss, weights in re.findall(
+        r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) loss (\S+) weights (\[.*\])$", out, re.M
+    ):
+        found[(demo, device, int(rank))] = (float(loss), np.array(eval(weights)))
+    return found
+
+
+def _assert_tutorial_matches(found, world: int):
+    assert len(found) == 2 * 2 * world, sorted(found)
+    for demo in ("basic", "checkpoint"):
+        for r in range(world):
+            (lt, wt), (lc, wc) = found[(demo, "tpu", r)], found[(demo, "cpu", r)]
+            np.testing.assert_allclose(lt, lc, rtol=0, atol=1e-6, err_msg=f"{demo} rank {r} loss")
+            np.testing.assert_allclose(wt, wc, rtol=0, atol=1e-6, err_msg=f"{demo} rank {r} weights")
+            # DDP kept the replicas equal
+            np.testing.assert_array_equal(wt, found[(demo, "tpu", 0)][1])
+
+
+def _run(cmd, env, timeout=600) -> str:
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:]
+    return p.stdout
+
+
+def test_ddp_tutorial_under_torchrun_matches_gloo_on_cpu():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    out = _run(torchrun + ["--master-port", str(free_port()), str(TUTORIAL)], _env())
+    _assert_tutorial_matches(_tutorial_results(out), 2)
+
+
+def test_ddp_tutorial_under_torchtpu_launch_with_4_hosts_matches_gloo_on_cpu():
+    launch = [sys.executable, "-m", "torchtpu.launch", "local", "--num-hosts", "4", "--devices-per-host", "1"]
+    out = _run(launch + ["--", sys.executable, str(TUTORIAL)], _env())
+    _assert_tutorial_matches(_tutorial_results(out), 4)
