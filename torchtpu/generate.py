@@ -8,9 +8,9 @@ The model, tokenizer and mesh are the job's ([model], [parallelism] of the confi
 option may follow as an override). --checkpoint is a torchtpu-train checkpoint folder (its newest
 step), one step_N folder (full or model-only), or a Hugging Face model folder. With
 [model] hf_assets_path empty, a Hugging Face folder's own tokenizer files (a torchtpu-train
-export has them) are used; else the bundled tokenizer. The prompt is run
-through the model once (prefill), then one token at a time against a KV cache
-(torchtpu.models.llama3.decode); both are `torchtpu.compile` programs, and the decode step is one
+export has them) are used; else the bundled tokenizer. The prompt is run through the model once
+(prefill), then one token at a time against a KV cache (the family's decode module:
+torchtpu.models.llama3.decode); both are `torchtpu.compile` programs, and the decode step is one
 program reused for every token (the position is a tensor input). --temperature 0 is greedy.
 It prints the prompt, then the continuation (up to the tokenizer's end-of-text token).
 """
@@ -18,6 +18,7 @@ It prints the prompt, then the continuation (up to the tokenizer's end-of-text t
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main", "generate", "load_for_generation", "tokenizer_for"]
@@ -45,20 +46,24 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
 
     import torchtpu  # noqa: F401
     from torchtpu.distributed import init_device_mesh, materialize
-    from torchtpu.models.llama3.parallelize import parallelize_llama
+    from torchtpu.models.registry import FAMILIES, get_family
     from torchtpu.train.job_config import ConfigError
     from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.parallel_dims import resolve_dims
 
+    family = get_family(cfg.model.name)
+    if family.decode is None:
+        raise ConfigError(
+            f"[model] name = {cfg.model.name!r}: torchtpu-generate has no KV-cache decoding for this family; "
+            f"families it generates with: {', '.join(n for n, f in FAMILIES.items() if f.decode)}"
+        )
     dims = resolve_dims(cfg, len(jax.devices()))
     mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names)
     tok = tokenizer_for(cfg, checkpoint)
     args = build_model_args(cfg, tok.vocab_size)
     args.max_seq_len = max(args.max_seq_len, total_len)  # the RoPE table must reach every position
-    from torchtitan.models.llama3 import Transformer
-
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.model_cls()(args)
     dtype = getattr(torch, cfg.training.dtype)
     if dtype != torch.float32:
         for mod in model.modules():
@@ -66,7 +71,7 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
                 if p is not None and p.is_floating_point():
                     mod._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
     # No sequence parallelism (a decode step has one position) and whole logits (no loss).
-    parallelize_llama(model, mesh, sequence_parallel=False, loss_parallel=False)
+    family.parallelize(model, mesh, sequence_parallel=False, loss_parallel=False)
     materialize(model)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("tpu"))  # the RoPE table; weights are overwritten
@@ -105,7 +110,10 @@ def generate(
 
     import torchtpu
     from torchtpu.distributed import Replicate, distribute_tensor
-    from torchtpu.models.llama3.decode import KVCache, forward_cached
+    from torchtpu.models.registry import family_of
+
+    decode = importlib.import_module(family_of(model).decode)
+    KVCache, forward_cached = decode.KVCache, decode.forward_cached
 
     def place(t):
         return distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)

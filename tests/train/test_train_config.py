@@ -33,6 +33,7 @@ SHIPPED = {  # file -> (devices of the slice it is written for, topology)
     "llama3_8b.toml": (4, "v5p:2x2x1"),
     "llama3_70b.toml": (64, "v5p:4x4x4"),
     "llama3_405b.toml": (512, "v5p:8x8x8"),
+    "qwen3_30b_a3b.toml": (16, "v5p:2x2x4"),
 }
 
 

@@ -23,6 +23,7 @@ from torchtpu.cli import train_main
 from torchtpu.train.config_manager import load_config
 
 from .debug_run import DEBUG_TOML, REPO, debug_argv
+from .reference import cpu_state, reference_losses
 
 PY = sys.executable
 
@@ -41,14 +42,6 @@ def small_argv(dump, *extra):
         seq_len=SEQ,
         local_batch_size=LBS,
     )
-
-
-def cpu_state(model):
-    """Full (gathered) CPU copies of a tpu model's parameters, by name."""
-    out = {}
-    for name, p in model.named_parameters():
-        out[name.replace("_checkpoint_wrapped_module.", "")] = p.detach().cpu().clone()
-    return out
 
 
 # the trainer sets the process's current device mesh
@@ -92,49 +85,6 @@ def runs(tmp_path_factory):
         "final": final,
         "argv": argv,
     }
-
-
-def reference_losses(cfg, init, steps):
-    """The same job as a plain PyTorch loop on the CPU: same model, weights, batches, optimizer, LR, clipping."""
-    from torchtitan.models.llama3 import Transformer
-
-    from torchtpu.train.data import build_global_batch_loader
-    from torchtpu.train.loss import cross_entropy_loss
-    from torchtpu.train.lr import build_lr_scheduler
-    from torchtpu.train.model_builder import build_model_args
-    from torchtpu.train.tokenizer import build_tokenizer
-
-    tok = build_tokenizer(None)
-    args = build_model_args(cfg, tok.vocab_size)
-    model = Transformer(args)  # every parameter is overwritten with the trainer's initial values
-    missing, unexpected = model.load_state_dict(init, strict=False)
-    assert not unexpected and all("freqs_cis" in k for k in missing)
-    o, ls = cfg.optimizer, cfg.lr_scheduler
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
-    )
-    sched = build_lr_scheduler(
-        opt, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor, cfg.training.steps
-    )
-    loader = build_global_batch_loader(
-        cfg.training.dataset,
-        cfg.training.dataset_path,
-        tok,
-        cfg.training.seq_len,
-        cfg.training.local_batch_size * 8,
-        seed=cfg.debug.seed,
-    )
-    losses = []
-    for _ in range(steps):
-        x, y = next(loader)
-        loss = cross_entropy_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_loss_parity_and_checkpoint_resume(runs):

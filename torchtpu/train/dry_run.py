@@ -42,7 +42,7 @@ def _micro_batch(trainer):
     import torch
 
     import torchtpu.distributed as td
-    from torchtpu.models.llama3.parallelize import batch_placements
+    from torchtpu.distributed.batch import batch_placements
 
     dims = trainer.dims
     shape = (dims.micro_batch_size, dims.seq_len)

@@ -27,8 +27,13 @@ from .config_schema import emit_toml, fmt
 __all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
 
 
-# Models torchtpu trains, by torchtitan model name, with the flavors it supports.
-MODEL_FLAVORS: dict[str, tuple[str, ...]] = {"llama3": ("debugmodel", "8B", "70B", "405B")}
+# Models torchtpu trains, by torchtitan model name, with the flavors it supports: the families of
+# torchtpu.models.registry, written out because this module imports only the standard library
+# (tests/train/test_families.py keeps the two equal).
+MODEL_FLAVORS: dict[str, tuple[str, ...]] = {
+    "llama3": ("debugmodel", "8B", "70B", "405B"),
+    "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B"),
+}
 
 
 class ConfigError(Exception):
@@ -200,7 +205,12 @@ class Metrics:
 @dataclass
 class Model:
     name: str = _opt("llama3", "Model family, by its torchtitan name.", choices=tuple(MODEL_FLAVORS))
-    flavor: str = _opt("debugmodel", "Size of the model within the family (llama3: debugmodel, 8B, 70B, 405B).")
+    flavor: str = _opt(
+        "debugmodel",
+        "Size of the model within the family: "
+        + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in MODEL_FLAVORS.items())
+        + ".",
+    )
     hf_assets_path: str = _opt(
         "",
         "Folder with the model's Hugging Face files (tokenizer.json or "

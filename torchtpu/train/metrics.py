@@ -22,41 +22,30 @@ import sys
 import time
 
 # --------------------------------------------------------------------------------------------
-# FLOPs per token
+# FLOPs per token: the counts live with the model families (torchtpu.models.flops). Imported when
+# called, so this module loads on its own (the W&B test runs it without the package).
 # --------------------------------------------------------------------------------------------
 
 
 def num_flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token of a dense decoder: 6 N + 12 L H Q T.
+    """torchtpu.models.flops.num_flops_per_token: 6 N + 12 L H Q T."""
+    from ..models import flops
 
-    N = parameters outside the embedding table (each is used in one multiply-add per token in the
-    forward pass and two in the backward: 2 + 4 = 6 FLOPs). The attention term counts the two
-    matmuls QK^T and AV (each Q = head_dim wide, over T = seq_len keys) for H heads in L layers,
-    forward and backward, with no discount for causal masking (the usual MFU convention).
-    """
-    return int(6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len)
+    return flops.num_flops_per_token(num_params, n_layers, n_heads, head_dim, seq_len)
 
 
 def non_embedding_params(model) -> tuple[int, int]:
-    """(all parameters, parameters outside the model's top-level nn.Embedding modules)."""
-    import torch.nn as nn
+    """torchtpu.models.flops.non_embedding_params."""
+    from ..models import flops
 
-    total = sum(p.numel() for p in model.parameters())
-    embedding = sum(p.numel() for m in model.children() if isinstance(m, nn.Embedding) for p in m.parameters())
-    return total, total - embedding
+    return flops.non_embedding_params(model)
 
 
 def model_flops_per_token(model, model_args, seq_len: int) -> tuple[int, int]:
-    """(number of parameters, training FLOPs per token) for a torchtitan dense model (Llama 3).
+    """torchtpu.models.flops.model_flops_per_token: (parameters, FLOPs per token) of a dense decoder."""
+    from ..models import flops
 
-    Works on a model built on the meta device. Weight tying (if the args enable it) removes the
-    embedding from the parameter count, as the embedding is then also the output projection."""
-    total, non_embedding = non_embedding_params(model)
-    head_dim = getattr(model_args, "head_dim", None) or model_args.dim // model_args.n_heads
-    flops = num_flops_per_token(non_embedding, model_args.n_layers, model_args.n_heads, head_dim, seq_len)
-    if getattr(model_args, "enable_weight_tying", False):
-        total = non_embedding
-    return total, flops
+    return flops.model_flops_per_token(model, model_args, seq_len)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""From the configuration to the model the trainer builds: torchtitan's Llama 3 arguments for
-[model] flavor, the model on the meta device in training.dtype, and the settings handed to
-parallelize_llama (mixed-precision dtypes, activation recomputation).
+"""From the configuration to the model the trainer builds: the arguments of torchtitan's model
+[model] name (a family of torchtpu.models.registry) in [model] flavor, the model on the meta device
+in training.dtype, and the settings handed to the family's parallelize plan (mixed-precision
+dtypes, activation recomputation).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 from .job_config import ConfigError, JobConfig
@@ -14,22 +14,23 @@ __all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
-    """The flavor's TransformerModelArgs with max_seq_len = training.seq_len (or validation.seq_len if
+    """The flavor's torchtitan model arguments with max_seq_len = training.seq_len (or validation.seq_len if
     validation is on and its sequences are longer).
 
     The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
     be trained on (its ids would index past the embedding table) and is refused."""
-    from torchtitan.models.llama3 import llama3_args
+    from torchtpu.models.registry import UnknownModel, get_family
 
     flavor = cfg.model.flavor
-    if flavor not in llama3_args:
-        known = ", ".join(k for k in llama3_args if "_" not in k)
-        raise ConfigError(f"[model] flavor = {flavor!r}: not a torchtitan llama3 flavor; allowed: {known}")
-    args = dataclasses.replace(llama3_args[flavor])
+    try:
+        family = get_family(cfg.model.name)
+        args = family.model_args(flavor)
+    except UnknownModel as e:
+        raise ConfigError(f"[model] name = {cfg.model.name!r}, flavor = {flavor!r}: {e}") from None
     if args.attn_type != "sdpa":
         raise ConfigError(
             f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
-            "torchtpu; use a flavor with SDPA attention (debugmodel, 8B, 70B, 405B)"
+            f"torchtpu; use a flavor with SDPA attention ({', '.join(family.flavors)})"
         )
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
         where = cfg.origin("model", "hf_assets_path") or "default"
@@ -46,15 +47,15 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
 
 
 def build_meta_model(cfg: JobConfig, model_args):
-    """torchtitan's Transformer on the meta device, its parameters in training.dtype, with real
-    rotary arithmetic (no complex64 table on the chip: docs/DESIGN_NOTES.md)."""
+    """torchtitan's model of [model] name on the meta device, prepared for tpu by its family (Llama 3:
+    real rotary arithmetic, no complex64 table on the chip: docs/DESIGN_NOTES.md), its parameters
+    in training.dtype."""
     import torch
-    from torchtitan.models.llama3 import Transformer
 
-    from torchtpu.models.llama3.rope import use_real_rope
+    from torchtpu.models.registry import get_family
 
     with torch.device("meta"):
-        model = use_real_rope(Transformer(model_args))
+        model = get_family(cfg.model.name).build_model(model_args)
     param_dtype = torch_dtype(cfg.training.dtype)
     if param_dtype != torch.float32:
         # parameters only: the RoPE table (freqs_cis) keeps its float32 values
@@ -66,7 +67,7 @@ def build_meta_model(cfg: JobConfig, model_args):
 
 
 def mixed_precision_dtypes(cfg: JobConfig):
-    """(param_dtype, reduce_dtype) for parallelize_llama: training.mixed_precision_param/_reduce, or None
+    """(param_dtype, reduce_dtype) for the parallelize plan: training.mixed_precision_param/_reduce, or None
     where they equal the parameters' own dtype (training.dtype), i.e. where there is nothing to cast."""
     own = torch_dtype(cfg.training.dtype)
     param, reduce = (torch_dtype(cfg.training.mixed_precision_param), torch_dtype(cfg.training.mixed_precision_reduce))

@@ -7,9 +7,9 @@ What a run does, in order:
 1. Devices and mesh. The devices are this job's (all hosts') JAX devices, or with `[tpu] topology`
    and `--dry-run` the compile-only devices of that TPU slice. `resolve_dims(cfg, len(devices))`
    resolves the parallel degrees; the mesh has the axes `distributed.mesh.JOB_MESH_DIMS`.
-2. Model. torchtitan's Llama 3 `Transformer` for `[model] flavor` is built on `meta` (its
-   vocab_size is the flavor's; a tokenizer with a larger vocabulary is refused; max_seq_len is
-   the training seq_len), parallelized with `parallelize_llama` (FSDP/HSDP, tensor and sequence
+2. Model. torchtitan's model for `[model] name` and `flavor` (torchtpu.models.registry) is built on
+   `meta` (its vocab_size is the flavor's; a tokenizer with a larger vocabulary is refused; max_seq_len
+   is the training seq_len), parallelized by its family's plan (FSDP/HSDP, tensor and sequence
    parallelism, mixed precision, activation checkpointing), then materialized: every parameter
    is created directly in its sharded layout, so no device and no host ever holds the whole
    model, and `init_weights()` fills them in place under the seed `[debug] seed`.
@@ -146,15 +146,16 @@ class Trainer:
     checkpointer (or None), step (the last completed step), history (the logged metrics).
     """
 
-    def __init__(self, cfg: JobConfig, n_layers: int | None = None):
-        """`n_layers` overrides the flavor's depth (the dry run costs 0- and 1-layer copies)."""
+    def __init__(self, cfg: JobConfig, n_layers: int | None = None, model_overrides: dict | None = None):
+        """`n_layers` overrides the flavor's depth (the dry run costs 0- and 1-layer copies);
+        `model_overrides` other fields of the flavor's arguments (tests train narrower copies)."""
         import jax
         import torch
 
         import torchtpu  # noqa: F401  (registers the tpu device)
         from torchtpu.distributed import init_device_mesh, materialize
         from torchtpu.distributed.scan import optimizer_parameters, stacked_parameters
-        from torchtpu.models.llama3.parallelize import parallelize_llama
+        from torchtpu.models.registry import get_family
 
         from .tokenizer import build_tokenizer
 
@@ -182,8 +183,9 @@ class Trainer:
             where = cfg.origin("model", "hf_assets_path") or "default"
             raise ConfigError(f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: {e}") from None
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
-        if n_layers is not None:
-            self.model_args = dataclasses.replace(self.model_args, n_layers=n_layers)
+        overrides = {**(model_overrides or {}), **({} if n_layers is None else {"n_layers": n_layers})}
+        if overrides:
+            self.model_args = dataclasses.replace(self.model_args, **overrides)
 
         # -- seed
         seed = resolve_seed(cfg)
@@ -198,12 +200,11 @@ class Trainer:
 
         # -- model on meta, parallelized, materialized sharded, initialised in place
         model = build_meta_model(cfg, self.model_args)
-        from .metrics import model_flops_per_token
-
-        self.num_params, self.flops_per_token = model_flops_per_token(model, self.model_args, cfg.training.seq_len)
+        family = get_family(cfg.model.name)
+        self.num_params, self.flops_per_token = family.flops_per_token(model, self.model_args, cfg.training.seq_len)
         mp_param, mp_reduce = mixed_precision_dtypes(cfg)
         ac_mode, ac_every = ac_settings(cfg)
-        parallelize_llama(
+        family.parallelize(
             model,
             self.mesh,
             sequence_parallel=dims.tp > 1,

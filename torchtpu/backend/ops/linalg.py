@@ -77,6 +77,54 @@ def mm_dtype(self, mat2, out_dtype):
     return jnp.matmul(self, mat2, precision=HIGHEST, preferred_element_type=jdt)
 
 
+def _group_sizes(offs, n):
+    """torch._grouped_mm's `offs` (each group's exclusive end along the ragged dimension) -> the
+    group sizes; rows past the last end belong to no group."""
+    ends = jnp.minimum(offs.astype(jnp.int32), n)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+@lower(aten._grouped_mm.default)
+def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    """torch._grouped_mm: one matmul per group of rows, as `jax.lax.ragged_dot` (a grouped matmul
+    kernel on TPU; other backends compute it masked). The forms a Mixture-of-Experts layer and its
+    gradients use, with `offs` the groups' cumulative ends:
+
+    - (M, K) x (G, K, N) -> (M, N): rows offs[g-1]:offs[g] times the g-th matrix (the experts);
+    - (K, M) x (M, N) -> (G, K, N): the g-th product over columns/rows offs[g-1]:offs[g] only (the
+      experts' weight gradients);
+    - (G, M, K) x (K, N) -> (M, N): columns offs[g-1]:offs[g] of the product with the g-th matrix;
+    - without offs, (G, M, K) x (G, K, N) -> (G, M, N), a batched matmul.
+
+    Rows (or columns) past the last group are zero, and accumulation is in float32 for bfloat16
+    inputs, rounded once, as in the other matmuls here."""
+    if bias is not None:
+        raise NotImplementedError("torchtpu _grouped_mm: bias is not supported (as in PyTorch's CUDA kernel)")
+    from .. import dtypes
+
+    dt = dtypes.to_jax_dtype(out_dtype) if out_dtype is not None else jnp.result_type(self, mat2)
+    acc = jnp.float32 if _low_float(dt) or _low_float(self.dtype) else dt
+    kw = {"precision": HIGHEST, "preferred_element_type": acc}
+    if offs is None:
+        if self.ndim != 3 or mat2.ndim != 3:
+            raise ValueError(f"_grouped_mm without offs needs two 3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
+        return jnp.matmul(self, mat2, **kw).astype(dt)
+    if self.ndim == 2 and mat2.ndim == 3:
+        out = lax.ragged_dot(self, mat2, _group_sizes(offs, self.shape[0]), **kw)
+    elif self.ndim == 2 and mat2.ndim == 2:
+        dims = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [0]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
+        )
+        out = lax.ragged_dot_general(self, mat2, _group_sizes(offs, self.shape[1]), dims, **kw)
+    elif self.ndim == 3 and mat2.ndim == 2:
+        # (M, N)^T = (N, K) x (G, K, M), the groups ragged over N
+        gs = _group_sizes(offs, mat2.shape[1])
+        out = lax.ragged_dot(mat2.T, jnp.swapaxes(self, 1, 2), gs, **kw).T
+    else:
+        raise ValueError(f"_grouped_mm with offs takes 2-D/3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
+    return out.astype(dt)
+
+
 @lower(aten.mv.default)
 def mv(self, vec):
     return _matmul(self, vec)

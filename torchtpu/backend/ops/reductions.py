@@ -775,6 +775,8 @@ def bucketize(self, boundaries, *, out_int32=False, right=False):
 @lower(aten.histc.default, static=("bins",))
 def histc(self, bins=100, min=0, max=0):
     _no_bool("histc", self)
+    if not _is_inexact(self):
+        return _histc_int(self, bins, min, max)
     x = _to_float(self)
     lo = jnp.asarray(min, x.dtype)
     hi = jnp.asarray(max, x.dtype)
@@ -790,6 +792,22 @@ def histc(self, bins=100, min=0, max=0):
     ok = (flat >= lo) & (flat <= hi)
     pos = jnp.clip(jnp.where(ok, pos, 0), 0, bins - 1).astype(jnp.int32)
     return jnp.zeros((bins,), x.dtype).at[pos].add(ok.astype(x.dtype))
+
+
+def _histc_int(self, bins, min, max):
+    """histc of integers, as PyTorch's CUDA kernel counts them: the counts in the input's dtype,
+    bin = (x - min) * bins // (max - min) in integer arithmetic (so x = min + k exactly lands in
+    bin k when max - min == bins, as torchtitan's MoE router relies on), and x == max in the last
+    bin; min == max means the data's own range."""
+    x = self.reshape(-1).astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    lo, hi = jnp.asarray(min).astype(x.dtype), jnp.asarray(max).astype(x.dtype)
+    if x.size:
+        same = lo == hi
+        lo, hi = jnp.where(same, jnp.min(x), lo), jnp.where(same, jnp.max(x), hi)
+    width = jnp.maximum(hi - lo, 1)
+    ok = (x >= lo) & (x <= hi)
+    pos = jnp.clip(jnp.where(ok, (x - lo) * bins // width, 0), 0, bins - 1)
+    return jnp.zeros((bins,), self.dtype).at[pos].add(ok.astype(self.dtype))
 
 
 # ----------------------------------------------------------------------------- prims (emitted by torch decompositions)

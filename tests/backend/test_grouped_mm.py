@@ -1,0 +1,118 @@
+"""The Mixture-of-Experts ops on the tpu device: `torch._grouped_mm` (lowered to
+`jax.lax.ragged_dot`) and `torch.histc` of integer expert ids, with PyTorch on CPU as the oracle.
+
+The grouped matmul is checked against a Python loop over the groups on the CPU (one matmul per
+expert over the rows it received), forward and gradients, in bfloat16, with empty
+groups and rows past the last group; and torchtitan's own expert function
+(`_run_experts_grouped_mm`, what its MoE layer calls) against the same loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import torchtpu  # noqa: F401
+from tests.conftest import assert_close_to_cpu
+
+# (M, K) x (G, K, N) with groups of 5, 0, 25, 8 rows and 2 rows past the last group
+ENDS = [5, 5, 30, 38]
+M, K, N = 40, 16, 32
+
+
+def _loop(x, w, ends):
+    """The oracle: one CPU matmul per group, rows past the last group left out."""
+    starts = [0] + ends[:-1]
+    return torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends))])
+
+
+def test_grouped_mm_matches_a_loop_over_groups():
+    """bfloat16 (the dtype PyTorch's grouped matmul takes on accelerators) against a float32 loop."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(M, K, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(ENDS), N, K, dtype=dtype, requires_grad=True)  # stored as torchtitan's experts are
+    grad = torch.randn(ENDS[-1], N, dtype=dtype)
+    ref = _loop(x.float(), w.float().transpose(-2, -1), ENDS)
+    ref.backward(grad.float())
+
+    xt = x.detach().to("tpu").requires_grad_()
+    wt = w.detach().to("tpu").requires_grad_()
+    offs = torch.tensor(ENDS, dtype=torch.int32).to("tpu")
+    out = torch._grouped_mm(xt, wt.transpose(-2, -1), offs=offs)
+    assert out.shape == (M, N) and out.dtype == dtype
+    out[: ENDS[-1]].backward(grad.to("tpu"))
+    tol = dict(rtol=1e-2, atol=1e-2)  # float32 accumulation, one bfloat16 rounding of each output
+    assert_close_to_cpu(out[: ENDS[-1]].float(), ref.detach(), "output", **tol)
+    assert_close_to_cpu(out[ENDS[-1] :].float(), torch.zeros(M - ENDS[-1], N), "rows past the last group", **tol)
+    assert_close_to_cpu(xt.grad[: ENDS[-1]].float(), x.grad[: ENDS[-1]].float(), "grad x", **tol)
+    assert_close_to_cpu(xt.grad[ENDS[-1] :].float(), torch.zeros(M - ENDS[-1], K), "grad x past the groups", **tol)
+    assert_close_to_cpu(wt.grad.float(), w.grad.float(), "grad w", **tol)
+    assert torch.count_nonzero(wt.grad[1].cpu()) == 0  # the empty group's expert gets no gradient
+
+
+def test_bfloat16_grouped_mm_equals_pytorch_cpu_kernel():
+    """bfloat16 in, bfloat16 out: the same numbers as PyTorch's own CPU _grouped_mm, gradients included."""
+    torch.manual_seed(1)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(ENDS), N, K, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(ENDS, dtype=torch.int32)
+    ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    grad = torch.randn(M, N, dtype=torch.bfloat16)
+    grad[ENDS[-1] :] = 0
+    ref.backward(grad)
+    xt, wt = (t.detach().to("tpu").requires_grad_() for t in (x, w))
+    out = torch._grouped_mm(xt, wt.transpose(-2, -1), offs=offs.to("tpu"))
+    out.backward(grad.to("tpu"))
+    exact = dict(rtol=0, atol=0)
+    assert_close_to_cpu(out[: ENDS[-1]], ref[: ENDS[-1]].detach(), "output", **exact)
+    assert_close_to_cpu(xt.grad[: ENDS[-1]], x.grad[: ENDS[-1]], "grad x", **exact)
+    assert_close_to_cpu(wt.grad, w.grad, "grad w", **exact)
+
+
+def test_torchtitan_experts_match_a_loop_over_experts():
+    """torchtitan's grouped-matmul experts (SwiGLU over each expert's tokens, bfloat16) on tpu equal
+    the same SwiGLU computed expert by expert on the CPU, forward and gradients."""
+    from torchtitan.models.moe.moe import _run_experts_grouped_mm
+
+    torch.manual_seed(2)
+    E, H = 4, 24
+    counts = torch.tensor([7, 0, 20, 13])
+    x = torch.randn(int(counts.sum()), K, requires_grad=True)
+    ws = [torch.randn(E, H, K) * 0.2, torch.randn(E, K, H) * 0.2, torch.randn(E, H, K) * 0.2]
+    ws = [w.requires_grad_() for w in ws]
+    grad = torch.randn(int(counts.sum()), K)
+
+    def loop(x, w1, w2, w3):
+        ends = counts.cumsum(0).tolist()
+        starts = [0] + ends[:-1]
+        outs = []
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            xe = x[s:t].bfloat16()
+            h = torch.nn.functional.silu(xe @ w1[e].bfloat16().T) * (xe @ w3[e].bfloat16().T)
+            outs.append(h @ w2[e].bfloat16().T)
+        return torch.cat(outs).float()
+
+    ref = loop(x, *ws)
+    ref.backward(grad)
+    xt = x.detach().to("tpu").requires_grad_()
+    wt = [w.detach().to("tpu").requires_grad_() for w in ws]
+    out = _run_experts_grouped_mm(wt[0], wt[1], wt[2], xt, counts.to("tpu"))
+    out.backward(grad.to("tpu"))
+    tol = dict(rtol=2e-2, atol=2e-2)  # bfloat16 products, rounded where each implementation rounds
+    assert_close_to_cpu(out, ref.detach(), "output", **tol)
+    assert_close_to_cpu(xt.grad, x.grad, "grad x", **tol)
+    for i, (a, b) in enumerate(zip(wt, ws)):
+        assert_close_to_cpu(a.grad, b.grad, f"grad w{i + 1}", **tol)
+
+
+def test_histc_of_integers():
+    """histc of integer ids counts them in the input's dtype (as CUDA does; the CPU kernel refuses
+    integers, so the oracle counts the same values as floats): the router's call (bins = max, min 0),
+    a range that does not divide evenly, and min == max (the data's own range)."""
+    torch.manual_seed(3)
+    for dtype, bins, lo, hi in [(torch.int64, 64, 0, 64), (torch.int64, 10, -3, 69), (torch.int32, 5, 0, 0)]:
+        ids = torch.randint(-3, 70, (500,), dtype=dtype)
+        got = torch.histc(ids.to("tpu"), bins=bins, min=lo, max=hi)
+        want = torch.histc(ids.float(), bins=bins, min=lo, max=hi)
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu(), want.to(dtype)), (bins, lo, hi, got.cpu(), want)

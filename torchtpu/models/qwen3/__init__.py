@@ -1,0 +1,49 @@
+"""torchtitan's Qwen3 (dense and Mixture-of-Experts) on tpu: preparation and parallelize plan.
+
+Qwen3's blocks use the module names Llama 3's do (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3,
+attention_norm, ffn_norm; tok_embeddings, norm, output), and its per-head q/k norms act on whole
+heads, so the Llama 3 plan (torchtpu.models.llama3.parallelize) shards it: tensor parallelism
+over heads and the feed-forward, FSDP per block, mixed precision, activation checkpointing, the
+layer scan (dense flavors; the Mixture-of-Experts blocks run unrolled, as their load-statistics
+buffers are state the scan does not carry). Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE
+swap is needed. Refused with one line: tensor parallelism for a Mixture-of-Experts flavor, and
+for a flavor whose output projection is the embedding table (weight tying: the two layouts
+conflict).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..llama3.parallelize import parallelize_llama
+from ..moe import use_ragged_experts
+
+__all__ = ["parallelize_qwen3", "prepare_qwen3"]
+
+
+def prepare_qwen3(model: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's Qwen3Model ready for tpu: its experts (if any) run as grouped matmuls on
+    unpadded groups (torchtpu.models.moe)."""
+    return use_ragged_experts(model)
+
+
+def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
+    """Shard a torchtitan Qwen3Model over `mesh`; the arguments are parallelize_llama's."""
+    args = model.model_args
+    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
+        if args.moe_enabled:
+            raise ValueError(
+                f"tensor parallel degree {mesh.size('tp')}: the Qwen3 Mixture-of-Experts flavors train "
+                "with FSDP/HSDP only on tpu; set parallelism.tensor_parallel_degree = 1"
+            )
+        if args.enable_weight_tying:
+            raise ValueError(
+                f"tensor parallel degree {mesh.size('tp')}: this Qwen3 flavor ties its output projection to "
+                "the embedding table, which tensor parallelism splits two ways; set "
+                "parallelism.tensor_parallel_degree = 1 or use a flavor of 8B or more"
+            )
+    if args.moe_enabled:
+        # the MoE blocks hold buffers (expert_bias, tokens_per_expert) that the layer scan does not
+        # carry: they run unrolled, each under the activation checkpointing asked for
+        kw["scan_layers"] = False
+    return parallelize_llama(model, mesh, **kw)

@@ -1,0 +1,173 @@
+"""The model families torchtpu trains, by torchtitan model name: the role torchtitan's TrainSpec plays.
+
+    family = get_family("qwen3")                    # UnknownModel (one line, the choices) if not registered
+    args = family.model_args("debugmodel_moe")      # a fresh copy of torchtitan's flavor arguments
+    with torch.device("meta"):
+        model = family.build_model(args)            # torchtitan's model class, ready for the tpu device
+    family.parallelize(model, mesh, ...)            # its plan: TP, activation checkpointing, FSDP, scan
+    n_params, flops = family.flops_per_token(model, args, seq_len)
+
+The trainer, the dry run and generation read this table and never name a family. Flavor names are
+listed here, so reading a configuration imports no model code; torchtitan is imported only when a
+model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["FAMILIES", "ModelFamily", "UnknownModel", "family_of", "get_family", "model_flavors"]
+
+
+class UnknownModel(ValueError):
+    """A model name or flavor that no registered family has; str(error) is one line with the choices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One torchtitan model family as torchtpu trains it.
+
+    name: torchtitan's name ([model] name).
+    flavors: the flavors torchtpu trains, by torchtitan's names ([model] flavor).
+    args_table: "module:attribute" of torchtitan's flavor table (flavor -> model arguments).
+    model_class: "module:attribute" of torchtitan's model class.
+    prepare: the changes the model needs on the tpu device (same parameters, same numbers), applied
+        to a freshly built model, on any device; returns the model.
+    parallelize: `parallelize(model, mesh, *, sequence_parallel, loss_parallel, param_dtype,
+        reduce_dtype, ac_mode, ac_every, scan_layers)` shards the model over the job's mesh.
+    flops_per_token: `(model, args, seq_len) -> (parameters, training FLOPs per token)`; a
+        Mixture-of-Experts model counts only the experts a token runs through.
+    hf_names: "module:attribute" of the class mapping names to Hugging Face's layout, or None.
+    decode: "module" with the KV-cache decoding `torchtpu-generate` uses, or None.
+    """
+
+    name: str
+    flavors: tuple[str, ...]
+    args_table: str
+    model_class: str
+    prepare: Callable[[Any], Any]
+    parallelize: Callable[..., Any]
+    flops_per_token: Callable[[Any, Any, int], tuple[int, int]]
+    hf_names: str | None = None
+    decode: str | None = None
+
+    def model_args(self, flavor: str):
+        """A copy of torchtitan's arguments for `flavor` (UnknownModel if this family has no such flavor)."""
+        if flavor not in self.flavors:
+            raise UnknownModel(f"{self.name} has no flavor {flavor!r}; flavors: {', '.join(self.flavors)}")
+        return dataclasses.replace(_resolve(self.args_table)[flavor])
+
+    def model_cls(self):
+        """torchtitan's model class (imports torchtitan)."""
+        return _resolve(self.model_class)
+
+    def build_model(self, args):
+        """torchtitan's model for `args` on the current default device, prepared for tpu."""
+        return self.prepare(self.model_cls()(args))
+
+
+def _resolve(path: str):
+    import importlib
+
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# ----------------------------------------------------------------------------------- families
+
+
+def _llama3_prepare(model):
+    from .llama3.rope import use_real_rope
+
+    return use_real_rope(model)
+
+
+def _llama3_parallelize(model, mesh, **kw):
+    from .llama3.parallelize import parallelize_llama
+
+    return parallelize_llama(model, mesh, **kw)
+
+
+def _dense_flops(model, args, seq_len):
+    from .flops import model_flops_per_token
+
+    return model_flops_per_token(model, args, seq_len)
+
+
+def _qwen3_prepare(model):
+    from .qwen3 import prepare_qwen3
+
+    return prepare_qwen3(model)
+
+
+def _qwen3_parallelize(model, mesh, **kw):
+    from .qwen3 import parallelize_qwen3
+
+    return parallelize_qwen3(model, mesh, **kw)
+
+
+def _torchtitan_flops(model, args, seq_len):
+    from .flops import torchtitan_flops_per_token
+
+    return torchtitan_flops_per_token(model, args, seq_len)
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f
+    for f in (
+        ModelFamily(
+            name="llama3",
+            flavors=("debugmodel", "8B", "70B", "405B"),
+            args_table="torchtitan.models.llama3:llama3_args",
+            model_class="torchtitan.models.llama3:Transformer",
+            prepare=_llama3_prepare,
+            parallelize=_llama3_parallelize,
+            flops_per_token=_dense_flops,
+            hf_names="torchtpu.models.llama3.hf:HFNames",
+            decode="torchtpu.models.llama3.decode",
+        ),
+        ModelFamily(
+            name="qwen3",
+            flavors=(
+                "debugmodel",
+                "0.6B",
+                "1.7B",
+                "4B",
+                "8B",
+                "14B",
+                "32B",
+                "debugmodel_moe",
+                "30B-A3B",
+                "235B-A22B",
+            ),
+            args_table="torchtitan.models.qwen3:qwen3_args",
+            model_class="torchtitan.models.qwen3:Qwen3Model",
+            prepare=_qwen3_prepare,
+            parallelize=_qwen3_parallelize,
+            flops_per_token=_torchtitan_flops,
+        ),
+    )
+}
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family `name` (UnknownModel, naming the choices, if none)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownModel(f"no model family {name!r}; families: {', '.join(FAMILIES)}") from None
+
+
+def family_of(model) -> ModelFamily:
+    """The registered family whose torchtitan model class `model` is an instance of."""
+    for family in FAMILIES.values():
+        if isinstance(model, family.model_cls()):
+            return family
+    raise UnknownModel(f"{type(model).__name__} is no registered family's model; families: {', '.join(FAMILIES)}")
+
+
+def model_flavors() -> dict[str, tuple[str, ...]]:
+    """Each family's flavors, by family name."""
+    return {name: f.flavors for name, f in FAMILIES.items()}
