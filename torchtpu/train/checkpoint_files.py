@@ -97,3 +97,23 @@ def corrupt_error(path, key, e, steps, step) -> CheckpointError:
         f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {first_line(e, 240)})",
         path,
     )
+
+
+def folder_size(path: str) -> int:
+    """Bytes in the files under `path` (0 when it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed while walking
+    return total
+
+
+def describe_size(nbytes: int) -> str:
+    """'74.1 MB', '3.20 GB', ... (decimal units, as `du --si` and cloud storage bills count)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{nbytes} B"
