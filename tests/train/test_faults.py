@@ -212,3 +212,73 @@ def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
     finally:
         lock.release()
     assert not path.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 100 MB tmpfs (mounting needs root: skipped without it), removed afterwards."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(where)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _console(cmd, env=ENV):
+    p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return p.returncode, p.stdout.strip().splitlines()
+
+
+def test_disk_full_ends_with_the_cause_in_few_lines(small_disk):
+    """The first checkpoint (65 MB) does not fit beside 50 MB of other files: at most 20 console lines,
+    the last naming the full disk and the fix; the traceback is in the host's log."""
+    with open(small_disk / "other-files", "wb") as f:
+        f.write(b"\0" * 50_000_000)
+    dump = small_disk / "run"
+    rc, lines = _console([*_cmd(dump), "--checkpoint.interval", "1"])
+    assert rc == 1, "\n".join(lines[-30:])
+    assert len(lines) <= 20, "\n".join(lines)
+    assert lines[-1].startswith(f"torchtpu-train: error: CheckpointError: saving checkpoint {dump}/checkpoint/step_1")
+    assert "the disk is full (No space left on device)" in lines[-1] and "Free space where" in lines[-1]
+    log = glob.glob(str(dump / "logs" / "torchtpu-train.*.stderr.log"))
+    assert log and f"in {log[0]} or run with --debug" in lines[-1]
+    assert "Traceback (most recent call last)" in open(log[0]).read()  # what the console left out is kept
+
+
+def test_read_only_dump_folder_exits_2_with_the_fix(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        rc, lines = _console(_cmd(ro / "run"))
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+    assert rc == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0] == (
+        f"torchtpu-train: error: [job] dump_folder = '{ro / 'run'}' cannot be created: Read-only file system; "
+        "choose another --job.dump_folder or make it writable"
+    )
+
+
+def test_unreachable_coordinator_ends_with_the_cause_in_few_lines():
+    """Host 1 of a 2-host torchrun job whose store (MASTER_ADDR:MASTER_PORT) nobody serves."""
+    from tests.processes import free_port
+
+    port = free_port()
+    env = dict(ENV, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc, lines = _console([*_cmd("/nonexistent-never-written"), "--comm.init_timeout_seconds", "3"], env=env)
+    assert rc == 1, lines
+    assert len(lines) <= 20, "\n".join(lines)
+    assert lines[-1].startswith(
+        f"torchtpu-train: error: CoordinatorUnreachable: process 1 could not reach torchelastic's store "
+        f"(MASTER_ADDR:MASTER_PORT) at 127.0.0.1:{port} within 3 s"
+    ), lines[-1]
+    assert "Start every host of the job (process 0 of the job serves it)" in lines[-1]
+    assert not any("c10d" in line or "TCPStore" in line for line in lines), lines  # library noise stays off

@@ -15,7 +15,8 @@ HEARTBEAT_SECONDS.
 Every process of one job may hold the lock together: a job launched by torchelastic
 (`torchtpu-launch`, torchrun) is named by its `TORCHELASTIC_RUN_ID`, the same on every host and on
 every restart of the job, so the hosts of a job, and its next attempt, join the lock instead of being
-refused. Without a run id the job is this one process.
+refused (a restarted host whose predecessor created the file takes it over as for a stale lock).
+Without a run id the job is this one process.
 
 A lock whose holder is gone is stale and the next start takes it over:
 
@@ -111,7 +112,10 @@ class DumpFolderLock:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"[job] dump_folder = {folder!r} cannot be created: {e.strerror}") from None
+            raise ConfigError(
+                f"[job] dump_folder = {folder!r} cannot be created: {e.strerror}; choose another "
+                "--job.dump_folder or make it writable"
+            ) from None
         host, pid = socket.gethostname(), os.getpid()
         record = {
             "job": job or os.environ.get(RUN_ID_ENV) or f"{host}:{pid}",
@@ -132,9 +136,9 @@ class DumpFolderLock:
                 continue  # removed (or still being written) between our attempt and the read: try again
             if holder.get("host") == host and holder.get("pid") == pid:
                 return cls(path, holder, owner=True)._start()  # ours, from before this process re-executed itself
-            if holder.get("job") == record["job"]:
-                return cls(path, holder, owner=False)._start()  # another process of this job holds it
             why = cls._stale_reason(path, holder)
+            if why is None and holder.get("job") == record["job"]:
+                return cls(path, holder, owner=False)._start()  # another live process of this job holds it
             if why is None:
                 raise ConfigError(cls._busy_message(path, holder))
             if cls._replace_stale(path, holder):
@@ -150,8 +154,8 @@ class DumpFolderLock:
             return False
         except OSError as e:
             raise ConfigError(
-                f"cannot write in the dump folder {os.path.dirname(path)}: {e.strerror}; "
-                "choose another --job.dump_folder or fix its permissions"
+                f"[job] dump_folder = {os.path.dirname(path)!r} is not writable: {e.strerror}; choose another "
+                "--job.dump_folder or make it writable"
             ) from None
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f)
