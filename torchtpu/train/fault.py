@@ -45,6 +45,7 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_RETRIABLE",
     "EXIT_INTERRUPTED",
+    "RESTART_EXIT_CODES",
     "Preempted",
     "PreemptionWatch",
     "StepWatchdog",
@@ -59,6 +60,10 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_RETRIABLE = 42
 EXIT_INTERRUPTED = 130
+# The statuses a scheduler should restart the job on (GKE's JobSet as torchtpu-launch gke renders it,
+# as xpk does): 42, and 127-255, a process killed by a signal (128 + N: SIGKILL and the OOM killer
+# give 137) or a command that could not be started.
+RESTART_EXIT_CODES = (EXIT_RETRIABLE, *range(127, 256))
 
 # Test hook: "HOST:STEP:SECONDS" makes process HOST sleep SECONDS inside step STEP (a stuck host).
 STALL_ENV = "TORCHTPU_TEST_STALL"
