@@ -21,7 +21,9 @@ STEPS = 6
 ENV = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 
-def _cmd(dump):
+def _cmd(dump, data=None):
+    """The trainer's command line; with `data` (a JSON Lines file) it reads that, skipping 1 bad record."""
+    extra = ["--training.dataset_path", str(data), "--training.max_bad_records", "1"] if data else []
     argv = debug_argv(
         dump,
         STEPS,
@@ -35,8 +37,20 @@ def _cmd(dump):
         "2",
         "--checkpoint.keep_latest_k",
         "0",
+        *extra,
     )
     return [sys.executable, "-m", "torchtpu.train", *argv]
+
+
+def _data_with_a_bad_record(folder):
+    """The bundled corpus as JSON Lines, its second line cut off (row 1 of 8 owns it: read at step 1)."""
+    from torchtpu.train.data import bundled_documents
+
+    lines = [json.dumps({"text": d}) for d in bundled_documents("train")]
+    lines[1] = lines[1][: len(lines[1]) // 2]
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _wait_for(predicate, proc, timeout=300, poll=0.01):
@@ -66,12 +80,15 @@ def _lock_pid(dump):
 def guarded_run(tmp_path_factory):
     """A 6-step run with checkpoints every 2 steps; once it holds its dump folder, a second trainer
     is started on the same folder (it must be refused)."""
-    dump = tmp_path_factory.mktemp("faults") / "run"
-    first = subprocess.Popen(_cmd(dump), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = tmp_path_factory.mktemp("faults")
+    dump, data = folder / "run", _data_with_a_bad_record(folder)
+    first = subprocess.Popen(
+        _cmd(dump, data), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert _wait_for(lambda: _lock_pid(dump) == first.pid, first), first.communicate()[1][-3000:]
         t0 = time.monotonic()
-        second = subprocess.Popen(_cmd(dump), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        second = subprocess.Popen(_cmd(dump, data), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out2, err2 = second.communicate(timeout=300)
         wall = time.monotonic() - t0
         first_running = first.poll() is None
@@ -80,6 +97,7 @@ def guarded_run(tmp_path_factory):
         first.kill()
     return {
         "dump": dump,
+        "data": data,
         "pid": first.pid,
         "first": (first.returncode, out1, err1, first_running),
         "second": (second.returncode, out2.decode(), err2.decode(), wall),
@@ -110,6 +128,8 @@ def test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta(guarded_run):
     assert rc == 0, err[-3000:]
     records = [json.loads(line) for line in open(dump / "metrics.jsonl")]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once: nobody else wrote
+    assert [r["bad_records"] for r in records] == [1] * STEPS  # [training] max_bad_records: skipped, counted
+    assert "skipped a bad data record (1 of at most 1): " in err and "train.jsonl:2 is not valid JSON" in err
     assert sorted(os.listdir(dump / "checkpoint")) == ["step_2", "step_4", "step_6"]
     assert not os.path.exists(dump / "torchtpu.lock")  # released at the end
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -127,7 +147,10 @@ def test_ctrl_c_during_a_save_keeps_it_and_a_killed_jobs_lock_is_taken_over(guar
     its lock behind; the next start takes it over and resumes with the uninterrupted run's losses."""
     dump = tmp_path / "run"
     ckpt = dump / "checkpoint"
-    proc = subprocess.Popen(_cmd(dump), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    data = guarded_run["data"]
+    proc = subprocess.Popen(
+        _cmd(dump, data), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     in_save = _wait_for(lambda: glob.glob(str(ckpt / "step_*.orbax-checkpoint-tmp*")), proc, poll=0.005)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
@@ -140,13 +163,13 @@ def test_ctrl_c_during_a_save_keeps_it_and_a_killed_jobs_lock_is_taken_over(guar
     print(f"SIGINT landed {'during a save' if in_save else 'after the saves'}; stopped after step {stopped}")
 
     # a trainer killed while it holds the folder
-    killed = subprocess.Popen(_cmd(dump), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = subprocess.Popen(_cmd(dump, data), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert _wait_for(lambda: _lock_pid(dump) == killed.pid, killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert _lock_pid(dump) == killed.pid
 
-    p = subprocess.run(_cmd(dump), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(_cmd(dump, data), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "took over the dump folder's stale lock" in p.stdout and f"pid {killed.pid} is not running" in p.stdout
     assert f"resumed from {ckpt / f'step_{stopped}'} (step {stopped}): " in p.stdout, p.stdout[-3000:]

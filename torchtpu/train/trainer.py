@@ -88,6 +88,7 @@ def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=N
             dims.micro_batch_size,
             rows,
             seed=cfg.debug.seed if cfg.debug.seed is not None else 0,
+            max_bad_records=cfg.training.max_bad_records,
         )
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(
@@ -490,6 +491,8 @@ class Trainer:
                         "step_time": dt,
                         "memory_gib": _memory_gib(),
                     }
+                    if cfg.training.max_bad_records:  # this host's rows, since this process started
+                        rec["bad_records"] = self.dataloader.bad_records.count
                     if not math.isfinite(loss_v):
                         logger.log(step, rec)
                         raise FloatingPointError(
