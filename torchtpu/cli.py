@@ -2,8 +2,18 @@
 
 `torchtpu-train` (also `python -m torchtpu.train`) reads the configuration (defaults, then the TOML
 file, then command-line options) and hands it to the training loop in torchtpu.train.trainer.
-Exit status: 0 on success, 2 for a configuration error (one line on stderr), 1 for any other
-failure (one line on stderr; the traceback only with --debug).
+Exit status (torchtpu/train/fault.py):
+
+    0    done
+    1    any other failure: a full disk, a coordinator that cannot be reached, ... (one line on stderr)
+    2    configuration or usage error, including a dump folder that another job holds or that cannot
+         be written (one line on stderr)
+    42   preempted (SIGTERM) or stuck: a checkpoint of the last step is written; retriable
+    130  Ctrl-C: the first one stops after the step and its checkpoint, a second one at once
+
+Without --debug the console gets stderr through torchtpu/train/console_filter.py (no tracebacks,
+no library noise) and `<dump_folder>/logs/torchtpu-train.<host>.stderr.log` gets all of it, with the
+traceback of the error that ended the run; --debug prints everything on the console.
 
 `torchtpu-launch` (torchtpu.launch.cli) starts a job on every host; its exit status is the job's:
 0 done, 42 retriable (preempted or stuck), 2 configuration or usage error, 1 other failure.
@@ -17,6 +27,7 @@ import traceback
 
 _PROG = "torchtpu-train"
 _REEXEC_MARK = "_TORCHTPU_TRAIN_REEXEC"
+_FILTER_MARK = "_TORCHTPU_TRAIN_STDERR_LOG"
 
 
 def _wants_debug(args: list[str]) -> bool:
@@ -89,10 +100,58 @@ def _apply_xla_env(cfg, args: list[str], as_program: bool) -> None:
     )
 
 
+def _one_process_or_elastic() -> bool:
+    """This job is one process, or a torchelastic job (its run id names it on every host)."""
+    from torchtpu._platform import has_tpu_chips
+    from torchtpu.train.dump_lock import RUN_ID_ENV
+
+    return RUN_ID_ENV in os.environ or (not has_tpu_chips() and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1)
+
+
+def _filter_stderr(cfg) -> str | None:
+    """Send this process's stderr through torchtpu/train/console_filter.py (library noise off the
+    console); returns the host's log file, which gets everything. Once per process, also across the
+    re-execution of _apply_xla_env."""
+    import socket
+    import subprocess
+
+    from torchtpu.train import console_filter
+
+    if os.environ.get(_FILTER_MARK):
+        return os.environ[_FILTER_MARK]
+    folder = os.path.join(cfg.job.dump_folder, "logs")
+    log = os.path.join(folder, f"torchtpu-train.{socket.gethostname()}.stderr.log")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        log = os.devnull
+    sys.stderr.flush()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", console_filter.__file__, log], stdin=subprocess.PIPE, stdout=sys.stderr.fileno()
+        )
+    except OSError:
+        return None
+    os.dup2(proc.stdin.fileno(), sys.stderr.fileno())  # fd 2 is now the only writer: EOF when this process ends
+    proc.stdin.close()
+    os.environ[_FILTER_MARK] = log
+    return log
+
+
+def _log_traceback(log: str | None) -> None:
+    if log and log != os.devnull:
+        try:
+            with open(log, "a", encoding="utf-8") as f:
+                traceback.print_exc(file=f)
+        except OSError:
+            pass
+
+
 def train_main(argv: list[str] | None = None) -> int:
     """`torchtpu-train --config FILE [--SECTION.KEY VALUE ...]`; returns the exit status."""
     as_program = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
+    log = None  # the host's full stderr, when the console gets it filtered
     debug = _wants_debug(args)
     from torchtpu.train.config_manager import HelpRequested, load_config
     from torchtpu.train.job_config import ConfigError, topology_num_devices
@@ -105,6 +164,8 @@ def train_main(argv: list[str] | None = None) -> int:
             sys.stdout.write(h.text)
             return 0
         debug = debug or cfg.debug.verbose
+        if as_program and not debug:
+            log = _filter_stderr(cfg)
         if cfg.job.print_config:
             cfg.job.print_config = False  # the printed file can be used as is
             sys.stdout.write(cfg.to_toml())
@@ -113,6 +174,12 @@ def train_main(argv: list[str] | None = None) -> int:
         if cfg.tpu.topology:
             # The target slice is named: check the configuration against it before any device work.
             resolve_dims(cfg, topology_num_devices(cfg.tpu.topology))
+        if not cfg.tpu.dry_run and _one_process_or_elastic():
+            # Refuse a second job on this dump folder before the slow part of starting (the trainer
+            # takes the lock itself when this cannot: the processes of a TPU slice joined by JAX).
+            from torchtpu.train.dump_lock import hold_dump_folder
+
+            hold_dump_folder(cfg)
         _apply_xla_env(cfg, args, as_program)
         from torchtpu.train.trainer import main as run
 
@@ -122,6 +189,7 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if debug:
             traceback.print_exc()
+        _log_traceback(log)
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         from torchtpu.train.fault import EXIT_CONFIG, leave_job
 
@@ -135,11 +203,13 @@ def train_main(argv: list[str] | None = None) -> int:
         from torchtpu.train.fault import failure_status, leave_job
 
         status, why = failure_status(e)
+        _log_traceback(log)
         if debug:
             traceback.print_exc()
             print(f"{_PROG}: error: {_one_line(e)}{why}", file=sys.stderr)
         else:
-            print(f"{_PROG}: error: {_one_line(e)}{why} (run with --debug for the traceback)", file=sys.stderr)
+            where = f"in {log} or " if log and log != os.devnull else ""
+            print(f"{_PROG}: error: {_one_line(e)}{why} (the traceback: {where}run with --debug)", file=sys.stderr)
         return leave_job(status)
 
 

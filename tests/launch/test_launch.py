@@ -223,7 +223,7 @@ def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
         tmp_path, "kill", 2, 1, ["--training.steps", "30", "--comm.train_timeout_seconds", "300", *NO_VALIDATION]
     )
     try:
-        job.wait_for(r"^\[host 0\] step +3 \|", 600)
+        job.wait_for(r"^\[host 0\] step +3/\d+ \|", 600)
         victim = _training_pid(job, 1)
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()
@@ -371,7 +371,7 @@ def uninterrupted(tmp_path_factory):
 def test_killed_host_with_restarts_resumes_and_matches(tmp_path, uninterrupted):
     job = launch(tmp_path, "restart", 2, 1, LONG, "--max-restarts", "1")
     try:
-        job.wait_for(r"^\[host 0\] step +6 \|", 600)
+        job.wait_for(r"^\[host 0\] step +6/\d+ \|", 600)
         os.kill(_training_pid(job, 1), signal.SIGKILL)
         m = job.wait_for(r"attempt 2: resumed from \S+ \(step (\d+)\)", 600)
         code = job.wait(600)
@@ -390,7 +390,7 @@ def test_killed_host_with_restarts_resumes_and_matches(tmp_path, uninterrupted):
 def test_sigterm_to_launcher_checkpoints_exits_42_and_rerun_continues(tmp_path, uninterrupted):
     job = launch(tmp_path, "preempt", 2, 1, LONG)
     try:
-        job.wait_for(r"^\[host 0\] step +5 \|", 600)
+        job.wait_for(r"^\[host 0\] step +5/\d+ \|", 600)
         job.proc.send_signal(signal.SIGTERM)
         code = job.wait(180)
         text = job.text()

@@ -113,12 +113,16 @@ def test_gke_jobset_manifest_and_xpk_command():
     job = rjob["template"]["spec"]
     assert job["parallelism"] == job["completions"] == 16  # 64 v5p chips, 4 per host
     assert job["backoffLimit"] == 0
-    # exit 42 is not failed by the policy: it fails the Job via backoffLimit, which JobSet restarts
-    assert job["podFailurePolicy"]["rules"] == [
-        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "NotIn", "values": [42]}}
-    ]
+    # exit 42 and 127-255 (killed by a signal: 137 SIGKILL / OOM) are not failed by the policy: they fail
+    # the Job via backoffLimit, which JobSet restarts (as xpk's JobSet does); 1 and 2 end the JobSet
+    (rule,) = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "NotIn"
+    assert rule["onExitCodes"]["containerName"] == "trainer"
+    assert rule["onExitCodes"]["values"] == [42, *range(127, 256)]
+    assert len(rule["onExitCodes"]["values"]) <= 255  # Kubernetes' limit on the list
     pod = job["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["restartPolicy"] == "Never"
+    assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
         "cloud.google.com/gke-tpu-topology": "4x4x4",
@@ -176,6 +180,14 @@ def test_skypilot_task():
     [
         (["gke", "--name", "x", "--tpu", "v5p-128", "--image", "i", "--", "t"], "expected GENERATION:TOPOLOGY"),
         (["gke", "--name", "Bad_Name", "--tpu", "v5p:2x2x1", "--image", "i", "--", "t"], "--name 'Bad_Name'"),
+        (
+            ["gke", "--name", "x", "--tpu", "v6e:2x2x2", "--image", "i", "--", "t"],
+            "--tpu v6e:2x2x2: v6e slices have no 2x2x2 shape; valid shapes: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16",
+        ),
+        (
+            ["skypilot", "--name", "x", "--tpu", "v5p:4x4x6", "--", "t"],
+            "valid shapes: 2x2x1, 2x2x2, 2x2x4, 2x4x4, then",
+        ),
         (["skypilot", "--name", "x", "--tpu", "v5p:2x2x1", "--num-slices", "2", "--", "t"], "--num-slices 2"),
         (["local", "--num-hosts", "2", "--devices-per-host", "4"], "no training command"),
         (
@@ -188,3 +200,20 @@ def test_usage_errors_exit_2_with_one_line(argv, message):
     code, out, err = _run(*argv)
     assert code == 2
     assert message in err, err
+
+
+def test_help_examples_run():
+    """Every example `torchtpu-launch --help` shows runs: local and tpu-vm with --dry-run (the help
+    says so), gke and skypilot as they are (they only print)."""
+    from torchtpu.launch.cli import _EXAMPLES
+
+    examples = [ln.split()[1:] for ln in _EXAMPLES.splitlines() if ln.startswith("  torchtpu-launch ")]
+    assert [argv[0] for argv in examples] == ["local", "tpu-vm", "gke", "skypilot"]
+    for argv in examples:
+        if argv[0] == "local":
+            argv = [*argv[: argv.index("--")], "--dry-run", *argv[argv.index("--") :]]
+        code, out, err = _run(*argv)
+        assert code == 0, (argv, err)
+        assert "torchtpu.launch.agent" in out, (argv, out)
+        if argv[0] == "local":  # two hosts of 4 XLA CPU devices
+            assert "# host 1" in out and out.count("XLA_FLAGS=--xla_force_host_platform_device_count=4") == 2

@@ -371,3 +371,30 @@ def test_global_batch_state_is_per_row_and_resumes_on_another_split(tok):
         build_global_batch_loader("bundled", None, tok, 16, 8).load_state_dict(state)
     with pytest.raises(ValueError, match="rows"):
         build_global_batch_loader("bundled", None, tok, 16, 4, rows=[4])
+
+
+def test_bad_records_are_skipped_and_counted_up_to_max_bad_records(tmp_path, tok, capsys):
+    """[training] max_bad_records: a few malformed JSON lines are skipped and counted once each (by the
+    row stream that owns them), the next one is an error naming its file:line; 0 fails on the first."""
+    docs = [f"document number {i} " * 20 for i in range(12)]
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[1] = '{"text": "cut off'  # rows 1 and 2 of 4 own documents 1 and 2: their first ones
+    lines[2] = json.dumps({"body": "no text field"})
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    def first_batches(limit):
+        loader = D.build_global_batch_loader("files", str(path), tok, 16, 4, max_bad_records=limit, infinite=False)
+        batches = [next(loader) for _ in range(6)]
+        return loader, batches
+
+    loader, batches = first_batches(2)
+    assert loader.bad_records.count == 2  # 4 row streams read every line; each bad one is counted once
+    assert "skipped a bad data record (1 of at most 2)" in capsys.readouterr().err
+    assert batches[0][0].shape == (4, 16)
+    with pytest.raises(ValueError, match=rf"{path}:2 is not valid JSON .*set \[training\] max_bad_records"):
+        first_batches(0)
+    with pytest.raises(
+        ValueError, match=rf'{path}:3 has no "text" field.*2 bad records, \[training\] max_bad_records = 1'
+    ):
+        first_batches(1)

@@ -98,9 +98,11 @@ def test_logger_jsonl_console_and_tensorboard(tmp_path, capsys):
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step")]
     assert len(lines) == len(steps)
     assert lines[1] == (
-        "step 2 | loss 2.5000 | grad_norm 1.5000 | lr 6.000e-04 | tps 1,234 | tflops 0.50 | mfu 12.50% | step 0.250s"
-        " | mem 1.50GiB"
+        "step 2/6 | eta 0:00:00 | loss 2.5000 | grad_norm 1.5000 | lr 6.000e-04 | tps 1,234 | tflops 0.50 | mfu 12.50%"
+        " | step 0.250s | mem 1.50GiB"
     )
+    # the first line's ETA is its own step time times the steps left: 0.25 s x 5
+    assert lines[0].startswith("step 1/6 | eta 0:00:01 | loss 5.0000")
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == steps
     for r in records:

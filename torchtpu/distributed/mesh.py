@@ -21,7 +21,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["JOB_MESH_DIMS", "DeviceMesh", "init_device_mesh", "current_mesh", "set_mesh", "initialize"]
+__all__ = [
+    "JOB_MESH_DIMS",
+    "CoordinatorUnreachable",
+    "DeviceMesh",
+    "init_device_mesh",
+    "current_mesh",
+    "set_mesh",
+    "initialize",
+]
 
 # The dims of a training job's mesh, outermost first: data-parallel replicas (HSDP's replicate
 # axis, the one multislice jobs split across slices by default), data-parallel shards (FSDP) and
@@ -80,8 +88,27 @@ def initialize(
     if coordinator_address is None:
         num_processes, process_id = int(env["WORLD_SIZE"]), int(env["RANK"])
         coordinator_address = _coordinator_from_torchelastic(process_id, init_timeout_seconds)
-    jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+    except Exception as e:  # noqa: BLE001  (every failure here is a failure to join the job)
+        raise CoordinatorUnreachable(
+            coordinator_address, "JAX's coordinator", init_timeout_seconds, e, process_id or 0
+        ) from e
     return True
+
+
+class CoordinatorUnreachable(RuntimeError):
+    """This process could not join its job: the coordinator did not answer in time."""
+
+    def __init__(self, address: str, what: str, timeout_seconds: float, error: BaseException, process_id: int):
+        lines = str(error).strip().splitlines()
+        cause = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        serve = "this process serves it" if process_id == 0 else "process 0 of the job serves it"
+        super().__init__(
+            f"process {process_id} could not reach {what} at {address} within {timeout_seconds:.0f} s ({cause}). "
+            f"Start every host of the job ({serve}), check that {address} is reachable from this host "
+            "(address, port, firewall), or raise [comm] init_timeout_seconds"
+        )
 
 
 def _free_port() -> int:
@@ -105,14 +132,19 @@ def _coordinator_from_torchelastic(rank: int, timeout_seconds: int) -> str:
     # count can differ between hosts after a restart that a peer caused.
     attempt = env.get("TORCHTPU_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"torchtpu/jax_coordinator/{env.get('TORCHELASTIC_RUN_ID', '')}/{attempt}"
-    store = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
-    if rank == 0:
-        port = _free_port()
-        while port == store_port:
+    try:
+        store = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
+        if rank == 0:
             port = _free_port()
-        store.set(key, str(port))
-    else:
-        port = int(store.get(key).decode())
+            while port == store_port:
+                port = _free_port()
+            store.set(key, str(port))
+        else:
+            port = int(store.get(key).decode())
+    except Exception as e:  # noqa: BLE001  (DistNetworkError, DistStoreError: the store is not there)
+        raise CoordinatorUnreachable(
+            f"{host}:{store_port}", "torchelastic's store (MASTER_ADDR:MASTER_PORT)", timeout_seconds, e, rank
+        ) from e
     return f"{host}:{port}"
 
 

@@ -13,11 +13,14 @@ from torchtpu.train.fault import EXIT_CONFIG
 
 PROG = "torchtpu-launch"
 
+# Each line runs as shown (tests/launch/test_launch_render.py runs them: --dry-run and the two
+# renderers only print).
 _EXAMPLES = """examples:
   torchtpu-launch local --num-hosts 2 --devices-per-host 4 -- torchtpu-train --config train_configs/debug_model.toml
   torchtpu-launch tpu-vm my-v5p-128 --zone us-east5-a --dry-run -- torchtpu-train --config train_configs/llama3_70b.toml
-  torchtpu-launch gke --name llama70b --accelerator tpu-v5p-slice --topology 4x4x4 --image IMAGE -- torchtpu-train ...
-  torchtpu-launch skypilot --accelerator tpu-v5p-128 -- torchtpu-train --config train_configs/llama3_70b.toml
+  torchtpu-launch gke --name llama70b --tpu v5p:4x4x4 --image IMAGE -- torchtpu-train --config train_configs/llama3_70b.toml
+  torchtpu-launch skypilot --name llama70b --tpu v5p:4x4x4 -- torchtpu-train --config train_configs/llama3_70b.toml
+(local and tpu-vm take --dry-run: print the commands instead of running them; gke and skypilot only print)
 """
 
 
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=120,
         help="seconds a stopped host gets to write its checkpoint before SIGKILL",
     )
+    lo.add_argument("--dry-run", action="store_true", help="print each host's command instead of running them")
     _add_tpu_vm(sub)
     _add_gke(sub)
     _add_skypilot(sub)
@@ -168,9 +172,15 @@ def main(argv: list[str] | None = None) -> int:
                 "no training command: give it after --, e.g. -- torchtpu-train --config train_configs/debug_model.toml"
             )
         if args.where == "local":
-            from .local import run_local
+            from .local import dry_run_lines, run_local
 
             log_dir = args.log_dir or default_log_dir(cmd)
+            if args.dry_run:
+                lines = dry_run_lines(
+                    args.num_hosts, args.devices_per_host, cmd, args.max_restarts, log_dir, args.shutdown_timeout
+                )
+                print("\n".join(lines))
+                return 0
             return run_local(
                 args.num_hosts,
                 args.devices_per_host,

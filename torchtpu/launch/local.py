@@ -137,6 +137,22 @@ def _kill_all(sig: int) -> None:
             pass
 
 
+def dry_run_lines(num_hosts: int, devices_per_host: int, cmd: list[str], max_restarts: int, log_dir, shutdown_timeout):
+    """What `torchtpu-launch local --dry-run` prints: each host's environment changes and agent command
+    (the rendezvous port and run id are chosen when the job really starts)."""
+    import shlex
+
+    lines = []
+    for i in range(num_hosts):
+        env = host_env({}, devices_per_host, i)
+        argv = agent_command(
+            num_hosts, i, "127.0.0.1:PORT", "RUN_ID", max_restarts, log_dir, cmd, shutdown_timeout=shutdown_timeout
+        )
+        settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+        lines.append(f"# host {i}\n{settings} {shlex.join(argv)}")
+    return lines
+
+
 def run_local(
     num_hosts: int,
     devices_per_host: int,

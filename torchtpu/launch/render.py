@@ -18,7 +18,7 @@ import shlex
 import sys
 from string import Template
 
-from torchtpu.train.fault import EXIT_CONFIG
+from torchtpu.train.fault import EXIT_CONFIG, RESTART_EXIT_CODES
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 
@@ -32,8 +32,31 @@ _GENERATIONS = {
 }
 
 
+# The slice shapes each generation comes in (Cloud TPU / GKE documentation). v5e and v6e: these 2D
+# shapes. v4 and v5p: the small 3D slices below, and from 4x4x4 on any AxBxC with A <= B <= C all
+# multiples of 4 (the 4x4x4 cubes a pod is built from).
+_SHAPES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+_SMALL_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
+
+
 class RenderError(ValueError):
     pass
+
+
+def valid_topology(generation: str, topology: str) -> bool:
+    """Whether `generation` (v4, v5e, v5p, v6e) comes as a slice of shape `topology`."""
+    if generation in ("v5e", "v6e"):
+        return topology in _SHAPES_2D
+    if topology in _SMALL_3D:
+        return True
+    dims = [int(n) for n in topology.split("x")]
+    return len(dims) == 3 and dims == sorted(dims) and all(d % 4 == 0 and d > 0 for d in dims)
+
+
+def _valid_shapes(generation: str) -> str:
+    if generation in ("v5e", "v6e"):
+        return ", ".join(_SHAPES_2D)
+    return ", ".join(_SMALL_3D) + ", then AxBxC with A <= B <= C multiples of 4 (4x4x4, 4x4x8, 4x8x8, 8x8x8, ...)"
 
 
 def slice_shape(tpu: str, chips_per_host: int | None = None) -> dict:
@@ -45,6 +68,8 @@ def slice_shape(tpu: str, chips_per_host: int | None = None) -> dict:
             f"{', '.join(_GENERATIONS)}, e.g. v5p:4x4x4 or v6e:8x8"
         )
     gen, topology = m.groups()
+    if not valid_topology(gen, topology):
+        raise RenderError(f"--tpu {tpu}: {gen} slices have no {topology} shape; valid shapes: {_valid_shapes(gen)}")
     label, prefix, cores, per_host = _GENERATIONS[gen]
     chips = math.prod(int(n) for n in topology.split("x"))
     if chips_per_host is None:
@@ -84,7 +109,9 @@ def _add_parser(sub, name: str):
     p.add_argument("--tpu", required=True, help="slice as GENERATION:TOPOLOGY, e.g. v5p:4x4x4 (64 chips)")
     p.add_argument("--num-slices", type=int, default=1)
     p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--workdir", default=None)
+    p.add_argument(
+        "--workdir", default=None, help="the working folder on each host (gke: the container's, default /app)"
+    )
     p.add_argument("--log-dir", default="logs", help="per-attempt host logs, relative to the working folder")
     return p
 
@@ -146,6 +173,7 @@ def render_gke(args, cmd: list[str]) -> str:
         nnodes=s["hosts_per_slice"] * args.num_slices,
         accelerator=s["accelerator"],
         topology=s["topology"],
+        restart_codes=", ".join(str(c) for c in RESTART_EXIT_CODES),
         image=args.image,
         workdir=args.workdir or "/app",
         chips_per_host=s["chips_per_host"],

@@ -57,6 +57,7 @@ from .checkpoint_files import (
     corrupt_error,
     find_partial_saves,
     first_line,
+    save_error,
     split_step_path,
 )
 from .checkpoint_manifest import (
@@ -219,10 +220,7 @@ class CheckpointManager:
         try:
             mgr.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"saving checkpoint {self.step_path(step)} failed: {first_line(e)}; check free disk space and "
-                "write permission for the checkpoint folder"
-            ) from e
+            raise save_error(self.step_path(step), e) from e
         self._pending_step = step
         return True
 
@@ -234,10 +232,7 @@ class CheckpointManager:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             step = self._pending_step
-            raise CheckpointError(
-                f"saving checkpoint {self.step_path(step) if step is not None else self.folder} failed: "
-                f"{first_line(e)}; check free disk space and write permission for the checkpoint folder"
-            ) from e
+            raise save_error(self.step_path(step) if step is not None else self.folder, e) from e
         finally:
             self._pending_step = None
 

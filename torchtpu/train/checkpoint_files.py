@@ -86,6 +86,28 @@ def first_line(e: BaseException, limit: int = 500) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def save_error(path: str, e: BaseException) -> CheckpointError:
+    """The error for a save of checkpoint `path` that failed with `e`: the cause, then what to do."""
+    text = str(e)
+    folder = os.path.dirname(path)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        return CheckpointError(
+            f"saving checkpoint {path} failed: the disk is full (No space left on device); the checkpoints "
+            f"before it are intact. Free space where {folder} lives, lower [checkpoint] keep_latest_k, or give "
+            "the job another --job.dump_folder, then start it again to resume"
+        )
+    if "Permission denied" in text or "Read-only file system" in text:
+        cause = "Read-only file system" if "Read-only" in text else "Permission denied"
+        return CheckpointError(
+            f"saving checkpoint {path} failed: {cause}; make {folder} writable or give the job another "
+            "--job.dump_folder"
+        )
+    return CheckpointError(
+        f"saving checkpoint {path} failed: {first_line(e)}; check free disk space and write permission for "
+        "the checkpoint folder"
+    )
+
+
 def corrupt_error(path, key, e, steps, step) -> CheckpointError:
     older = [s for s in steps if s < step]
     fix = (
@@ -97,3 +119,23 @@ def corrupt_error(path, key, e, steps, step) -> CheckpointError:
         f"checkpoint {path} is unreadable at key {key}: it is corrupt or incomplete; {fix} (cause: {first_line(e, 240)})",
         path,
     )
+
+
+def folder_size(path: str) -> int:
+    """Bytes in the files under `path` (0 when it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed while walking
+    return total
+
+
+def describe_size(nbytes: int) -> str:
+    """'74.1 MB', '3.20 GB', ... (decimal units, as `du --si` and cloud storage bills count)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{nbytes} B"

@@ -59,6 +59,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from collections import deque
 from collections.abc import Iterator
 
@@ -234,6 +235,36 @@ def _txt_documents(path: str, start: int):
             yield index, "".join(lines).strip()
 
 
+class BadRecord:
+    """A malformed record in a document stream, in place of its text: what is wrong and where."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class BadRecords:
+    """The malformed records this process's loaders skipped, up to [training] max_bad_records."""
+
+    def __init__(self, limit: int = 0):
+        self.limit = int(limit)
+        self.count = 0
+
+    def skip(self, record: BadRecord) -> None:
+        """Count `record`, or raise ValueError naming it once more than `limit` were skipped."""
+        self.count += 1
+        if self.count > self.limit:
+            if self.limit:
+                raise ValueError(
+                    f"{record.message} ({self.count} bad records, [training] max_bad_records = {self.limit})"
+                )
+            raise ValueError(f"{record.message} (set [training] max_bad_records to skip and count a few such records)")
+        print(
+            f"[torchtpu-train] skipped a bad data record ({self.count} of at most {self.limit}): {record.message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _jsonl_documents(path: str, start: int):
     opener = gzip.open if path.lower().endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -245,12 +276,15 @@ def _jsonl_documents(path: str, start: int):
                 try:
                     record = json.loads(line)
                 except ValueError as exc:
-                    raise ValueError(
-                        f"{path}:{lineno} is not valid JSON ({exc}); expected one JSON object per line"
-                    ) from exc
-                if not isinstance(record, dict) or "text" not in record:
-                    raise ValueError(f'{path}:{lineno} has no "text" field; each JSON line needs one')
-                yield index, str(record["text"])
+                    yield (
+                        index,
+                        BadRecord(f"{path}:{lineno} is not valid JSON ({exc}); expected one JSON object per line"),
+                    )
+                else:
+                    if isinstance(record, dict) and "text" in record:
+                        yield index, str(record["text"])
+                    else:
+                        yield index, BadRecord(f'{path}:{lineno} has no "text" field; each JSON line needs one')
             index += 1
 
 
@@ -361,6 +395,7 @@ class TokenBatchLoader:
         dp_rank: int,
         dp_world_size: int,
         infinite: bool = True,
+        bad_records: BadRecords | None = None,
     ):
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be positive")
@@ -373,6 +408,7 @@ class TokenBatchLoader:
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.infinite = infinite
+        self.bad_records = bad_records if bad_records is not None else BadRecords(0)
         self.batches = 0
         self._set_position(0, 0, 0, 0, 0)
 
@@ -398,7 +434,10 @@ class TokenBatchLoader:
                 for index, text in self.source.documents(units[u], start):
                     global_doc += index - last - 1  # documents a reader skipped still count
                     last = index
-                    if self._owns(global_doc) and text.strip():
+                    if isinstance(text, BadRecord):  # counted by the one stream that owns it
+                        if self._owns(global_doc):
+                            self.bad_records.skip(text)
+                    elif self._owns(global_doc) and text.strip():
                         owned_any = True
                         yield (epoch, u, index, global_doc), text
                     global_doc += 1
@@ -513,13 +552,19 @@ class GlobalBatchLoader:
     (len(rows), seq_len), row i being global row rows[i]. Each row is its own stream (see the module
     docstring), so the rows are the same whichever process reads them."""
 
-    def __init__(self, make_source, tokenizer, seq_len: int, global_rows: int, rows, infinite: bool = True):
+    def __init__(
+        self, make_source, tokenizer, seq_len: int, global_rows: int, rows, infinite: bool = True, max_bad_records=0
+    ):
         rows = tuple(sorted(set(int(r) for r in rows)))
         if not rows or rows[0] < 0 or rows[-1] >= global_rows:
             raise ValueError(f"rows {rows} are not a non-empty subset of the {global_rows} rows of the global batch")
         self.global_rows, self.rows, self.seq_len = global_rows, rows, seq_len
         self.local_batch_size = len(rows)
-        self.streams = [TokenBatchLoader(make_source(r), tokenizer, seq_len, 1, r, global_rows, infinite) for r in rows]
+        self.bad_records = BadRecords(max_bad_records)  # shared by this process's rows
+        self.streams = [
+            TokenBatchLoader(make_source(r), tokenizer, seq_len, 1, r, global_rows, infinite, self.bad_records)
+            for r in rows
+        ]
         self.source = self.streams[0].source
 
     def __iter__(self):
@@ -557,8 +602,10 @@ def build_global_batch_loader(
     rows=None,
     seed: int = 0,
     infinite: bool = True,
+    max_bad_records: int = 0,
 ) -> GlobalBatchLoader:
-    """Rows `rows` (default: all) of a global batch of `global_rows` row streams. See the module docstring."""
+    """Rows `rows` (default: all) of a global batch of `global_rows` row streams. See the module docstring.
+    Up to `max_bad_records` malformed records are skipped (`.bad_records.count`), then one is an error."""
     shared = {}
 
     def make_source(r):
@@ -570,7 +617,13 @@ def build_global_batch_loader(
         return src
 
     return GlobalBatchLoader(
-        make_source, tokenizer, seq_len, global_rows, range(global_rows) if rows is None else rows, infinite
+        make_source,
+        tokenizer,
+        seq_len,
+        global_rows,
+        range(global_rows) if rows is None else rows,
+        infinite,
+        max_bad_records,
     )
 
 

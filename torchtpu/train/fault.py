@@ -6,6 +6,8 @@ Exit codes (the contract `torchtpu-launch`, torchelastic, xpk and JobSet rely on
     EXIT_FAILURE = 1     any other failure
     EXIT_CONFIG = 2      configuration or usage error: retrying cannot help
     EXIT_RETRIABLE = 42  preempted or stuck: restart the job, it resumes from its newest checkpoint
+    EXIT_INTERRUPTED = 130  stopped by Ctrl-C (SIGINT) after checkpointing the last step finished;
+                         the next start resumes there (a second Ctrl-C aborts at once, also 130)
 
 Preemption. A SIGTERM to any process of the job (a TPU VM maintenance event, a GKE eviction,
 `torchtpu-launch` being stopped) asks the job to stop at a step boundary. With several processes
@@ -13,6 +15,13 @@ they must all stop at the *same* step, because writing a checkpoint is a collect
 preemption service (started by `jax.distributed.initialize`, it owns SIGTERM in that case) spreads
 the notice to every process and `reached_preemption_sync_point(step)` turns true on all of them at
 one agreed step. A single process handles SIGTERM with a plain Python handler.
+
+Ctrl-C (SIGINT) is SIGTERM's equal: the first one stops the loop at the next step boundary, after any
+save in flight has finished and the step just finished is checkpointed, and the process exits 130.
+A second Ctrl-C ends the process at once (also 130): a save it cuts short is ignored by the next
+start, which resumes from the checkpoint before it. In a multi-process job the first SIGINT is passed
+on as a SIGTERM to this process, so JAX's preemption service stops every process at one step (they
+exit 42).
 
 The step watchdog. A host whose peer died or hung blocks inside a collective forever. A thread
 watches the steps the loop finishes; when none finished for `[comm] init_timeout_seconds` (start-up
@@ -35,6 +44,8 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_CONFIG",
     "EXIT_RETRIABLE",
+    "EXIT_INTERRUPTED",
+    "RESTART_EXIT_CODES",
     "Preempted",
     "PreemptionWatch",
     "StepWatchdog",
@@ -48,21 +59,31 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_RETRIABLE = 42
+EXIT_INTERRUPTED = 130
+# The statuses a scheduler should restart the job on (GKE's JobSet as torchtpu-launch gke renders it,
+# as xpk does): 42, and 127-255, a process killed by a signal (128 + N: SIGKILL and the OOM killer
+# give 137) or a command that could not be started.
+RESTART_EXIT_CODES = (EXIT_RETRIABLE, *range(127, 256))
 
 # Test hook: "HOST:STEP:SECONDS" makes process HOST sleep SECONDS inside step STEP (a stuck host).
 STALL_ENV = "TORCHTPU_TEST_STALL"
 
 
 class Preempted(Exception):
-    """The job was asked to stop (SIGTERM); a checkpoint of `step` has been written. Exit 42."""
+    """The job was asked to stop (SIGTERM, or SIGINT: `signal`); a checkpoint of `step` has been
+    written. `exit_status`: 42 for SIGTERM, 130 for SIGINT."""
 
-    def __init__(self, step: int, checkpoint: str | None):
+    def __init__(self, step: int, checkpoint: str | None, signal_name: str = "SIGTERM"):
         self.step = step
         self.checkpoint = checkpoint
+        self.exit_status = EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_RETRIABLE
         where = f"checkpoint {checkpoint} written" if checkpoint else "checkpoints are off, nothing saved"
+        if self.exit_status == EXIT_RETRIABLE:
+            then = f"exiting with {EXIT_RETRIABLE} (retriable), the next attempt resumes from the newest checkpoint"
+        else:
+            then = f"exiting with {EXIT_INTERRUPTED}; the same command resumes from the newest checkpoint"
         super().__init__(
-            f"preempted (SIGTERM) after step {step}: {where}; exiting with {EXIT_RETRIABLE} "
-            "(retriable), the next attempt resumes from the newest checkpoint"
+            f"{'preempted' if signal_name == 'SIGTERM' else 'stopped'} ({signal_name}) after step {step}: {where}; {then}"
         )
 
 
@@ -88,17 +109,42 @@ def _jax_preemption_service():
 
 
 class PreemptionWatch:
-    """Tells the loop, after each step, whether the job must stop there (all processes agree)."""
+    """Tells the loop, after each step, whether the job must stop there (all processes agree).
+
+    SIGTERM and a first SIGINT ask for the stop; a second SIGINT ends the process at once."""
 
     def __init__(self):
         self._flag = threading.Event()
-        self._previous = None
+        self.signal_name = "SIGTERM"
+        self._previous: dict = {}
         self._service = _jax_preemption_service()
-        if self._service is None and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is threading.main_thread():
+            if self._service is None:
+                self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum, frame):
         self._flag.set()
+
+    def _on_sigint(self, signum, frame):
+        # os.write, not print: the handler may run while the main thread is inside a print
+        if self._flag.is_set() and self.signal_name == "SIGINT":
+            os.write(2, b"\n[torchtpu-train] second Ctrl-C: stopping now, without a checkpoint of this step\n")
+            os._exit(EXIT_INTERRUPTED)
+        self.signal_name = "SIGINT"
+        self._flag.set()
+        os.write(
+            2,
+            b"\n[torchtpu-train] Ctrl-C: stopping after this step, once its checkpoint is written "
+            b"(Ctrl-C again stops at once)\n",
+        )
+        if self._service is not None:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's service spreads it: every process stops at one step
+
+    @property
+    def stop_signal(self) -> str:
+        """The signal the stop answers; with JAX's service every process stops as for SIGTERM."""
+        return "SIGTERM" if self._service is not None else self.signal_name
 
     def should_stop(self, step: int) -> bool:
         if self._service is not None:
@@ -108,9 +154,9 @@ class PreemptionWatch:
         return self._flag.is_set()
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 class StepWatchdog:

@@ -303,6 +303,12 @@ class Training:
         "float32", "Dtype of gradient reductions across data-parallel ranks.", choices=("float32",)
     )
     gc_freq: int = _opt(50, "Run Python's garbage collector every this many steps.", check=_positive)
+    max_bad_records: int = _opt(
+        0,
+        "Malformed data records (a JSON line that does not parse or has no text field) to skip and count "
+        "(metric bad_records) before failing; 0 fails on the first, naming its file:line.",
+        check=_non_negative,
+    )
     dataloader: DataLoader = _section(DataLoader, "Data loading for training.")
 
 

@@ -248,6 +248,7 @@ class MetricsLogger:
         tb_folder: str = "tb",
         color: bool = False,
         rank: int | None = None,
+        start_step: int = 0,
     ):
         self.dump_folder = os.path.abspath(dump_folder)
         self.run_name = run_name
@@ -261,6 +262,7 @@ class MetricsLogger:
         self.tb_dir = os.path.join(self.dump_folder, tb_folder, *([f"rank_{rank}"] if rank is not None else []))
         self.wandb_mode = None
         self._file = self._tb = self._wandb = self._bar = None
+        self._first: tuple[int, float] | None = None  # (step, time) of the first line logged: the ETA's base
         if not self.enabled:
             return
         os.makedirs(self.dump_folder, exist_ok=True)
@@ -274,7 +276,8 @@ class MetricsLogger:
         if total_steps and self.console and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
+            # a resumed run's bar starts at its step, and its rate counts only the steps run here
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True)
 
     def _start_wandb(self, project, run_name, config_dict):
         import wandb
@@ -296,9 +299,23 @@ class MetricsLogger:
         """Whether `step` (1-based) is a logging step: the first, every log_freq-th, and the last."""
         return step == 1 or step % self.log_freq == 0 or (self.total_steps is not None and step == self.total_steps)
 
-    def format_line(self, step: int, metrics: dict) -> str:
+    def eta_seconds(self, step: int, metrics: dict, now: float) -> float | None:
+        """Seconds left until total_steps: the average step since the first line logged, or at that
+        first line its own step time (None without total_steps or a time to go by)."""
+        if not self.total_steps:
+            return None
+        left = self.total_steps - int(step)
+        if self._first is not None and step > self._first[0]:
+            return left * (now - self._first[1]) / (step - self._first[0])
+        step_time = metrics.get("step_time")
+        return left * float(step_time) if isinstance(step_time, (int, float)) else None
+
+    def format_line(self, step: int, metrics: dict, eta: float | None = None) -> str:
+        """`step n/N | eta H:MM:SS | loss ... | ...` (n/N and the ETA when total_steps is known)."""
         width = len(str(self.total_steps)) if self.total_steps else 0
-        parts = [f"step {step:>{width}d}" if width else f"step {step}"]
+        parts = [f"step {step:>{width}d}/{self.total_steps}" if width else f"step {step}"]
+        if eta is not None:
+            parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
         used = set()
         for keys, label, fmt in _CONSOLE:
             for key in keys:
@@ -336,7 +353,10 @@ class MetricsLogger:
         record["time"] = round(time.time(), 3)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        line = self.format_line(step, metrics)
+        now = time.monotonic()
+        line = self.format_line(step, metrics, self.eta_seconds(step, metrics, now))
+        if self._first is None:
+            self._first = (int(step), now)
         if self._bar is not None:
             self._bar.write(line)
             self._bar.n = min(int(step), self._bar.total)
@@ -382,9 +402,11 @@ class MetricsLogger:
         self.close()
 
 
-def build_metrics_logger(cfg, process_index: int, total_steps: int, stdout_is_terminal: bool | None = None):
+def build_metrics_logger(
+    cfg, process_index: int, total_steps: int, stdout_is_terminal: bool | None = None, start_step: int = 0
+):
     """The MetricsLogger a torchtpu-train job configured by `cfg` ([metrics], [job]) uses on host
-    `process_index`."""
+    `process_index`; `start_step`: the step a resumed run continues from."""
     m = cfg.metrics
     tty = sys.stdout.isatty() if stdout_is_terminal is None else stdout_is_terminal
     return MetricsLogger(
@@ -399,4 +421,5 @@ def build_metrics_logger(cfg, process_index: int, total_steps: int, stdout_is_te
         tb_folder=m.save_tb_folder,
         color=tty and not m.disable_color_printing,
         rank=process_index if m.save_for_all_ranks else None,
+        start_step=start_step,
     )

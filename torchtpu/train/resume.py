@@ -10,6 +10,9 @@ state) or a Hugging Face folder, and applies only while the run has no checkpoin
 
 from __future__ import annotations
 
+import time
+
+from .checkpoint_files import describe_size, folder_size
 from .console import log
 from .fault import attempt_number
 from .job_config import ConfigError
@@ -89,8 +92,13 @@ def _resume_at(trainer, ck, step: int) -> bool:
             f"full checkpoint, step {full[-1]}"
         )
         step = full[-1]
+    t0 = time.perf_counter()
     trainer.restore_full(ck, step)
-    log(f"attempt {attempt_number()}: resumed from {ck.step_path(trainer.step)} (step {trainer.step})")
+    path = ck.step_path(trainer.step)
+    log(
+        f"attempt {attempt_number()}: resumed from {path} (step {trainer.step}): "
+        f"{describe_size(folder_size(path))} read in {time.perf_counter() - t0:.1f} s"
+    )
     return True
 
 

@@ -48,7 +48,7 @@ import time
 
 from .config_manager import save_resolved_config
 from .console import log
-from .fault import EXIT_RETRIABLE, Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
+from .fault import Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 from .job_config import ConfigError, JobConfig
 from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
@@ -88,6 +88,7 @@ def build_train_dataloader(cfg: JobConfig, tokenizer, dims: ParallelDims, rows=N
             dims.micro_batch_size,
             rows,
             seed=cfg.debug.seed if cfg.debug.seed is not None else 0,
+            max_bad_records=cfg.training.max_bad_records,
         )
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(
@@ -355,6 +356,21 @@ class Trainer:
             return model_only_state(self.model, self.step, getattr(torch, ck.export_dtype))
         return self.state()
 
+    def _save(self, step: int, state: dict, force: bool) -> None:
+        """Checkpoint `step` and say what was written: its size and time (an asynchronous save: the
+        time to copy it off the devices; the files follow in the background)."""
+        from .checkpoint_files import describe_size, folder_size
+
+        t0 = time.perf_counter()
+        if not self.checkpointer.save(step, state, force=force):
+            return
+        dt = time.perf_counter() - t0
+        path = self.checkpointer.step_path(step)
+        if os.path.isdir(path):
+            log(f"checkpoint {path} written: {describe_size(folder_size(path))} in {dt:.1f} s")
+        else:
+            log(f"checkpoint {path}: copied off the devices in {dt:.1f} s, writing in the background")
+
     def _save_hf(self, step: int) -> None:
         """checkpoint.last_save_in_hf: the final weights also as a Hugging Face folder
         (<checkpoint folder>/hf_step_N, in checkpoint.export_dtype), with the job's tokenizer."""
@@ -415,7 +431,7 @@ class Trainer:
         dims = self.dims
         self.maybe_resume()
         total_steps = cfg.training.steps
-        logger = build_metrics_logger(cfg, jax.process_index(), total_steps)
+        logger = build_metrics_logger(cfg, jax.process_index(), total_steps, start_step=self.step)
         peak, peak_src = peak_flops(self.devices[0].device_kind)
         tokens_per_step = dims.tokens_per_step
         world = dims.world_size
@@ -476,6 +492,8 @@ class Trainer:
                         "step_time": dt,
                         "memory_gib": _memory_gib(),
                     }
+                    if cfg.training.max_bad_records:  # this host's rows, since this process started
+                        rec["bad_records"] = self.dataloader.bad_records.count
                     if not math.isfinite(loss_v):
                         logger.log(step, rec)
                         raise FloatingPointError(
@@ -493,7 +511,7 @@ class Trainer:
                     logger.progress(step)
                 due, force = save_due(cfg, self.checkpointer, step)
                 if due:
-                    self.checkpointer.save(step, self._save_state(final=step == total_steps), force=force)
+                    self._save(step, self._save_state(final=step == total_steps), force)
                 if (
                     step == total_steps
                     and self.checkpointer is not None
@@ -504,15 +522,15 @@ class Trainer:
                 if self.watchdog is not None:
                     self.watchdog.step_done()
                 if step < total_steps and preemption.should_stop(step):
-                    raise self._preempted(step)
+                    raise self._preempted(step, preemption.stop_signal)
         finally:
-            preemption.close()
             profiler.close()
             if gc_was:
                 gc.enable()
             logger.close()
             if self.checkpointer is not None:
-                self.checkpointer.close()
+                self.checkpointer.close()  # waits for a save in flight; a first Ctrl-C does not cut it short
+            preemption.close()
         return self.history
 
     def _maybe_validate(self, step: int, loss) -> dict | None:
@@ -526,15 +544,16 @@ class Trainer:
         jax.block_until_ready(torchtpu.to_jax(loss))  # the training step's time is not the evaluation's
         return self.validator.validate()
 
-    def _preempted(self, step: int) -> Preempted:
-        """SIGTERM: checkpoint the step just finished (unless it was saved already); exit 42 follows."""
+    def _preempted(self, step: int, signal_name: str) -> Preempted:
+        """SIGTERM or Ctrl-C: checkpoint the step just finished (unless it was saved already); exit 42
+        (SIGINT: 130) follows."""
         ck = self.checkpointer
         if ck is None or self.cfg.checkpoint.load_only:
-            return Preempted(step, None)
+            return Preempted(step, None, signal_name)
         if ck.latest_step() != step:
-            ck.save(step, self.state(), force=True)
+            self._save(step, self.state(), force=True)
         ck.close()  # waits for an asynchronous save to be complete on disk
-        return Preempted(step, ck.step_path(step))
+        return Preempted(step, ck.step_path(step), signal_name)
 
     # -- dry run -------------------------------------------------------------------------------
 
@@ -545,24 +564,41 @@ class Trainer:
         return dry_run(self)
 
 
+def _lock_dump_folder(cfg: JobConfig):
+    """Hold the dump folder for this job (dump_lock.py), or raise ConfigError naming the job that does.
+
+    The processes of a torchelastic job share the lock under its run id; the processes of a job joined
+    otherwise (a TPU slice's own discovery) have no shared name, so process 0 holds it for them."""
+    import jax
+
+    from .dump_lock import RUN_ID_ENV, hold_dump_folder
+
+    if RUN_ID_ENV not in os.environ and jax.process_index() != 0:
+        return None
+    return hold_dump_folder(cfg)
+
+
 def main(cfg: JobConfig) -> int:
     """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
 
     Configuration problems raise ConfigError (the CLI prints one line and exits 2)."""
-    save_resolved_config(cfg)
     watchdog = None
+    lock = None
     if not cfg.tpu.dry_run:
         # Multi-host: join the job (coordinator from torchrun / the TPU slice) before any device work.
         from torchtpu.distributed import initialize
 
         initialize(init_timeout_seconds=cfg.comm.init_timeout_seconds)
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            log(
-                f"attempt {attempt_number()} (torchelastic restarts allowed: "
-                f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})"
-            )
-        watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
+        lock = _lock_dump_folder(cfg)  # before anything is written there
     try:
+        save_resolved_config(cfg)
+        if not cfg.tpu.dry_run:
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                log(
+                    f"attempt {attempt_number()} (torchelastic restarts allowed: "
+                    f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})"
+                )
+            watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
         trainer = Trainer(cfg)
         if trainer.dry:
             return trainer.dry_run()
@@ -571,11 +607,13 @@ def main(cfg: JobConfig) -> int:
         try:
             history = trainer.train()
         except Preempted as p:
-            print(f"[torchtpu-train] {p}", file=sys.stderr, flush=True)  # every process: each exits 42
-            return EXIT_RETRIABLE
+            print(f"[torchtpu-train] {p}", file=sys.stderr, flush=True)  # every process: each exits 42 (130)
+            return p.exit_status
     finally:
         if watchdog is not None:
             watchdog.close()
+        if lock is not None:
+            lock.release()
     if history:
         log(f"done: {trainer.step} steps in {time.perf_counter() - t0:.1f} s, final loss {history[-1]['loss']:.4f}")
     return 0
