@@ -10,6 +10,18 @@ the model is one SPMD program over a device mesh: `check_and_update_config` reco
 `additional_config["torchtpu_tensor_parallel_size"]` and gives vLLM a world of one process, whose
 model layers are built whole and whose weights are then laid out over the mesh's "tp" axis
 (sharding.py); XLA inserts the collectives. See docs/serving.md.
+
+The engine runs in a process of its own. vLLM forks it from the front-end process (the user's
+script, `vllm serve`) unless the parent has started a device runtime. A fork of a process whose
+XLA runtime has started deadlocks in the child's first compile (XLA's thread pools do not survive
+a fork), and on a TPU host the parent would hold the chips. So nothing here starts XLA in the
+front end: the device queries vLLM makes there (total memory, device name, device count) answer
+without it, and the tensor-parallel degree is checked against the devices in the engine's
+process (sharding.py). Where the user's own code started XLA in the front end before creating the
+engine, `check_and_update_config` switches vLLM to the `spawn` start method, as vLLM does when
+CUDA is initialised, and says so in one log line; if that XLA holds TPU chips, no engine process
+could open them, and the error says to create the engine first or run it in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 """
 
 from __future__ import annotations
@@ -54,12 +66,18 @@ class TpuPlatform(Platform):
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
+        if not xla_started():
+            return "tpu"  # the front end does not start XLA (module docstring)
         import jax
 
         return jax.devices()[device_id].device_kind
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
+        if not xla_started():
+            # vLLM's front end asks only to pick max_num_seqs / max_num_batched_tokens defaults and
+            # takes its general ones when this fails; starting XLA here would break the engine's fork.
+            raise RuntimeError("torchtpu: device memory is not queried before the engine's process starts XLA")
         limit = torch.tpu.memory_stats(device_id).get("bytes_limit")
         if limit:
             return int(limit)
@@ -145,6 +163,7 @@ class TpuPlatform(Platform):
             parallel.worker_cls = "torchtpu.serve.worker.TpuWorker"
         if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
+        _spawn_if_xla_started()
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -178,18 +197,48 @@ class TpuPlatform(Platform):
         return float(torch.tpu.memory_allocated(device))
 
 
+def xla_started() -> bool:
+    """Whether this process has started an XLA runtime (jax's backends)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+ENGINE_PROCESS = [False]  # set by the worker: this process runs the engine (and its XLA)
+
+
+def _spawn_if_xla_started() -> None:
+    """vLLM's engine process must not be forked from a process running XLA (module docstring).
+    The engine's own process builds configurations too; it forks no engine."""
+    import vllm.envs as envs
+
+    method = "VLLM_WORKER_MULTIPROC_METHOD"
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING or ENGINE_PROCESS[0] or os.environ.get(method) == "spawn":
+        return
+    if not xla_started():
+        return
+    import jax
+
+    if any(d.platform == "tpu" for d in jax.devices()):
+        raise RuntimeError(
+            "torchtpu: this process already holds the host's TPU chips (tpu tensors or jax were used before "
+            "the vLLM engine was created), so vLLM's engine process cannot open them; create the engine first, "
+            "or run it in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
+    logger.warning(
+        "torchtpu: XLA already runs in this process (tpu tensors or jax were used before the engine was "
+        "created), so vLLM's engine process is spawned, not forked (%s=spawn); a script must then create "
+        "the engine under `if __name__ == '__main__':`",
+        method,
+    )
+    os.environ[method] = "spawn"
+
+
 def _one_process_tensor_parallel(vllm_config) -> None:
     """Record the requested tensor-parallel degree and give vLLM a world of one process (see the
     module docstring)."""
     parallel = vllm_config.parallel_config
     n = parallel.tensor_parallel_size
-    import jax
-
-    if n > jax.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={n} but this host has {jax.device_count()} tpu devices; use at most "
-            f"{jax.device_count()} (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
-        )
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         raise ValueError("torchtpu's tensor parallelism keeps its degree in additional_config, which must be a dict")

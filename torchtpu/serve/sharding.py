@@ -37,12 +37,20 @@ AXIS = "tp"
 
 
 def tensor_parallel_mesh(n: int):
-    """The one-axis device mesh of `n` tpu devices (None for one device)."""
+    """The one-axis device mesh of the first `n` tpu devices (None for one device)."""
     if n <= 1:
         return None
+    import jax
+
     from torchtpu.distributed import init_device_mesh
 
-    return init_device_mesh("tpu", (n,), mesh_dim_names=(AXIS,))
+    devices = jax.devices()
+    if n > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={n} but this host has {len(devices)} tpu devices; use at most {len(devices)} "
+            "(on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    return init_device_mesh("tpu", (n,), mesh_dim_names=(AXIS,), devices=devices[:n])
 
 
 def _split_dim(module: torch.nn.Module, name: str) -> int | None:

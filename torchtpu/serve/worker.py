@@ -23,7 +23,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 import torchtpu
 
-from .platform import TpuPlatform, tensor_parallel_size
+from .platform import ENGINE_PROCESS, TpuPlatform, tensor_parallel_size
 from .runner import TpuModelRunner
 from .sharding import tensor_parallel_mesh
 
@@ -32,6 +32,7 @@ logger = init_logger(__name__)
 
 class TpuWorker(Worker):
     def init_device(self):
+        ENGINE_PROCESS[0] = True
         self.device = torch.device("tpu", 0)
         TpuPlatform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(
