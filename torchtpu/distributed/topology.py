@@ -499,15 +499,9 @@ def _parse_size(text: str) -> int:
 # unrolled, holds 6 such loops of 4 trips and reports 4.01e13 FLOPs per chip; compiled without
 # them, 4.23e13 (its matmuls' full count). Programs compiled for costing turn it off; the programs
 # that run (and the dry run's memory figures) keep the compiler's defaults.
-#
-# It may also prefetch a weight that fits in on-chip memory as several asynchronous slices
-# (slice-start / slice-done). Its cost analysis then gives no time at all (a negative
-# optimal_seconds). Measured: a vLLM Llama 3 8B MLP (64 tokens, TP 4) on v5e:2x2 held 4 such
-# slices and had no estimate; with one slice per prefetch, 310 us. Costing compiles prefetch whole.
 COSTING_COMPILER_OPTIONS = {
     "xla_tpu_enable_windowed_einsum_for_all_gather": False,
     "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
-    "xla_tpu_sliced_prefetch_max_slices": 1,
 }
 
 
@@ -516,14 +510,16 @@ COSTING_COMPILER_OPTIONS = {
 # copy, as HBM traffic. A program bound by HBM bandwidth, such as a decode step, is then costed
 # several times too slow. Measured on v5e:2x2, 64 tokens through three 4096 x 16384 bf16 matmuls
 # split 4 ways: 688 us with MSA, 142 us without, against 123 us for reading the weights once at
-# the chip's bandwidth. The serving dry run costs its programs with MSA off
+# the chip's bandwidth. When MSA splits a prefetch into asynchronous slices (slice-start /
+# slice-done), XLA gives no time at all (a negative optimal_seconds): a vLLM Llama 3 8B MLP of 64
+# tokens, TP 4 on v5e:2x2. The serving dry run costs its programs with MSA off
 # (`costing_compiles(mesh, memory_space_assignment=False)`); a TPU runs them with it on.
 NO_MEMORY_SPACE_ASSIGNMENT = {"xla_msa_enable": False}
 
 
 def costing_compiles(mesh, *, memory_space_assignment: bool = True):
     """Context in which `aot_compile` compiles programs whose cost XLA counts fully: for a mesh of
-    TPU devices, with COSTING_COMPILER_OPTIONS (no collective-matmul loops, whole prefetches), and
+    TPU devices, with COSTING_COMPILER_OPTIONS (no collective-matmul loops), and
     without memory-space assignment when `memory_space_assignment` is False
     (NO_MEMORY_SPACE_ASSIGNMENT); other platforms have no such loops and compile as usual."""
     devices = np.asarray(getattr(mesh, "devices", mesh)).flat
