@@ -16,7 +16,6 @@ _BOTH: dict[str, str] = {
     "sparse.mm.reduce": SPARSE,
     "to_sparse": SPARSE,
     "chalf": "complex32 has no JAX/XLA dtype",
-    "_upsample_bilinear2d_aa": "antialiased upsampling has no lowering",
     "grid_sampler_3d": "aten.grid_sampler_3d has no lowering (2-D is lowered)",
 }
 
