@@ -15,7 +15,9 @@ def _both(fn):
     return cpu, [t.cpu() if isinstance(t, torch.Tensor) else t for t in tpu]
 
 
-def test_distributions_with_default_argument_validation():
+def test_distributions_with_default_argument_validation(monkeypatch):
+    # PyTorch's default (validation on); PyTorch's own test utilities, imported by other tests, turn it off
+    monkeypatch.setattr(torch.distributions.Distribution, "_validate_args", True)
     torch.manual_seed(0)
     loc, scale, logits = torch.randn(3), torch.rand(3) + 0.5, torch.randn(2, 5)
     a = torch.randn(3, 3)

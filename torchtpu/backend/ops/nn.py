@@ -198,6 +198,56 @@ _reg_upsample(3, "upsample_trilinear3d", "linear", True)
 _reg_upsample(2, "upsample_bicubic2d", "cubic", True)
 
 
+def _aa_weights(L, o, align_corners, scale, ftype):
+    """(o, L) matrix of PyTorch's antialiased linear interpolation: when downsampling, each output
+    averages a window as wide as the scale with a triangle filter stretched by it; the weights of
+    a window are normalised to sum to 1."""
+    if align_corners:
+        s = ftype(L - 1) / ftype(o - 1) if o > 1 else ftype(0)
+    else:
+        s = _scale_value(scale, L, o, ftype)
+    support = s if s >= 1 else ftype(1)  # interpolation size 2, times the scale when shrinking
+    invscale = 1 / s if s >= 1 else ftype(1)
+    w = np.zeros((o, L), ftype)
+    for i in range(o):
+        center = s * (i + ftype(0.5))
+        lo = max(int(center - support + ftype(0.5)), 0)
+        hi = min(int(center + support + ftype(0.5)), L)
+        j = np.arange(lo, hi)
+        k = np.maximum(0, 1 - np.abs((j - center + ftype(0.5)) * invscale)).astype(ftype)
+        total = k.sum()
+        w[i, lo:hi] = k / total if total != 0 else k
+    return w
+
+
+def _upsample_aa(x, output_size, align_corners, scales):
+    ftype = _np_dtype(x)
+    (oh, ow), (sh, sw) = output_size, scales or (None, None)
+    wh = _aa_weights(x.shape[-2], oh, align_corners, sh, ftype)
+    ww = _aa_weights(x.shape[-1], ow, align_corners, sw, ftype)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    out = jnp.einsum("oh,nchw,pw->ncop", wh, x.astype(acc), ww, precision=lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+@lower(aten._upsample_bilinear2d_aa.default)
+def upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_aa(self, list(output_size), align_corners, (scales_h, scales_w))
+
+
+@lower(aten._upsample_bilinear2d_aa.vec)
+def upsample_bilinear2d_aa_vec(input, output_size, align_corners, scale_factors):
+    size, sf = _out_size(input, 2, output_size, scale_factors)
+    return _upsample_aa(input, size, align_corners, sf)
+
+
+@lower(aten._upsample_bilinear2d_aa_backward.default)
+def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    x = jnp.zeros(tuple(input_size), grad_output.dtype)
+    _, vjp = jax.vjp(lambda t: _upsample_aa(t, list(output_size), align_corners, (scales_h, scales_w)), x)
+    return vjp(grad_output)[0]
+
+
 # ----------------------------------------------------------------------------- im2col / col2im
 
 
