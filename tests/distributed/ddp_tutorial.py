@@ -23,9 +23,11 @@ def accelerator():  # test: the tutorial's torch.accelerator.current_accelerator
     return torch.accelerator.current_accelerator() if DEVICE != "cpu" else torch.device("cpu")
 
 
-def report(what, loss, model):  # test
-    weights = torch.cat([p.detach().cpu().reshape(-1) for p in model.parameters()])
-    print(f"{what} {DEVICE} rank {dist.get_rank()} loss {loss.item()!r} weights {weights.tolist()!r}", flush=True)
+def report(what, loss, model):  # test: one short line each (two ranks share torchrun's stdout)
+    rank = dist.get_rank()
+    print(f"{what} {DEVICE} rank {rank} loss {loss.item()!r}", flush=True)
+    for i, p in enumerate(model.parameters()):
+        print(f"{what} {DEVICE} rank {rank} param {i} {p.detach().cpu().reshape(-1).tolist()!r}", flush=True)
 
 
 class ToyModel(nn.Module):

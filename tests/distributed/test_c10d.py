@@ -94,13 +94,19 @@ def test_every_collective_on_4_processes():
     assert "lone recv times out" in done[1]
 
 
+_LINE = r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) "  # after a launcher's prefix
+
+
 def _tutorial_results(out: str):
     """{(demo, device, rank): (loss, weights)} from the tutorial's printed lines."""
+    params = {}
+    for demo, device, rank, i, values in re.findall(_LINE + r"param (\d+) (\[.*\])$", out, re.M):
+        params.setdefault((demo, device, int(rank)), {})[int(i)] = np.array(eval(values))
     found = {}
-    for demo, device, rank, loss, weights in re.findall(
-        r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) loss (\S+) weights (\[.*\])$", out, re.M
-    ):
-        found[(demo, device, int(rank))] = (float(loss), np.array(eval(weights)))
+    for demo, device, rank, loss in re.findall(_LINE + r"loss (\S+)$", out, re.M):
+        key = (demo, device, int(rank))
+        assert sorted(params.get(key, {})) == [0, 1, 2, 3], (key, sorted(params.get(key, {})))
+        found[key] = (float(loss), np.concatenate([params[key][i] for i in range(4)]))
     return found
 
 
@@ -122,7 +128,8 @@ def _run(cmd, env, timeout=600) -> str:
 
 
 def test_ddp_tutorial_under_torchrun_matches_gloo_on_cpu():
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    # --tee 3: torchrun copies each rank's lines with a prefix, so the two ranks' lines never mix
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3"]
     out = _run(torchrun + ["--master-port", str(free_port()), str(TUTORIAL)], _env())
     _assert_tutorial_matches(_tutorial_results(out), 2)
 
