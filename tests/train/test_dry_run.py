@@ -149,6 +149,8 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
         return est
 
     monkeypatch.setattr(dry_run_module, "step_estimate", recorded_step_estimate)
+    monkeypatch.setattr(dry_run_module, "HEARTBEAT_SECONDS", 0.5)  # the 8B's 20 s, scaled to this small program
+    capsys.readouterr()
     assert dry_run(Trainer(load_config(argv))) == 0
     [(scan_layers, scanned, est)] = seen
     assert scan_layers
@@ -170,6 +172,14 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
         assert needle in out, out
     assert "upper bound" not in out
     assert "64-bit / complex" not in out
+    # what it is doing, while it does it: the mesh, each phase with its time, a heartbeat while compiling
+    assert f"dry run: mesh dp_replicate 1 x dp_shard 4 x tp 1 = 4 devices ({TOPOLOGY})" in out, out
+    for what in ("the full program", "the 2-layer costing copy", "the 4-layer costing copy"):
+        assert f"dry run: lowering {what}: done in " in out and f"dry run: compiling {what}: done in " in out, out
+    assert "dry run: compiling the full program: still working, " in out
+    # one estimate: the scanned program's raw XLA figures (its loop body costed once) are not printed
+    assert "XLA estimated step" not in out and "flops / device" not in out
+    assert "below, from the costing programs (this program loops over layers)" in out
 
 
 def test_an_estimate_from_costing_programs_with_loops_is_withdrawn():

@@ -371,8 +371,10 @@ def _secs(s) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def format_report(report: dict) -> str:
-    """A two-column table of a `compile_report` for people."""
+def format_report(report: dict, costed_below: bool = False) -> str:
+    """A two-column table of a `compile_report` for people. `costed_below`: leave out the program's
+    own FLOPs and time rows (a program with while loops: XLA costs each loop body once) and say where
+    the estimate is."""
     mem = report["memory"]
     fits = report["fits"]
     rows = [
@@ -389,12 +391,17 @@ def format_report(report: dict) -> str:
         ("  temporaries", _bytes(mem["temp_bytes"])),
         ("  program", _bytes(mem["generated_code_bytes"])),
         ("  simulated peak", _bytes(mem["peak_bytes"])),
-        ("flops / device", f"{report['flops_per_device']:.4g}"),
-        ("flops total", f"{report['flops_total']:.4g}"),
-        ("XLA estimated step", _secs(report["estimated_step_seconds"])),
-        ("compute-bound step", _secs(report["compute_bound_seconds"])),
-        ("roofline step", _secs(report.get("roofline_seconds"))),
     ]
+    if costed_below:
+        rows.append(("flops, step time", "below, from the costing programs (this program loops over layers)"))
+    else:
+        rows += [
+            ("flops / device", f"{report['flops_per_device']:.4g}"),
+            ("flops total", f"{report['flops_total']:.4g}"),
+            ("XLA estimated step", _secs(report["estimated_step_seconds"])),
+            ("compute-bound step", _secs(report["compute_bound_seconds"])),
+            ("roofline step", _secs(report.get("roofline_seconds"))),
+        ]
     rows += [(f"{name}", str(n)) for name, n in report["collectives"].items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

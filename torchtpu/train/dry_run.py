@@ -16,6 +16,12 @@ compile-only devices when `[tpu] topology` names one) and prints:
   compute-bound bound is printed instead, and it is never called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
+
+It says what it is doing while it works: the mesh first, then a line when each phase starts
+(lowering, compiling the full program, building and compiling each costing copy) and ends, with
+its elapsed time, and while a phase lasts a line every HEARTBEAT_SECONDS. When the full program
+loops over the layers, its own XLA FLOPs and time rows are left out of the first table (XLA costs
+a loop body once): the one estimate printed is the costing programs'.
 """
 
 from __future__ import annotations
@@ -24,9 +30,46 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 
 __all__ = ["compile_step", "dry_run", "estimate_lines", "recompute_factor", "step_estimate", "unrolled"]
+
+
+HEARTBEAT_SECONDS = 20.0
+
+
+@contextlib.contextmanager
+def phase(what: str):
+    """Print `dry run: WHAT ...` now, `... still working, N s` every HEARTBEAT_SECONDS, and
+    `dry run: WHAT: done in N s` at the end (a compile of a large model takes minutes)."""
+    t0 = time.perf_counter()
+    print(f"dry run: {what} ...", flush=True)
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(HEARTBEAT_SECONDS):
+            print(f"dry run: {what}: still working, {time.perf_counter() - t0:.0f} s", flush=True)
+
+    thread = threading.Thread(target=beat, name="torchtpu-dry-run-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    print(f"dry run: {what}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def mesh_line(trainer) -> str:
+    """`mesh dp_replicate 1 x dp_shard 8 x tp 1 = 8 devices (v5p:2x2x1)`: the layout the step is compiled for."""
+    dims = trainer.dims
+    layout = " x ".join(f"{name} {n}" for name, n in zip(dims.mesh_axis_names, dims.mesh_shape))
+    where = trainer.cfg.tpu.topology or trainer.devices[0].device_kind
+    return (
+        f"dry run: mesh {layout} = {dims.world_size} devices ({where}); global batch {dims.global_batch_size} x "
+        f"{dims.seq_len} tokens in {dims.grad_accum_steps} micro-batch(es)"
+    )
 
 
 def recompute_factor(ac_mode: str) -> float:
@@ -62,7 +105,7 @@ def compile_step(trainer):
     return trainer.step_fn.compile_for(_micro_batch(trainer))
 
 
-def _step_report(trainer, dump: str | None = None):
+def _step_report(trainer, dump: str | None = None, label: str = "the full program"):
     """(compile_report, largest temporaries (with `dump`, a folder for XLA's dump) or None, compile
     seconds, None) of `trainer`'s step for one micro-batch; the last item is the date of the first
     compile instead when the same program's report comes from the dry run's cache."""
@@ -71,14 +114,16 @@ def _step_report(trainer, dump: str | None = None):
 
     from . import dry_run_cache
 
-    lowered = trainer.step_fn.lower_for(_micro_batch(trainer))
+    with phase(f"lowering {label}"):
+        lowered = trainer.step_fn.lower_for(_micro_batch(trainer))
     mesh = trainer.mesh.jax_mesh
     key = dry_run_cache.program_key(lowered, mesh)
     hit = dry_run_cache.load(key)
     if hit is not None and (dump is None or hit["temporaries"] is not None):
+        print(f"dry run: compiling {label}: its report is in the dry-run cache (compiled {hit['created']})", flush=True)
         return hit["report"], hit["temporaries"], hit["compile_seconds"], hit["created"]
     t0 = time.perf_counter()
-    with dump_compiles_to(dump) if dump else contextlib.nullcontext():
+    with phase(f"compiling {label}"), dump_compiles_to(dump) if dump else contextlib.nullcontext():
         compiled = aot_compile(lowered)
     seconds = time.perf_counter() - t0
     report = compile_report(compiled, mesh)
@@ -125,9 +170,10 @@ def step_estimate(trainer, report: dict) -> dict:
         small, cached = [], []
         cfg = unrolled(trainer.cfg)
         for n in COSTING_DEPTHS:
-            t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
+            with phase(f"building the {n}-layer costing copy"):
+                t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
             with costing_compiles(t.mesh.jax_mesh):
-                rep, _, _, when = _step_report(t)
+                rep, _, _, when = _step_report(t, label=f"the {n}-layer costing copy")
             small.append(rep)
             if when:
                 cached.append(f"{n}-layer from {when}")
@@ -229,6 +275,7 @@ def dry_run(trainer) -> int:
         )
     dims = trainer.dims
     accum = dims.grad_accum_steps
+    print(mesh_line(trainer), flush=True)
     keep = os.environ.get("TORCHTPU_DRY_RUN_DUMP")  # a folder to keep XLA's dump of the step in
     with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-") as dump:
         try:
@@ -252,7 +299,9 @@ def dry_run(trainer) -> int:
             "micro-batch program, the step-time, tokens/s and MFU lines scale them to the whole step)",
             flush=True,
         )
-    print(format_report(report), flush=True)
+    # a program that loops over the layers: XLA's own figures count the loop body once; the one
+    # estimate printed is the costing programs' (below)
+    print(format_report(report, costed_below=bool(report.get("while_loops"))), flush=True)
     lines = [f"compile time            {t_compile:.1f} s"]
     if cached:
         lines[0] += (

@@ -599,9 +599,13 @@ def main(cfg: JobConfig) -> int:
                     f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')})"
                 )
             watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
-        trainer = Trainer(cfg)
-        if trainer.dry:
+        if cfg.tpu.dry_run:
+            from .dry_run import phase
+
+            with phase("building the job (model on meta, parallelized)"):
+                trainer = Trainer(cfg)
             return trainer.dry_run()
+        trainer = Trainer(cfg)
         trainer.watchdog = watchdog
         t0 = time.perf_counter()
         try:
