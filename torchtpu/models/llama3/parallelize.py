@@ -15,8 +15,8 @@ same PyTorch parallel styles, so the model shards on a TPU mesh the way it does 
 - mixed precision without FSDP (one device, pure data parallelism, tensor parallelism only): the
   same parameter cast FSDP's MixedPrecisionPolicy applies, per block and for the rest of the model,
   so a job computes in the same precision whatever its layout. torchtitan uses torch.autocast
-  there (and no mixed precision at all for TP without FSDP); autocast has no kernels for the tpu
-  device, and a layout-independent cast keeps sharded runs numerically equal to unsharded ones.
+  there (and no mixed precision at all for TP without FSDP); a layout-independent cast keeps
+  sharded runs numerically equal to unsharded ones, which autocast's per-op policy would not.
 - optionally the layer scan (`scan_layers`): the identical blocks compile once and run under
   `jax.lax.scan`, each recomputed in backward (so it takes the place of full activation
   checkpointing), with every block keeping its own parameters and layouts.
