@@ -37,7 +37,6 @@ import torchtpu  # noqa: F401  (the tpu device and torch.compile's "tpu" backend
 logger = init_logger(__name__)
 
 TP_KEY = "torchtpu_tensor_parallel_size"
-DEFAULT_BLOCK_SIZE = 32
 
 
 def tensor_parallel_size(vllm_config) -> int:
@@ -167,7 +166,9 @@ class TpuPlatform(Platform):
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
-            cache.block_size = DEFAULT_BLOCK_SIZE
+            from .attention import PREFERRED_BLOCK_SIZE
+
+            cache.block_size = PREFERRED_BLOCK_SIZE
 
         # The model step is compiled by torchtpu (one XLA program per padding bucket), so vLLM's
         # own compilation (Dynamo + Inductor, CUDA graphs) stays off.

@@ -72,15 +72,19 @@ class TpuModelRunner(CPUModelRunner):
         super().__init__(vllm_config, torch.device("cpu"))
         self.tpu_device = torch.device("tpu", 0)
         self.mesh = mesh
-        self.buckets = steps.Buckets(
-            self.scheduler_config.max_num_batched_tokens,
-            self.scheduler_config.max_num_seqs,
-            -(-self.model_config.max_model_len // self.cache_config.block_size),
-        )
+        self.block_size = self.cache_config.block_size  # the KV cache's, once allocated
+        self.buckets = self._buckets()
         self.step = torchtpu.compile(self._step)
         self.compiled_buckets: set = set()
         self.layer_names: list[str] = []
         self._logits_indices = None
+
+    def _buckets(self) -> steps.Buckets:
+        return steps.Buckets(
+            self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_seqs,
+            -(-self.model_config.max_model_len // self.block_size),
+        )
 
     # -- the model
     def load_model(self, load_dummy_weights: bool = False) -> None:
@@ -106,6 +110,7 @@ class TpuModelRunner(CPUModelRunner):
     # -- the KV cache
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
         kv_caches: dict[str, torch.Tensor] = {}
+        block_sizes = set()
         for group in kv_cache_config.kv_cache_groups:
             for name in group.layer_names:
                 spec = group.kv_cache_spec
@@ -114,6 +119,7 @@ class TpuModelRunner(CPUModelRunner):
                     raise NotImplementedError(
                         f"torchtpu: layer {name} needs a {type(spec).__name__} cache; only attention caches are supported"
                     )
+                block_sizes.add(spec.block_size)
                 shape = (kv_cache_config.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_size)
                 kv_caches[name] = sharding.kv_cache(shape, spec.dtype, self.mesh)
         for layer_name, target in self.shared_kv_cache_layers.items():
@@ -125,6 +131,13 @@ class TpuModelRunner(CPUModelRunner):
             kv_cache_groups=kv_cache_config.kv_cache_groups,
         )
         self.layer_names = list(kv_caches)
+        if len(block_sizes) > 1:
+            raise NotImplementedError(f"torchtpu: KV cache groups of different block sizes {sorted(block_sizes)}")
+        if block_sizes:
+            # vLLM settles the block size after the runner is built (the attention backend's
+            # preference): the block tables' width in the step's buckets follows the cache's.
+            self.block_size = block_sizes.pop()
+            self.buckets = self._buckets()
         return kv_caches
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
@@ -148,6 +161,13 @@ class TpuModelRunner(CPUModelRunner):
         if not isinstance(host, HostAttentionMetadata):
             raise RuntimeError("torchtpu: a model step without the tpu attention backend's metadata")
         n = host.num_actual_tokens
+        longest = int(host.seq_lens.max()) if host.num_reqs else 0
+        blocks = -(-longest // self.block_size)
+        if blocks > self.buckets.max_blocks_per_seq:
+            raise RuntimeError(
+                f"torchtpu: a sequence of {longest} tokens needs {blocks} cache blocks of "
+                f"{self.block_size}, more than the step's block tables hold ({self.buckets.max_blocks_per_seq})"
+            )
         logits_indices = self._logits_indices.numpy()
         bucket = self.buckets.for_batch(n, host.num_reqs)
         packed = steps.pack(
