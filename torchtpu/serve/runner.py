@@ -78,6 +78,7 @@ class TpuModelRunner(CPUModelRunner):
         self.compiled_buckets: set = set()
         self.layer_names: list[str] = []
         self._logits_indices = None
+        self._restored_generators: list[int] = []
 
     def _buckets(self) -> steps.Buckets:
         return steps.Buckets(
@@ -205,6 +206,31 @@ class TpuModelRunner(CPUModelRunner):
         ):
             hidden = self.model(input_ids=x["input_ids"], positions=x["positions"])
             return self.model.compute_logits(hidden[x["logits_indices"]])
+
+    # -- sampling (vLLM's sampler, on the host)
+    def _sample(self, logits, spec_decode_metadata):
+        # The token sampled for a partial prefill chunk is discarded, and vLLM then rewinds the
+        # request's seeded generator by an offset, which CUDA generators have and the host's CPU
+        # generators do not (they raise). The generator's state is put back here instead, and
+        # vLLM's rewind passes over it (_bookkeeping_sync): a seeded request draws the same
+        # tokens however its prompt was chunked.
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        states = {int(i): generators[int(i)].get_state() for i in discarded if int(i) in generators}
+        out = super()._sample(logits, spec_decode_metadata)
+        for i, state in states.items():
+            generators[i].set_state(state)
+        self._restored_generators = list(states)
+        return out
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        restored = {i: generators.pop(i) for i in self._restored_generators if i in generators}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(restored)
+            self._restored_generators = []
 
     # -- warm-up
     def warming_up_model(self) -> None:
