@@ -162,7 +162,7 @@ class TpuPlatform(Platform):
             parallel.worker_cls = "torchtpu.serve.worker.TpuWorker"
         if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
-        _spawn_if_xla_started()
+        spawn_if_xla_started()
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
@@ -208,7 +208,7 @@ def xla_started() -> bool:
 ENGINE_PROCESS = [False]  # set by the worker: this process runs the engine (and its XLA)
 
 
-def _spawn_if_xla_started() -> None:
+def spawn_if_xla_started() -> None:
     """vLLM's engine process must not be forked from a process running XLA (module docstring).
     The engine's own process builds configurations too; it forks no engine."""
     import vllm.envs as envs
