@@ -113,8 +113,9 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 @contextlib.contextmanager
 def engine(folder, **kwargs):
     """A `vllm.LLM` on `folder` with torchtpu's platform, in this process; torn down on exit.
-    Small defaults: float32, max_model_len 512, 8 sequences, 128 tokens a step (chunked prefill
-    for longer batches), 1 MiB of KV cache per ... (see `kv_cache_memory_bytes`)."""
+    Small defaults: float32, max_model_len 512, 8 sequences, 128 tokens a step (longer batches
+    are chunked), 4 MiB of KV cache (about 4k tokens for these models)."""
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -142,6 +143,10 @@ def engine(folder, **kwargs):
             del llm
         cleanup_dist_env_and_memory()
         mesh.set_mesh(before)
+        if multiprocessing is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
         gc.collect()
 
 

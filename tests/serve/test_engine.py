@@ -3,8 +3,8 @@
 One engine per model family (module-scoped, built once): Llama (head_dim 16), Qwen2 (q/k/v
 biases) and Qwen3 (q/k norms, head_dim 48). Every family: one `generate()` over 8 prompts of 1 to
 120 tokens gives transformers' greedy tokens, and vLLM's logprobs along a long sequence (past
-one 256-position attention chunk) are transformers' log_softmax. The Llama engine also shows
-prefix caching, the sampling parameters and that a steady load compiles nothing.
+one 256-position attention chunk) are transformers' log_softmax; prefix caching hits with the same
+tokens; the sampling parameters work; a steady load of 100 requests compiles nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .harness import (
 FAMILY_NAMES = ["llama", "qwen2", "qwen3"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
 def served(request, tmp_path_factory):
     """(engine, transformers model, family) for the family in request.param."""
     family = request.param
@@ -58,7 +58,6 @@ def test_platform_is_torchtpu():
     assert isinstance(vllm.platforms.current_platform, TpuPlatform)
 
 
-@pytest.mark.parametrize("served", FAMILY_NAMES, indirect=True)
 def test_greedy_tokens_are_transformers(served):
     llm, model, family = served
     outs = _generate(llm, PROMPTS, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -70,7 +69,6 @@ def test_greedy_tokens_are_transformers(served):
         assert at is None, f"{family}, prompt of {len(prompt)} tokens: token {at} is {got[at]}, transformers {want[at]}"
 
 
-@pytest.mark.parametrize("served", FAMILY_NAMES, indirect=True)
 def test_logprobs_are_transformers_log_softmax(served):
     """The top-5 logprobs at every generated position, for a short prompt and one whose context
     runs past the first 256 positions (the pure-JAX attention's chunk) and 8 cache blocks."""
@@ -90,7 +88,6 @@ def test_logprobs_are_transformers_log_softmax(served):
             torch.testing.assert_close(got, row[ids], atol=1e-4, rtol=0, msg=lambda m, where=where: f"{where}: {m}")
 
 
-@pytest.mark.parametrize("served", ["llama"], indirect=True)
 def test_prefix_cache_hits_and_same_tokens(served):
     llm, model, _ = served
     prefix = random_prompts([160], seed=2)[0]  # 5 full blocks of 32 tokens
@@ -102,10 +99,11 @@ def test_prefix_cache_hits_and_same_tokens(served):
     assert new_hits >= 2 * 160, f"vLLM counted {new_hits} prefix-cache hit tokens for two prompts sharing 160"
     assert [r.num_cached_tokens for r in rest] == [160, 160]
     for prompt, r in zip(prompts, first + rest):
-        assert list(r.outputs[0].token_ids) == greedy(model, prompt, 8)[0]
+        want, margin = greedy(model, prompt, 8)
+        assert margin > MIN_MARGIN, f"the oracle has a near-tie ({margin:.2e})"
+        assert list(r.outputs[0].token_ids) == want
 
 
-@pytest.mark.parametrize("served", ["llama"], indirect=True)
 def test_sampling_parameters(served):
     llm, model, _ = served
     prompt = PROMPTS[3]
@@ -141,7 +139,6 @@ def test_sampling_parameters(served):
     assert out.text == full[: full.index(stop)]
 
 
-@pytest.mark.parametrize("served", ["llama"], indirect=True)
 def test_steady_load_compiles_nothing(served):
     """100 requests of random lengths, greedy and sampled, after start-up: no XLA compile, no
     retrace of the step (vLLM's warm-up compiled every padding bucket)."""
