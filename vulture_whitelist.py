@@ -162,6 +162,8 @@ _.get_impl_cls
 _.get_kv_cache_shape
 _.get_name
 _.get_supported_kernel_block_sizes
+_.get_preferred_block_size
+_.default_block_size
 _.initialize_kv_cache_tensors
 _.is_pin_memory_available
 _.kernel_block_sizes

@@ -166,7 +166,12 @@ def test_cli_other_errors_exit_1_traceback_only_with_debug(procs, monkeypatch, c
 
 # torchtpu defaults that differ from torchtitan's on purpose (theirs do not apply on TPU).
 DEVIATIONS = {("model", "hf_assets_path"): "", ("compile", "backend"): "tpu"}
-TPU_ONLY = {("parallelism", "num_slices"), ("parallelism", "dcn_axis"), ("debug", "verbose")}
+TPU_ONLY = {
+    ("parallelism", "num_slices"),
+    ("parallelism", "dcn_axis"),
+    ("debug", "verbose"),
+    ("training", "max_bad_records"),
+}
 
 
 def test_names_and_defaults_match_torchtitan():

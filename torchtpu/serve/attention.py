@@ -30,6 +30,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 BACKEND_NAME = "TORCHTPU_PAGED"
+# Tokens per cache block unless the user sets --block-size. vLLM asks the backend after the model
+# is built (`get_preferred_block_size`) and would otherwise take its general default (16).
+PREFERRED_BLOCK_SIZE = 32
 
 
 class TpuAttentionBackend(AttentionBackend):
@@ -52,6 +55,10 @@ class TpuAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         return [MultipleOf(8)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return PREFERRED_BLOCK_SIZE
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):

@@ -37,7 +37,6 @@ import torchtpu  # noqa: F401  (the tpu device and torch.compile's "tpu" backend
 logger = init_logger(__name__)
 
 TP_KEY = "torchtpu_tensor_parallel_size"
-DEFAULT_BLOCK_SIZE = 32
 
 
 def tensor_parallel_size(vllm_config) -> int:
@@ -163,11 +162,13 @@ class TpuPlatform(Platform):
             parallel.worker_cls = "torchtpu.serve.worker.TpuWorker"
         if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
             parallel.distributed_executor_backend = "uni"
-        _spawn_if_xla_started()
+        spawn_if_xla_started()
 
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
-            cache.block_size = DEFAULT_BLOCK_SIZE
+            from .attention import PREFERRED_BLOCK_SIZE
+
+            cache.block_size = PREFERRED_BLOCK_SIZE
 
         # The model step is compiled by torchtpu (one XLA program per padding bucket), so vLLM's
         # own compilation (Dynamo + Inductor, CUDA graphs) stays off.
@@ -207,7 +208,7 @@ def xla_started() -> bool:
 ENGINE_PROCESS = [False]  # set by the worker: this process runs the engine (and its XLA)
 
 
-def _spawn_if_xla_started() -> None:
+def spawn_if_xla_started() -> None:
     """vLLM's engine process must not be forked from a process running XLA (module docstring).
     The engine's own process builds configurations too; it forks no engine."""
     import vllm.envs as envs

@@ -72,15 +72,20 @@ class TpuModelRunner(CPUModelRunner):
         super().__init__(vllm_config, torch.device("cpu"))
         self.tpu_device = torch.device("tpu", 0)
         self.mesh = mesh
-        self.buckets = steps.Buckets(
-            self.scheduler_config.max_num_batched_tokens,
-            self.scheduler_config.max_num_seqs,
-            -(-self.model_config.max_model_len // self.cache_config.block_size),
-        )
+        self.block_size = self.cache_config.block_size  # the KV cache's, once allocated
+        self.buckets = self._buckets()
         self.step = torchtpu.compile(self._step)
         self.compiled_buckets: set = set()
         self.layer_names: list[str] = []
         self._logits_indices = None
+        self._restored_generators: list[int] = []
+
+    def _buckets(self) -> steps.Buckets:
+        return steps.Buckets(
+            self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_seqs,
+            -(-self.model_config.max_model_len // self.block_size),
+        )
 
     # -- the model
     def load_model(self, load_dummy_weights: bool = False) -> None:
@@ -106,6 +111,7 @@ class TpuModelRunner(CPUModelRunner):
     # -- the KV cache
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
         kv_caches: dict[str, torch.Tensor] = {}
+        block_sizes = set()
         for group in kv_cache_config.kv_cache_groups:
             for name in group.layer_names:
                 spec = group.kv_cache_spec
@@ -114,6 +120,7 @@ class TpuModelRunner(CPUModelRunner):
                     raise NotImplementedError(
                         f"torchtpu: layer {name} needs a {type(spec).__name__} cache; only attention caches are supported"
                     )
+                block_sizes.add(spec.block_size)
                 shape = (kv_cache_config.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_size)
                 kv_caches[name] = sharding.kv_cache(shape, spec.dtype, self.mesh)
         for layer_name, target in self.shared_kv_cache_layers.items():
@@ -125,6 +132,13 @@ class TpuModelRunner(CPUModelRunner):
             kv_cache_groups=kv_cache_config.kv_cache_groups,
         )
         self.layer_names = list(kv_caches)
+        if len(block_sizes) > 1:
+            raise NotImplementedError(f"torchtpu: KV cache groups of different block sizes {sorted(block_sizes)}")
+        if block_sizes:
+            # vLLM settles the block size after the runner is built (the attention backend's
+            # preference): the block tables' width in the step's buckets follows the cache's.
+            self.block_size = block_sizes.pop()
+            self.buckets = self._buckets()
         return kv_caches
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
@@ -148,6 +162,13 @@ class TpuModelRunner(CPUModelRunner):
         if not isinstance(host, HostAttentionMetadata):
             raise RuntimeError("torchtpu: a model step without the tpu attention backend's metadata")
         n = host.num_actual_tokens
+        longest = int(host.seq_lens.max()) if host.num_reqs else 0
+        blocks = -(-longest // self.block_size)
+        if blocks > self.buckets.max_blocks_per_seq:
+            raise RuntimeError(
+                f"torchtpu: a sequence of {longest} tokens needs {blocks} cache blocks of "
+                f"{self.block_size}, more than the step's block tables hold ({self.buckets.max_blocks_per_seq})"
+            )
         logits_indices = self._logits_indices.numpy()
         bucket = self.buckets.for_batch(n, host.num_reqs)
         packed = steps.pack(
@@ -185,6 +206,31 @@ class TpuModelRunner(CPUModelRunner):
         ):
             hidden = self.model(input_ids=x["input_ids"], positions=x["positions"])
             return self.model.compute_logits(hidden[x["logits_indices"]])
+
+    # -- sampling (vLLM's sampler, on the host)
+    def _sample(self, logits, spec_decode_metadata):
+        # The token sampled for a partial prefill chunk is discarded, and vLLM then rewinds the
+        # request's seeded generator by an offset, which CUDA generators have and the host's CPU
+        # generators do not (they raise). The generator's state is put back here instead, and
+        # vLLM's rewind passes over it (_bookkeeping_sync): a seeded request draws the same
+        # tokens however its prompt was chunked.
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        states = {int(i): generators[int(i)].get_state() for i in discarded if int(i) in generators}
+        out = super()._sample(logits, spec_decode_metadata)
+        for i, state in states.items():
+            generators[i].set_state(state)
+        self._restored_generators = list(states)
+        return out
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        restored = {i: generators.pop(i) for i in self._restored_generators if i in generators}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(restored)
+            self._restored_generators = []
 
     # -- warm-up
     def warming_up_model(self) -> None:
