@@ -139,6 +139,14 @@ def test_sampling_parameters(served):
     assert out.text == full[: full.index(stop)]
 
 
+def test_prompt_logprobs_are_refused(served):
+    """The step has logits only where vLLM samples: prompt log-probabilities would be wrong, so the
+    request is refused with one line naming the parameter."""
+    llm = served[0]
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported on tpu"):
+        _generate(llm, [PROMPTS[2]], max_tokens=2, prompt_logprobs=1)
+
+
 def test_steady_load_compiles_nothing(served):
     """100 requests of random lengths, greedy and sampled, after start-up: no XLA compile, no
     retrace of the step (vLLM's warm-up compiled every padding bucket)."""

@@ -190,6 +190,16 @@ class TpuPlatform(Platform):
         return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
 
     @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        # The compiled step returns logits only at the positions vLLM samples from, so the
+        # log-probabilities of every prompt token cannot be read from it.
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError(
+                "prompt_logprobs is not supported on tpu (the step computes logits only where it samples); "
+                "leave prompt_logprobs unset, or score the prompt with logprobs on generated tokens"
+            )
+
+    @classmethod
     def supports_structured_output(cls) -> bool:
         return True
 
