@@ -197,3 +197,21 @@ def test_empty_like_and_to_keep_a_dense_layout():
     assert t.stride() == x.stride() and not t.is_contiguous()
     torch.testing.assert_close(t.cpu(), x)
     assert t.contiguous().is_contiguous() and t.contiguous().stride() == x.contiguous().stride()
+
+
+def test_to_meta_of_unwritten_memory_allocates_nothing():
+    """`t.to("meta")` takes the shape, dtype and strides only: memory made by torch.empty and never
+    written stays unallocated (vLLM records every parameter as meta right after building a model,
+    before torchtpu lays the parameters out over the tensor-parallel mesh)."""
+    from torchtpu.backend.tensor import storage_of
+
+    t = torch.empty(64, 32, device="tpu")
+    m = t.to("meta")
+    assert m.device.type == "meta" and m.shape == t.shape and m.dtype == t.dtype and m.stride() == t.stride()
+    assert storage_of(t).array is None
+    h = t.to("meta", dtype=torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and storage_of(t).array is None
+    # a written tensor keeps its values
+    w = torch.arange(6.0, device="tpu").reshape(2, 3)
+    assert w.to("meta").shape == (2, 3)
+    assert torch.equal(w.cpu(), torch.arange(6.0).reshape(2, 3))

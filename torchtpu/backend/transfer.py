@@ -68,6 +68,11 @@ def _to_copy(args, kwargs):
     device = kwargs.get("device")
     if device is not None:
         device = torch.device(device)
+    if device is not None and device.type == "meta":
+        # Shapes only: reading the values would allocate memory never written (torch.empty),
+        # e.g. the whole of a model whose parameters are laid out over a mesh afterwards.
+        with no_dispatch():
+            return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
     if device is not None and device.type != "tpu":
         cpu = to_cpu(x)
         with no_dispatch():
