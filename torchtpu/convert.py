@@ -137,7 +137,7 @@ class _TorchtpuSource:
         from torchtpu.train.checkpoint import CheckpointManager, canonical_name, split_step_path
 
         folder, in_path = split_step_path(path)
-        self.ck = CheckpointManager(folder, interval=1, async_mode="sync")
+        self.ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
         self.step = step if step is not None else in_path if in_path is not None else self.ck.latest_step()
         if self.step is None:
             raise ConvertError(f"{path}: no checkpoint (step_N folder) in it")

@@ -86,7 +86,7 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
             from torchtpu.train.checkpoint import CheckpointManager, load_model_weights, split_step_path
 
             folder, step = split_step_path(checkpoint)
-            ck = CheckpointManager(folder, interval=1, async_mode="sync")
+            ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
             try:
                 step = ck.latest_step() if step is None else step
                 if step is None:

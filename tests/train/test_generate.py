@@ -117,3 +117,26 @@ def test_sampling_depends_on_seed_and_repeats(hf_folder):
         runs.append(generate(model, mesh, ids, NEW, temperature=1.0))
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert all(0 <= t < 2048 for t in runs[2])
+
+
+def test_cli_on_a_folder_without_checkpoints_is_one_line_and_touches_nothing(tmp_path):
+    """A folder with no finished checkpoint: exit 2 with one line naming the fix, nothing else on
+    stderr (no clean-up thread of Orbax's left behind at exit), and a save another job has in flight
+    (Orbax's temporary step folder) is left where it is: a reader never cleans up a writer's files."""
+    import subprocess
+    import sys
+
+    in_flight = tmp_path / "step_3.orbax-checkpoint-tmp-1234"
+    in_flight.mkdir()
+    (in_flight / "part").write_text("being written")
+    p = subprocess.run(
+        [sys.executable, "-m", "torchtpu.generate", "--config", DEBUG_TOML, "--checkpoint", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no checkpoint (step_N folder) in it" in lines[0], p.stderr
+    assert (in_flight / "part").read_text() == "being written"

@@ -106,10 +106,19 @@ class CheckpointManager:
     async_mode: "async" (write in the background; `save` returns once the arrays have been copied
         to host memory) or "sync"; torchtitan's "disabled"/"async_with_pinned_mem" are accepted.
     enable: False makes `save` a no-op and `latest_step()` None.
+    read_only: only read the folder (generate, convert, a resume from another job's folder): Orbax's
+        clean-up of unfinished saves' temporary folders stays off, so a reader never removes the save a
+        running job has in flight, and leaves no clean-up thread behind.
     """
 
     def __init__(
-        self, folder: str, interval: int, keep_latest_k: int = 0, async_mode: str = "async", enable: bool = True
+        self,
+        folder: str,
+        interval: int,
+        keep_latest_k: int = 0,
+        async_mode: str = "async",
+        enable: bool = True,
+        read_only: bool = False,
     ):
         if async_mode not in _ASYNC_MODES:
             raise ValueError(f"checkpoint async_mode={async_mode!r} is not one of {', '.join(_ASYNC_MODES)}")
@@ -122,6 +131,7 @@ class CheckpointManager:
         self.keep_latest_k = int(keep_latest_k)
         self.async_mode = async_mode
         self.enable = bool(enable)
+        self.read_only = bool(read_only)
         self._mgr = None
         self._pending_step = None
         # saves that never finished (a process killed mid-save), found before Orbax removes them
@@ -144,7 +154,7 @@ class CheckpointManager:
             max_to_keep=self.keep_latest_k or None,
             step_prefix=STEP_PREFIX,
             create=create,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not self.read_only,
             enable_async_checkpointing=_ASYNC_MODES[self.async_mode],
         )
         try:
@@ -200,6 +210,8 @@ class CheckpointManager:
         already on disk is not written again.
         """
         step = int(step)
+        if self.read_only:
+            raise CheckpointError(f"{self.folder} is opened read-only; open it without read_only=True to save")
         if not self.should_save(step, force):
             return False
         mgr = self._manager(create=True)

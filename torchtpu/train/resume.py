@@ -118,7 +118,7 @@ def _initial_load(trainer) -> None:
         log(f"initial weights from the Hugging Face folder {cfg.initial_load_path}")
         return
     folder, step = split_step_path(cfg.initial_load_path)
-    src = CheckpointManager(folder, interval=1, async_mode="sync")
+    src = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
     try:
         if step is None:
             step = src.latest_step()
