@@ -173,6 +173,8 @@ _.opaque_attention_op
 _.platform_plugin
 _.simple_compile_backend
 _.supported_dtypes
+_.validate_request
+_.processed_inputs
 _.supported_kv_cache_dtypes
 _.supports_attn_type
 _.supports_sliding_window

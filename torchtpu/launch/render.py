@@ -247,14 +247,19 @@ def gke(args, cmd: list[str]) -> int:
     return 0
 
 
-def skypilot(args, cmd: list[str]) -> int:
+def _print_rendered(command: str, render, *render_args) -> int:
+    """Print what `render` makes of `render_args`; a RenderError is one line on stderr (exit 2)."""
     try:
-        text = render_skypilot(args, cmd)
+        text = render(*render_args)
     except RenderError as e:
-        print(f"torchtpu-launch skypilot: error: {e}", file=sys.stderr)
+        print(f"torchtpu-launch {command}: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(text)
     return 0
+
+
+def skypilot(args, cmd: list[str]) -> int:
+    return _print_rendered("skypilot", render_skypilot, args, cmd)
 
 
 # ----------------------------------------------------------------------------------- serving
@@ -344,10 +349,4 @@ def render_gke_serve(args, server_args: list[str]) -> str:
 
 
 def gke_serve(args, server_args: list[str]) -> int:
-    try:
-        text = render_gke_serve(args, server_args)
-    except RenderError as e:
-        print(f"torchtpu-launch gke-serve: error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    sys.stdout.write(text)
-    return 0
+    return _print_rendered("gke-serve", render_gke_serve, args, server_args)
