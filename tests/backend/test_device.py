@@ -192,7 +192,12 @@ def test_steady_state_loop_never_recompiles():
     assert torchtpu.cache_stats()["misses"] >= 1
 
 
-def test_dispatch_is_asynchronous():
+def test_dispatch_is_asynchronous(monkeypatch):
+    # Eager ops wait once any device mesh exists on XLA's CPU devices (a process-wide switch that
+    # an earlier sharded test in the same worker turns on); this test's arrays use one device.
+    from torchtpu.backend.state import CONFIG
+
+    monkeypatch.setattr(CONFIG, "sync_dispatch", False)
     x = torch.randn(1024, 1024).to("tpu") / 32
     (x @ x).cpu()  # compile first
     y = x

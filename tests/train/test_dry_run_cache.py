@@ -32,11 +32,18 @@ def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
     return capsys.readouterr().out.splitlines(), len(compiles)
 
 
+_PHASE = re.compile(
+    r"^dry run: .*( \.\.\.|: still working, \d+ s|: done in [\d.]+ s|: its report is in the dry-run cache .*)$"
+)
+
+
 def _figures(lines):
-    """The printed lines less what says where a figure came from: the cache notes, and the compile
-    time (measured: a program compiled again takes another time)."""
+    """The printed lines less the progress lines and what says where a figure came from: the cache
+    notes, and the compile time (measured: a program compiled again takes another time)."""
     out = []
     for line in lines:
+        if _PHASE.match(line):  # progress: a phase started, still working, done, or read from the cache
+            continue
         if line.startswith("compile time"):
             line = "compile time"
         line = re.sub(r" \(costing programs' figures from the dry-run cache: .*\)$", "", line)

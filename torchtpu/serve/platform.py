@@ -27,6 +27,8 @@ could open them, and the error says to create the engine first or run it in-proc
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 
 import torch
 from vllm.logger import init_logger
@@ -113,7 +115,17 @@ class TpuPlatform(Platform):
     def register_triton_kernel_overrides(cls) -> None:
         from vllm.platforms.cpu import CpuPlatform
 
-        CpuPlatform.register_triton_kernel_overrides()
+        # vLLM finds the kernels to override by reading `vars(value)` of every module attribute;
+        # a module holding an object whose `__dict__` is not a mapping (llvmlite's library
+        # wrapper answers any attribute) stops that scan. Such modules hold no triton kernel, so
+        # they are set aside from sys.modules while it runs.
+        opaque = {name: mod for name, mod in list(sys.modules.items()) if _holds_opaque_objects(mod)}
+        for name in opaque:
+            del sys.modules[name]
+        try:
+            CpuPlatform.register_triton_kernel_overrides()
+        finally:
+            sys.modules.update(opaque)
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -243,6 +255,20 @@ def spawn_if_xla_started() -> None:
         method,
     )
     os.environ[method] = "spawn"
+
+
+def _holds_opaque_objects(module) -> bool:
+    """Whether an attribute of `module` has a `__dict__` that is not a mapping."""
+    namespace = getattr(module, "__dict__", None)
+    if not isinstance(namespace, Mapping):
+        return False
+    for value in list(namespace.values()):
+        try:
+            if hasattr(value, "__dict__") and not isinstance(vars(value), Mapping):
+                return True
+        except Exception:  # noqa: BLE001  (a foreign object's attribute hooks may raise anything)
+            continue
+    return False
 
 
 def _one_process_tensor_parallel(vllm_config) -> None:

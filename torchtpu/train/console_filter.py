@@ -16,6 +16,8 @@ Kept off the console (all of it is in LOG_FILE):
   log. faulthandler's stacks (the step watchdog's dump) stay on the console;
 * absl ERROR/WARNING records: Orbax's threads logging the failure the trainer reports last;
 * gloo's connection lines and c10d's TCPStore warnings with their C++ stack frames;
+* whatever follows the trainer's final `torchtpu-train: error: ...` line (threads of a failed save
+  still printing while the process exits);
 * a raw Python warning's source line: "FILE:LINE: UserWarning: MSG" becomes "warning: MSG".
 """
 
@@ -28,6 +30,10 @@ import sys
 _PY_WARNING = re.compile(r"^\S+:\d+: (\w*Warning): (.*)$")
 _C10D = re.compile(r"^\[[WEI]\d{4} [\d:.]+ .*(TCPStore|c10d|socket|ProcessGroup)")
 _NOISE_PREFIXES = ("ERROR:absl:", "WARNING:absl:", "[Gloo] ")
+# the end of a save thread's traceback that reached the console without its first line
+# the trainer's last line on a failure (torchtpu/cli.py); threads of a failed save may still print
+_FINAL = "torchtpu-train: error: "
+_LOOP_CLOSED = re.compile(r"^(RuntimeError: )?Event loop is closed\s*$")
 
 
 def _cpp_frame(line: str) -> bool:
@@ -46,10 +52,13 @@ def filter_lines(lines, write) -> None:
     apart; the trainer's own last line names the error and the log where the tracebacks are. The
     stacks the step watchdog dumps (faulthandler's format) are kept."""
     in_traceback = False
+    finished = False  # the trainer's last word printed: what dying threads add goes to the log only
     in_stacks = False
     skip_source_line = False
     kept_last = True
     for line in lines:
+        if finished:
+            continue
         kept_last, was_kept = False, kept_last
         indented = line.startswith((" ", "\t")) or line.strip() == ""
         if line.startswith("Traceback (most recent call last):") or line.startswith(_CHAINED):
@@ -71,7 +80,7 @@ def filter_lines(lines, write) -> None:
             skip_source_line = False
             if indented:
                 continue
-        if line.startswith(_NOISE_PREFIXES) or _C10D.match(line) or _cpp_frame(line):
+        if line.startswith(_NOISE_PREFIXES) or _C10D.match(line) or _cpp_frame(line) or _LOOP_CLOSED.match(line):
             continue
         m = _PY_WARNING.match(line.rstrip("\n"))
         if m:
@@ -82,6 +91,7 @@ def filter_lines(lines, write) -> None:
             continue  # the blank line after dropped noise
         write(line)
         kept_last = True
+        finished = line.startswith(_FINAL)
 
 
 def main(log_path: str) -> None:
