@@ -305,3 +305,23 @@ def test_unreachable_coordinator_ends_with_the_cause_in_few_lines():
     ), lines[-1]
     assert "Start every host of the job (process 0 of the job serves it)" in lines[-1]
     assert not any("c10d" in line or "TCPStore" in line for line in lines), lines  # library noise stays off
+
+
+def test_console_filter_finds_the_last_word_behind_a_dying_threads_fragment():
+    """Threads of a failed save print tracebacks in pieces (C's traceback writer emits the indentation and
+    the source line separately), so the trainer's last line can land behind another thread's unfinished
+    write; nothing after it reaches the console."""
+    from torchtpu.train.console_filter import filter_lines
+
+    final = "torchtpu-train: error: CheckpointError: saving checkpoint /x/step_1: the disk is full\n"
+    lines = [
+        "step 1/6\n",
+        "Traceback (most recent call last):\n",
+        '  File "loop.py", line 3, in call_soon\n',
+        "    " + final,
+        "raise RuntimeError('Event loop is closed')\n",
+        "RuntimeError: Event loop is closed\n",
+    ]
+    out = []
+    filter_lines(lines, out.append)
+    assert out == ["step 1/6\n", final]

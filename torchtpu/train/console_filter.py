@@ -59,6 +59,12 @@ def filter_lines(lines, write) -> None:
     for line in lines:
         if finished:
             continue
+        if _FINAL in line:
+            # Its last word, even where a dying thread's unfinished write (a traceback's indentation
+            # or a line without its newline) landed in front of it on the same line.
+            write(line[line.index(_FINAL) :])
+            finished = True
+            continue
         kept_last, was_kept = False, kept_last
         indented = line.startswith((" ", "\t")) or line.strip() == ""
         if line.startswith("Traceback (most recent call last):") or line.startswith(_CHAINED):
@@ -91,7 +97,6 @@ def filter_lines(lines, write) -> None:
             continue  # the blank line after dropped noise
         write(line)
         kept_last = True
-        finished = line.startswith(_FINAL)
 
 
 def main(log_path: str) -> None:
