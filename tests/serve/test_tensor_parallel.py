@@ -27,6 +27,12 @@ def _layout(worker) -> dict:
     for i, cache in enumerate(runner.kv_caches):
         s = to_jax(cache).sharding
         out[f"kv_cache.{i}"] = (tuple(getattr(s, "spec", ())), len(s.device_set))
+    # the fused layers whose rows are stored shard-major (device i holds q_i, k_i, v_i)
+    out["shard-major"] = sorted(
+        name
+        for name, m in runner.model.named_modules()
+        if type(m.__dict__.get("forward")).__name__ == "_ModelOrderForward"
+    )
     return out
 
 
@@ -44,6 +50,8 @@ def test_tensor_parallel_gives_the_tokens_of_one_device(llama, tp):
         (layout,) = llm.collective_rpc(_layout)
     # 8 query heads and 4 kv heads divide over 2 and 4 devices: every parallel layer is split
     split = {"qkv_proj.weight": 0, "gate_up_proj.weight": 0, "o_proj.weight": 1, "down_proj.weight": 1}
+    fused = layout.pop("shard-major")
+    assert fused == [f"model.layers.{i}.{m}" for i in range(2) for m in ("mlp.gate_up_proj", "self_attn.qkv_proj")]
     for name, (spec, devices) in layout.items():
         assert devices == tp, f"{name} lies on {devices} devices, not the {tp} of the mesh"
         dim = next((d for suffix, d in split.items() if name.endswith(suffix)), None)

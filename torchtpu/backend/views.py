@@ -186,7 +186,16 @@ def run_chain(chain, base, rows: bool = False):
     return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 
 
+# Views that only reshape: they read every element of their base in row-major order.
+_RESHAPE_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
 def _scatter_fn(chain, base, new):
+    if all(len(step) == 3 and step[0] in _RESHAPE_VIEWS for step in chain):
+        # a write through reshapes only replaces the whole base: reshaped back, with no index
+        # scatter (which XLA cannot split over a mesh: it gathers the update on every device)
+        shape = jax.eval_shape(functools.partial(_chain_fn, chain), jax.ShapeDtypeStruct(base.shape, base.dtype)).shape
+        return jnp.broadcast_to(new.astype(base.dtype), shape).reshape(base.shape)
     index = jnp.arange(base.size, dtype=jnp.int64).reshape(base.shape)
     target = _chain_fn(chain, index)
     new = jnp.broadcast_to(new.astype(base.dtype), target.shape)

@@ -104,6 +104,8 @@ class TpuModelRunner(CPUModelRunner):
             if self.mesh is not None:
                 sharding.shard_model(model, self.mesh)
             loader.load_weights(model, model_config)
+            if self.mesh is not None:
+                sharding.reorder_loaded_weights(model)
             process_weights_after_loading(model, model_config, self.tpu_device)
         model.compute_logits = _LogitsPassThrough(model.compute_logits)
         self.model = model.eval()

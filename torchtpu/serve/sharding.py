@@ -11,6 +11,15 @@ each hold a slice of:
 - the LM head: the vocabulary over "tp";
 - embedding tables: the hidden dim over "tp" (a lookup then reads only local columns).
 
+A fused column-parallel layer (QKV, gate-up) holds its parts one after the other, [q | k | v]:
+split in N contiguous blocks, device i would hold rows of q alone (or of k and v alone), and the
+model's split of the output into its parts would move activations between devices in every layer
+(collective-permutes and all-gathers in the decode step). So its rows are stored shard-major, the
+layout of vLLM's N processes: device i holds [q_i; k_i; v_i]. Its forward puts the output columns
+back in the model's order with reshapes and slices that stay on each device, and the weights
+vLLM's loaders wrote in the model's order are reordered once after loading
+(`reorder_loaded_weights`).
+
 That is data for torchtpu's sharding layer (`torchtpu.distributed.params` layouts), applied to
 the parameters while they are still unallocated, so the weight loaders write every tensor
 straight into its shards. Everything else (norms, rotary tables) is replicated. XLA partitions
@@ -25,7 +34,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from torchtpu.distributed import empty as empty_on_mesh
@@ -65,9 +79,76 @@ def _split_dim(module: torch.nn.Module, name: str) -> int | None:
     return None
 
 
+def _fused_parts(module: torch.nn.Module, n: int) -> list[int] | None:
+    """The output sizes of a fused column-parallel layer whose parts the mesh divides, else None."""
+    if not isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
+        return None
+    sizes = [int(s) for s in getattr(module, "output_sizes", ())]
+    if len(sizes) < 2 or any(s % n for s in sizes) or (module.skip_bias_add and module.bias is not None):
+        return None
+    return sizes
+
+
+def shard_major_rows(sizes: list[int], n: int) -> torch.Tensor:
+    """For parts of `sizes` rows stored one after the other, the row order in which device i of n
+    holds the i-th block of every part: stored row k is the model's row `order[k]`."""
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    return torch.cat(
+        [
+            torch.arange(start + i * (s // n), start + (i + 1) * (s // n))
+            for i in range(n)
+            for start, s in zip(starts, sizes)
+        ]
+    )
+
+
+def model_order(out: torch.Tensor, sizes: list[int], n: int) -> torch.Tensor:
+    """A shard-major fused layer's output, [..., (device, part block)], in the model's column
+    order [..., part]: reshapes and slices along the local block, so nothing crosses devices."""
+    blocks = out.unflatten(-1, (n, sum(sizes) // n))
+    parts, start = [], 0
+    for s in sizes:
+        parts.append(blocks[..., start : start + s // n].flatten(-2))
+        start += s // n
+    return torch.cat(parts, dim=-1)
+
+
+class _ModelOrderForward:
+    """A fused layer's forward on shard-major weights, returning what the model's order gives."""
+
+    def __init__(self, forward, sizes: list[int], n: int):
+        self.forward, self.sizes, self.n = forward, sizes, n
+
+    def __call__(self, input_):
+        result = self.forward(input_)
+        if isinstance(result, tuple):
+            return (model_order(result[0], self.sizes, self.n), *result[1:])
+        return model_order(result, self.sizes, self.n)
+
+
+def reorder_loaded_weights(model: torch.nn.Module) -> None:
+    """Put the fused layers' weights (and biases), which vLLM's loaders wrote in the model's row
+    order, in the shard-major order their forward reads; once, after loading."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, _ModelOrderForward):
+            continue
+        rows = shard_major_rows(forward.sizes, forward.n)
+        for name in ("weight", "bias"):
+            p = module._parameters.get(name)
+            if p is not None:
+                with torch.no_grad():
+                    p.copy_(p.index_select(0, rows.to(p.device)))
+
+
 def shard_model(model: torch.nn.Module, mesh) -> None:
-    """Record and apply the tensor-parallel layout of every parallel layer's weights."""
+    """Record and apply the tensor-parallel layout of every parallel layer's weights; fused layers
+    get the shard-major row order (reorder_loaded_weights then reorders their loaded weights)."""
     n = mesh.size()
+    for module in model.modules():
+        sizes = _fused_parts(module, n)
+        if sizes is not None:
+            module.forward = _ModelOrderForward(module.forward, sizes, n)
     seen: dict[int, int | None] = {}
     for path, module in model.named_modules():
         for name, p in list(module._parameters.items()):
