@@ -80,6 +80,7 @@ class _HFSource:
 
         self.hf = HFFolder(path)
         self.layout = HFLayout(model_args)
+        self.layout.check_readable()
         have = set(self.hf.names())
         self.entries = []
         for name, shape in self.layout.shapes.items():

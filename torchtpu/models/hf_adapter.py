@@ -74,6 +74,7 @@ class HFLayout:
         with torch.device("meta"):
             model = self.family.model_cls()(model_args)
         own = model.state_dict(keep_vars=True)
+        params = {id(p) for p in model.parameters()}
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v.shape) for k, v in own.items()}
         first: dict[int, str] = {}
         self.aliases: dict[str, str] = {}  # tied tensor -> the name it shares storage with
@@ -82,8 +83,20 @@ class HFLayout:
                 self.aliases[k] = first[id(v)]
             else:
                 first[id(v)] = k
+        self.parameters = {k for k, v in own.items() if id(v) in params and k not in self.aliases}
         del model, own
         self._build()
+
+    def check_readable(self) -> None:
+        """HFLayoutError (one line) when a parameter has no Hugging Face tensor to be read from (a
+        buffer without one, Qwen3 MoE's expert_bias, keeps its value)."""
+        lost = [k for k in self.dropped if k in self.parameters]
+        if lost:
+            raise HFLayoutError(
+                f"{type(self.adapter).__name__} has no Hugging Face tensor for {len(lost)} parameter(s) of the "
+                f"model ({', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}): its Hugging Face weights cannot "
+                "be loaded into it"
+            )
 
     # ------------------------------------------------------------------------------ discovery
 
@@ -98,8 +111,12 @@ class HFLayout:
     def _build(self) -> None:
         meta = {k: torch.empty(s, device="meta") for k, s in self.shapes.items() if k not in self.aliases}
         singles: dict[str, dict[str, tuple]] = {}
+        failed: dict[str, HFLayoutError] = {}  # tensors the adapter converts only together with others
         for k, t in meta.items():
-            singles[k] = {h: tuple(v.shape) for h, v in self._to_hf({k: t}).items()}
+            try:
+                singles[k] = {h: tuple(v.shape) for h, v in self._to_hf({k: t}).items()}
+            except HFLayoutError as e:
+                singles[k], failed[k] = {}, e
         produced = {h: k for k, out in singles.items() for h in out}
         whole = {h: tuple(v.shape) for h, v in self._to_hf(meta).items()}
         # Hugging Face tensors made of several torchtitan tensors (absent from the one-tensor calls)
@@ -148,6 +165,9 @@ class HFLayout:
                 self._rows.pop(t, None)
         self.groups = merged
         grouped = {t for tts, _ in merged for t in tts}
+        for k, e in failed.items():
+            if k not in grouped:
+                raise e
         self.dropped = [k for k in meta if k not in self._rows and k not in grouped]  # no Hugging Face tensor
         # writing order: the model's, each unit where its first tensor stands
         self.units: list[tuple[tuple[str, ...], tuple[str, ...]]] = []

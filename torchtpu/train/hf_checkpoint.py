@@ -187,6 +187,7 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
             layout.check_hf_config(hf.config)
         except ValueError as e:
             raise HFCheckpointError(f"{hf.folder}/{e}; use the [model] flavor these weights were made for") from None
+        layout.check_readable()
         names = {t: layout.aliases.get(t, t) for t in targets if layout.aliases.get(t, t) not in layout.dropped}
         _match(hf, layout, dict.fromkeys(names.values()))
         out = {}
