@@ -241,3 +241,21 @@ def test_convert_cli_wrong_flavor_or_family_is_one_line(tmp_path, capsys):
     assert len(err) == 2
     assert "[2048, 64]" in err[0] and "[2048, 256]" in err[0] and "--model" in err[0]
     assert "no model family 'llama4'" in err[1] and "qwen3" in err[1]
+
+
+def test_family_without_adapter_is_a_one_line_config_error(tmp_path, monkeypatch):
+    """A family with no hf_adapter (the registry entry swapped for one without) asked for Hugging
+    Face weights stops at start-up with one line naming it and the families that have one."""
+    from torchtpu.models.registry import FAMILIES
+    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.trainer import Trainer
+
+    monkeypatch.setitem(FAMILIES, "qwen3", dataclasses.replace(FAMILIES["qwen3"], hf_adapter=None))
+    argv = ["--config", os.path.join(REPO, "train_configs", "qwen3_debug.toml"), "--job.dump_folder", str(tmp_path)]
+    with pytest.raises(ConfigError) as e:
+        Trainer(load_config([*argv, "--checkpoint.enable", "--checkpoint.last_save_in_hf"]))
+    print(e.value)
+    assert "\n" not in str(e.value)
+    assert (
+        "last_save_in_hf" in str(e.value) and "'qwen3' has no Hugging Face" in str(e.value) and "llama3" in str(e.value)
+    )

@@ -59,7 +59,8 @@ def hf_config(model_args, dtype: str = "float32") -> dict:
         # transformers 5 reads RoPE settings from rope_parameters; older versions from rope_theta
         "rope_parameters": {"rope_type": "default", "rope_theta": float(a.rope_theta)},
         "rope_scaling": None,
-        "max_position_embeddings": int(a.max_seq_len),
+        # plain RoPE: no table limits the context; Qwen3's released checkpoints say 40960
+        "max_position_embeddings": max(int(a.max_seq_len), 40960),
         "hidden_act": "silu",
         "tie_word_embeddings": bool(a.enable_weight_tying),
         "attention_bias": False,
