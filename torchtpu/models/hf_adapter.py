@@ -196,7 +196,8 @@ class HFLayout:
         for k in range(d):
             view = [1] * d
             view[k] = shape[k]
-            base = torch.arange(shape[k], dtype=torch.int64 if shape[k] >= 2**31 else torch.int32)
+            n = shape[k]  # the narrowest integer type that holds the indices: an adapter that copies copies less
+            base = torch.arange(n, dtype=torch.int16 if n <= 2**15 else torch.int32 if n <= 2**31 else torch.int64)
             got = self._to_hf({name: base.reshape(view).expand(tuple(shape))})
             if list(got) != list(out):
                 return None
