@@ -1,6 +1,6 @@
-"""`torchtpu-convert`: Llama 3 weights between torchtpu, Hugging Face, torchtitan DCP and torch.save.
+"""`torchtpu-convert`: model weights between torchtpu, Hugging Face, torchtitan DCP and torch.save.
 
-    torchtpu-convert SRC DST --to hf       --flavor 8B [--dtype bfloat16] [--tokenizer PATH]
+    torchtpu-convert SRC DST --to hf       --flavor 8B [--model llama3] [--dtype bfloat16] [--tokenizer PATH]
     torchtpu-convert SRC DST --to torchtpu --flavor 8B [--step 0]
     torchtpu-convert SRC DST --to dcp      --flavor 8B
     torchtpu-convert SRC DST --to torch    --flavor 8B
@@ -15,8 +15,12 @@ SRC's format is recognised from what it holds (--from names it explicitly):
   top level (or under "model."); optimizer and other state are skipped;
 * torch: a file written by torch.save holding a state dict (or {"model": state dict}).
 
-Inside, every format is torchtitan's Llama 3 state dict; Hugging Face names and the q/k RoPE
-permutation come from torchtitan's state-dict adapter. Sources are read one tensor at a time
+--model names the family (torchtpu.models.registry); without it, the family whose --flavor
+model the source's tensors fit. Inside, every format is the torchtitan model's state dict; Hugging
+Face names and layouts (Llama 3's q/k permutation, one tensor per expert) come from the family's
+torchtitan state-dict adapter (torchtpu.models.hf_adapter). A tensor the Hugging Face layout has
+no place for (Qwen3 MoE's expert_bias) is zero when read from it, and must be zero to be written
+to it; a tied output projection is written once to Hugging Face and under both names elsewhere. Sources are read one tensor at a time
 (safetensors slices, DCP per-key loads, torch.load with mmap, Orbax partial restores). A Hugging
 Face output is written tensor by tensor in files of at most --max-shard-size, with a tokenizer
 (--tokenizer, as the trainer's [model] hf_assets_path; by default a Hugging Face source's own, else
@@ -28,7 +32,6 @@ TPU is needed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -72,21 +75,38 @@ def detect_format(path: str) -> str:
 
 class _HFSource:
     def __init__(self, path, model_args):
-        from torchtpu.models.llama3.hf import HFNames
+        from torchtpu.models.hf_adapter import HFLayout
         from torchtpu.train.hf_checkpoint import HFFolder
 
         self.hf = HFFolder(path)
-        self.names = HFNames(model_args)
-        self.hf_of = {}
-        for hf_name in self.hf.names():
-            tt = self.names.from_hf(hf_name)
-            if tt is not None:
-                self.hf_of[tt] = hf_name
-        self.entries = [(tt, self.hf.info(h)[0]) for tt, h in self.hf_of.items()]
+        self.layout = HFLayout(model_args)
+        self.layout.check_readable()
+        have = set(self.hf.names())
+        self.entries = []
+        for name, shape in self.layout.shapes.items():
+            src = self.layout.aliases.get(name, name)
+            hfs = self.layout.sources(src)
+            if src in self.layout.dropped or (hfs and all(h in have for h in hfs)):
+                self.entries.append((name, self._shape(src, hfs, shape)))
+        self._group: dict = {}
+
+    def _shape(self, name, hfs, shape):
+        # the folder's own shapes, so that a wrong flavor is reported as a shape mismatch
+        if self.layout.sliced(name) and len(hfs) == 1 and len(self.layout.hf_shapes[hfs[0]]) == len(shape):
+            return self.hf.info(hfs[0])[0]
+        return tuple(shape)
 
     def get(self, name):
-        hf_name = self.hf_of[name]
-        _, value = self.names.tensor_from_hf(hf_name, self.hf.read(hf_name))
+        layout = self.layout
+        name = layout.aliases.get(name, name)
+        if name in layout.dropped:
+            return torch.zeros(layout.shapes[name])  # the Hugging Face model computes without it
+        if layout.sliced(name):
+            value = layout.read(name, (), self.hf.read)
+        else:
+            if name not in self._group:
+                self._group = layout.from_hf_group({h: self.hf.read(h) for h in layout.sources(name)})
+            value = self._group[name]
         self.hf.release()
         return value
 
@@ -170,23 +190,25 @@ def open_source(path: str, fmt: str | None, model_args, step: int | None = None)
 
 def _check_names(src, model_args):
     """Every source tensor must be one of the model's, with the model's shape."""
-    from torchtitan.models.llama3 import Transformer
+    from torchtpu.models.hf_adapter import family_for_args
 
+    family = family_for_args(model_args).name
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in Transformer(model_args).state_dict().items()}
+        model = family_for_args(model_args).model_cls()(model_args)
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = dict(src.entries)
     for k, shape in want.items():
         if k in have and have[k] != shape:
             raise ConvertError(
-                f"the source's {k} is {list(have[k])} but the flavor's is {list(shape)}; pass the "
-                "--flavor it was trained with"
+                f"the source's {k} is {list(have[k])} but the {family} flavor's is {list(shape)}; pass the "
+                "--flavor (and --model) it was trained with"
             )
     missing = [k for k in want if k not in have]
     extra = [k for k in have if k not in want]
     if missing or extra:
         raise ConvertError(
-            f"the source does not hold this flavor's weights (missing {missing[:3]}, unexpected "
-            f"{extra[:3]}); pass the --flavor it was trained with"
+            f"the source does not hold this {family} flavor's weights (missing {missing[:3]}, unexpected "
+            f"{extra[:3]}); pass the --flavor (and --model) it was trained with"
         )
     return list(want)  # the model's own order
 
@@ -248,13 +270,32 @@ def write_output(
     return dst
 
 
-def _model_args(flavor: str):
-    from torchtitan.models.llama3 import llama3_args
+def _model_args(model: str | None, flavor: str):
+    """The flavor's arguments of family `model`; with no model, of every family that has the flavor."""
+    from torchtpu.models.registry import FAMILIES, UnknownModel, get_family
 
-    if flavor not in llama3_args:
-        known = ", ".join(k for k in llama3_args if "_" not in k)
-        raise ConvertError(f"--flavor {flavor!r} is not a torchtitan llama3 flavor; allowed: {known}")
-    return dataclasses.replace(llama3_args[flavor])
+    try:
+        families = [get_family(model)] if model else [f for f in FAMILIES.values() if flavor in f.flavors]
+        if not families:
+            known = "; ".join(f"{n}: {', '.join(f.flavors)}" for n, f in FAMILIES.items())
+            raise ConvertError(f"--flavor {flavor!r} is no family's flavor; flavors: {known}")
+        return [f.model_args(flavor) for f in families]
+    except UnknownModel as e:
+        raise ConvertError(f"--model/--flavor: {e}") from None
+
+
+def _open_fitting(path, fmt, candidates, step):
+    """(source, model arguments) of the first candidate whose model the source's tensors fit; the
+    first candidate's error when none does."""
+    first = None
+    for args in candidates:
+        try:
+            src = open_source(path, fmt, args, step)
+            _check_names(src, args)
+            return src, args
+        except (ConvertError, ValueError, KeyError) as e:
+            first = first or e
+    raise first
 
 
 def output_tokenizer(choice: str | None, src: str, src_format: str, model_args):
@@ -286,7 +327,12 @@ def main(argv=None) -> int:
     p.add_argument("--to", required=True, choices=FORMATS, help="output format")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format (default: recognised)")
     p.add_argument(
-        "--flavor", required=True, help="torchtitan llama3 flavor of the weights (debugmodel, 8B, 70B, 405B)"
+        "--flavor", required=True, help="torchtitan flavor of the weights (debugmodel, 8B, 0.6B, 30B-A3B, ...)"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model family (llama3, qwen3, ...; default: the family whose --flavor the source's tensors fit)",
     )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the floating weights written")
     p.add_argument(
@@ -312,9 +358,9 @@ def main(argv=None) -> int:
     )
     a = p.parse_args(argv)
     try:
-        args = _model_args(a.flavor)
         src_format = a.src_format or detect_format(a.src)
-        src = open_source(a.src, src_format, args, a.step if src_format == "torchtpu" else None)
+        candidates = _model_args(a.model, a.flavor)
+        src, args = _open_fitting(a.src, src_format, candidates, a.step if src_format == "torchtpu" else None)
         tok = output_tokenizer(a.tokenizer, a.src, src_format, args) if a.to == "hf" else None
         out = write_output(
             src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size, tokenizer=tok

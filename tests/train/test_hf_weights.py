@@ -320,23 +320,25 @@ def test_vocab_and_shape_mismatch_are_one_line_config_errors(tmp_path):
 
 
 def test_rows_permutation_is_the_adapters():
-    """The per-shard q/k row index equals what torchtitan's adapter does to a whole tensor."""
+    """q/k read in row blocks (as shards are) equal what torchtitan's adapter does to a whole tensor."""
     from torchtitan.models.llama3 import llama3_args
 
-    from torchtpu.models.llama3.hf import HFNames
+    from torchtpu.models.hf_adapter import HFLayout
 
     for args in (llama3_args["debugmodel"], llama3_args["8B"]):
-        names = HFNames(args)
-        hd = args.dim // args.n_heads
-        for hf_name, rows in (
-            ("model.layers.3.self_attn.q_proj.weight", args.dim),
-            ("model.layers.3.self_attn.k_proj.weight", hd * (args.n_kv_heads or args.n_heads)),
-        ):
-            w = torch.randn(rows, args.dim)
-            _, ref = names.tensor_from_hf(hf_name, w)
-            perm = names.rows_from_hf(hf_name, rows)
-            assert torch.equal(w[torch.from_numpy(perm)], ref), hf_name
-    assert names.rows_from_hf("model.layers.0.mlp.up_proj.weight", 14336) is None
+        layout = HFLayout(args)
+        for tt in ("layers.3.attention.wq.weight", "layers.3.attention.wk.weight"):
+            (hf_name,) = layout.sources(tt)
+            w = torch.randn(layout.hf_shapes[hf_name])
+            ref = layout.adapter.from_hf({hf_name: w})[tt]
+            n = w.shape[0] // 4
+            got = torch.cat(
+                [layout.read(tt, (slice(i, i + n),), lambda h, index, w=w: w[index]) for i in range(0, 4 * n, n)]
+            )
+            assert torch.equal(got, ref), hf_name
+            assert not torch.equal(w, ref)  # a real permutation
+    up = layout._rows["layers.0.feed_forward.w3.weight"][2]
+    assert (up == range(14336)).all()  # not permuted
 
 
 _MEMORY_WORKER = textwrap.dedent("""

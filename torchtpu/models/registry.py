@@ -39,7 +39,7 @@ class ModelFamily:
         reduce_dtype, ac_mode, ac_every, scan_layers)` shards the model over the job's mesh.
     flops_per_token: `(model, args, seq_len) -> (parameters, training FLOPs per token)`; a
         Mixture-of-Experts model counts only the experts a token runs through.
-    hf_names: "module:attribute" of the class mapping names to Hugging Face's layout, or None.
+    hf_adapter: "module:attribute" of torchtitan's state-dict adapter class (Hugging Face names and layouts), or None.
     decode: "module" with the KV-cache decoding `torchtpu-generate` uses, or None.
     """
 
@@ -50,7 +50,7 @@ class ModelFamily:
     prepare: Callable[[Any], Any]
     parallelize: Callable[..., Any]
     flops_per_token: Callable[[Any, Any, int], tuple[int, int]]
-    hf_names: str | None = None
+    hf_adapter: str | None = None
     decode: str | None = None
 
     def model_args(self, flavor: str):
@@ -125,7 +125,7 @@ FAMILIES: dict[str, ModelFamily] = {
             prepare=_llama3_prepare,
             parallelize=_llama3_parallelize,
             flops_per_token=_dense_flops,
-            hf_names="torchtpu.models.llama3.hf:HFNames",
+            hf_adapter="torchtitan.models.llama3.model.state_dict_adapter:Llama3StateDictAdapter",
             decode="torchtpu.models.llama3.decode",
         ),
         ModelFamily(
@@ -147,6 +147,7 @@ FAMILIES: dict[str, ModelFamily] = {
             prepare=_qwen3_prepare,
             parallelize=_qwen3_parallelize,
             flops_per_token=_torchtitan_flops,
+            hf_adapter="torchtitan.models.qwen3.model.state_dict_adapter:Qwen3StateDictAdapter",
         ),
     )
 }

@@ -1,8 +1,10 @@
 """Hugging Face safetensors folders in and out: sharded reads, streamed writes.
 
 A Hugging Face model folder is `config.json` plus either `model.safetensors` or
-`model.safetensors.index.json` and the `*.safetensors` files it names. Names and the RoPE row
-permutation of q/k come from torchtitan's state-dict adapter (torchtpu.models.llama3.hf). An
+`model.safetensors.index.json` and the `*.safetensors` files it names. Names and layouts (Llama 3's
+q/k row permutation, Mixture-of-Experts weights one tensor per expert, a tied output projection
+left out) come from the model family's torchtitan state-dict adapter, through
+torchtpu.models.hf_adapter; config.json from the family's torchtpu.models.<family>.hf. An
 exported folder also holds the tokenizer's files, with its BOS/EOS/pad ids in `config.json` and
 `generation_config.json`, so transformers, vLLM and torchtpu.generate load it with no other path.
 
@@ -12,7 +14,7 @@ exported folder also holds the tokenizer's files, with its BOS/EOS/pad ids in `c
 
 Reading is sharded: each process asks safetensors for exactly the slices of each tensor that its
 own devices hold (`get_slice`, which reads those bytes of the file and no others; a q/k shard
-reads the whole heads it overlaps), so no process ever holds more than its share of the model
+reads the whole heads it overlaps, an expert shard the experts it holds), so no process ever holds more than its share of the model
 plus one device shard. Writing gathers one tensor at a time and keeps at most one output file's
 tensors (`max_shard_bytes`) in host memory; only process 0 writes.
 """
@@ -26,7 +28,7 @@ import shutil
 import numpy as np
 import torch
 
-from torchtpu.models.llama3.hf import HFNames, check_hf_config, hf_config
+from torchtpu.models.hf_adapter import HFLayout, HFLayoutError
 
 __all__ = [
     "HFCheckpointError",
@@ -130,49 +132,43 @@ def _bounds(index: tuple, shape: tuple) -> list[tuple[int, int]]:
     return out
 
 
-def _match(hf: HFFolder, names: HFNames, targets: dict) -> dict[str, str]:
-    """torchtitan name -> Hugging Face name for every target, checking names and shapes."""
+def _layout(model_args) -> HFLayout:
+    try:
+        return HFLayout(model_args)
+    except HFLayoutError as e:
+        raise HFCheckpointError(str(e)) from None
+
+
+def _match(hf: HFFolder, layout: HFLayout, targets) -> None:
+    """Every Hugging Face tensor the targets need is in the folder with the model's shape, and the
+    folder holds nothing the model has no place for."""
     where = hf.folder
-    to_hf = {}
-    extra = []
-    for hf_name in hf.names():
-        try:
-            tt = names.from_hf(hf_name)
-        except KeyError:
-            extra.append(hf_name)
-            continue
-        if tt is None:
-            continue  # a tensor the model recomputes (rotary inv_freq)
-        if tt not in targets:
-            extra.append(hf_name)
-            continue
-        to_hf[tt] = hf_name
-    missing = [n for n in targets if n not in to_hf]
+    need = [h for t in targets for h in layout.sources(t)]
+    have = set(hf.names())
+    layers = hf.config.get("num_hidden_layers")
+    missing = [h for h in need if h not in have]
     if missing:
-        ex = [names.to_hf(n) for n in missing[:3]]
         raise HFCheckpointError(
-            f"{where} lacks {len(missing)} tensor(s) the model needs: {', '.join(ex)}"
+            f"{where} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:3])}"
             f"{' ...' if len(missing) > 3 else ''} (config.json says num_hidden_layers = "
-            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for"
+            f"{layers}); use the [model] flavor these weights were made for"
         )
+    extra = [h for h in hf.names() if h not in layout.hf_shapes and layout.unknown(h, hf.info(h)[0])]
     if extra:
         raise HFCheckpointError(
             f"{where} holds {len(extra)} tensor(s) this model has no place for: {', '.join(extra[:3])}"
             f"{' ...' if len(extra) > 3 else ''} (config.json says num_hidden_layers = "
-            f"{hf.config.get('num_hidden_layers')}); use the [model] flavor these weights were made for"
+            f"{layers}); use the [model] flavor these weights were made for"
         )
-    for tt in targets:  # in the model's order: the embedding first
-        hf_name = to_hf[tt]
-        shape, _ = hf.info(hf_name)
-        want = tuple(targets[tt][0])
+    vocab = getattr(layout.model_args, "vocab_size", None)
+    for h in need:  # in the model's order: the embedding first
+        shape, want = hf.info(h)[0], layout.hf_shapes[h]
         if shape != want:
-            vocab = hf_name in ("model.embed_tokens.weight", "lm_head.weight") and shape[0] != want[0]
-            what = "vocabulary size" if vocab else "shape"
+            what = "vocabulary size" if vocab in (shape[0], want[0]) and shape[0] != want[0] else "shape"
             raise HFCheckpointError(
-                f"{hf_name} in {where} is {list(shape)} but the model's {tt} is {list(want)} ({what} mismatch); "
-                "use the [model] flavor these weights were made for"
+                f"{h} in {where} is {list(shape)} but the model's {', '.join(layout.hf_to_tt[h])} needs "
+                f"{list(want)} ({what} mismatch); use the [model] flavor these weights were made for"
             )
-    return to_hf
 
 
 def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
@@ -184,55 +180,69 @@ def load_hf_arrays(folder: str, targets: dict, model_args) -> dict:
 
     from torchtpu.backend import dtypes
 
+    layout = _layout(model_args)
     hf = HFFolder(folder)
     try:
         try:
-            check_hf_config(hf.config, model_args)
+            layout.check_hf_config(hf.config)
         except ValueError as e:
             raise HFCheckpointError(f"{hf.folder}/{e}; use the [model] flavor these weights were made for") from None
-        names = HFNames(model_args)
-        to_hf = _match(hf, names, targets)
+        layout.check_readable()
+        names = {t: layout.aliases.get(t, t) for t in targets if layout.aliases.get(t, t) not in layout.dropped}
+        _match(hf, layout, dict.fromkeys(names.values()))
         out = {}
         for tt, (shape, dtype, sharding) in targets.items():
-            hf_name = to_hf[tt]
+            if tt not in names:
+                continue  # no Hugging Face tensor (a buffer the Hugging Face model does without): kept as is
+            src = names[tt]
             shape = tuple(shape)
-            perm = names.rows_from_hf(hf_name, shape[0]) if len(shape) == 2 else None
+            if tuple(layout.shapes[src]) != shape:
+                raise HFCheckpointError(
+                    f"the model's {tt} is {list(shape)} but its arguments make {list(layout.shapes[src])}"
+                )
+            whole = None
+            if not layout.sliced(src):  # made from tensors the adapter fuses: converted whole, then sliced
+                unit = layout.sources(src)
+                whole = layout.from_hf_group({h: hf.read(h) for h in unit})[src]
             done: dict = {}
 
-            def piece(index, hf_name=hf_name, shape=shape, perm=perm, dtype=dtype, done=done):
+            def piece(index, src=src, shape=shape, dtype=dtype, done=done, whole=whole):
                 b = _bounds(index, shape)
                 key = tuple(b)
                 if key in done:  # a replica of a shard already read for another local device
                     return done[key]
-                if perm is None:
-                    t = hf.read(hf_name, tuple(slice(lo, hi) for lo, hi in b))
-                else:
-                    # the shard's rows come from the (whole-head) HF rows perm[lo:hi]
-                    rows = perm[b[0][0] : b[0][1]]
-                    lo, hi = int(rows.min()), int(rows.max()) + 1
-                    block = hf.read(hf_name, (slice(lo, hi),) + tuple(slice(a, z) for a, z in b[1:]))
-                    t = block[torch.from_numpy(rows - lo)]
+                index = tuple(slice(lo, hi) for lo, hi in b)
+                t = whole[index] if whole is not None else layout.read(src, index, hf.read)
                 a = dtypes.torch_to_numpy(t.to(dtype).contiguous())
                 done[key] = a
                 return a
 
             out[tt] = jax.make_array_from_callback(shape, sharding, piece)
             done.clear()
+            del whole
             hf.release()  # one tensor's pages mapped at a time
         return out
+    except HFLayoutError as e:
+        raise HFCheckpointError(str(e)) from None
     finally:
         hf.close()
 
 
 def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
-    """Fill a torchtitan Llama 3 model's parameters (tpu tensors, any sharding) in place from a
-    Hugging Face folder; each parameter keeps its own sharding and dtype."""
+    """Fill a torchtitan model's parameters (tpu tensors, any sharding) in place from a Hugging Face
+    folder, through its family's adapter; each parameter keeps its own sharding and dtype. A tied
+    tensor is written once; a tensor the Hugging Face layout has no place for (Qwen3 MoE's
+    expert_bias) keeps its value."""
     from torchtpu.backend.tensor import TpuTensor
     from torchtpu.backend.views import array_of, write
 
     from .checkpoint import canonical_name
 
-    own = {canonical_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
+    own, seen = {}, set()
+    for k, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied tensor once
+            seen.add(id(t))
+            own[canonical_name(k)] = t
     for k, t in own.items():
         if not isinstance(t, TpuTensor):
             raise TypeError(f"load_hf_into_model: {k} is on {t.device}; move the model to 'tpu' first")
@@ -265,19 +275,30 @@ def save_hf(
     write: bool = True,
     tokenizer=None,
 ) -> str:
-    """Write torchtitan-named tensors as a Hugging Face folder, one tensor fetched at a time.
+    """Write torchtitan-named tensors as a Hugging Face folder, one tensor (or one group the
+    family's adapter fuses) fetched at a time, in the layout and names of that adapter.
 
-    entries: [(torchtitan name, shape)] in the order to write; fetch(name) -> the full tensor (CPU)
+    entries: [(torchtitan name, shape)], the model's tensors; fetch(name) -> the full tensor (CPU)
     (called on every process: it may be a collective gather); floating tensors are cast to
-    `dtype`. Only a process with `write` set writes. Written into a temporary folder that
-    replaces `folder` when complete. With `tokenizer` (torchtpu.train.tokenizer), its files and
-    special-token ids go in too."""
+    `dtype`. A tied tensor is written once (as the adapter does); a tensor the Hugging Face layout
+    has no place for must be zero (else HFCheckpointError: the export would compute differently).
+    Only a process with `write` set writes. Written into a temporary folder that replaces `folder`
+    when complete. With `tokenizer` (torchtpu.train.tokenizer), its files and special-token ids
+    go in too."""
     from safetensors.torch import save_file
 
-    names = HFNames(model_args)
+    layout = _layout(model_args)
+    try:
+        cfg = layout.hf_config(str(dtype).removeprefix("torch."))
+    except (ValueError, HFLayoutError) as e:
+        raise HFCheckpointError(str(e)) from None
+    given = dict((n, tuple(s)) for n, s in entries)
+    for n, shape in layout.shapes.items():
+        if n not in layout.aliases and given.get(n) != tuple(shape):
+            what = "missing" if n not in given else f"{list(given[n])}"
+            raise HFCheckpointError(f"the weights' {n} is {what} but the model's is {list(shape)}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    hf_names = {n: names.to_hf(n) for n, _ in entries}
-    files = _plan_files([(n, int(np.prod(shape)) * itemsize) for n, shape in entries], max_shard_bytes)
+    files = _plan_files([(h, int(np.prod(shape)) * itemsize) for h, shape in layout.hf_shapes.items()], max_shard_bytes)
     folder = os.path.abspath(os.path.expanduser(str(folder)))
     tmp = folder + ".tmp"
     if write:
@@ -289,25 +310,45 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     single = len(files) == 1
+    fname = [SINGLE] if single else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    file_of = {h: fname[i] for i, group in enumerate(files) for h in group}
     weight_map = {}
     total = 0
-    for i, group in enumerate(files):
-        fname = SINGLE if single else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = {}
-        for n in group:
-            t = fetch(n)
-            if t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            hf_name, v = names.tensor_to_hf(n, t)
-            assert hf_name == hf_names[n]
-            tensors[hf_name] = v.contiguous()
-            weight_map[hf_name] = fname
+    pending: dict = {}
+    nxt = 0
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    for n in layout.dropped:  # kept out of the export: must not change what the model computes
+        t = fetch(n)
+        if bool(t.detach().ne(0).any()):
+            raise HFCheckpointError(
+                f"{n} is nonzero and {type(layout.adapter).__name__} has no Hugging Face tensor for it: "
+                "the exported model would compute differently"
+            )
+        del t
+    for tts, hfs in layout.units:
+        try:
+            out = layout.to_hf({n: cast(fetch(n)) for n in tts})
+        except HFLayoutError as e:
+            raise HFCheckpointError(str(e)) from None
+        if list(out) != list(hfs):
+            raise HFCheckpointError(
+                f"{type(layout.adapter).__name__} wrote {list(out)[:3]} for {tts[0]}, not {list(hfs)[:3]}"
+            )
+        for h, v in out.items():
+            pending[h] = v.contiguous()
+            weight_map[h] = file_of[h]
             total += v.numel() * v.element_size()
-        if write:
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-        del tensors
+        del out
+        while nxt < len(files) and all(h in pending for h in files[nxt]):
+            tensors = {h: pending.pop(h) for h in files[nxt]}
+            if write:
+                save_file(tensors, os.path.join(tmp, fname[nxt]), metadata={"format": "pt"})
+            del tensors
+            nxt += 1
     if write:
-        cfg = hf_config(model_args, str(dtype).removeprefix("torch."))
         if tokenizer is not None:
             ids = special_token_ids(tokenizer)
             cfg.update(ids)
@@ -363,8 +404,8 @@ def save_model_as_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer=None,
 ) -> str:
-    """Write a torchtitan Llama 3 model (tpu tensors, any sharding) as a Hugging Face folder, with
-    `tokenizer`'s files when given. Every process calls it (the gathers are collective); process 0
+    """Write a torchtitan model (tpu tensors, any sharding) as a Hugging Face folder in its family's
+    layout, with `tokenizer`'s files when given. Every process calls it (the gathers are collective); process 0
     writes."""
     import jax
 

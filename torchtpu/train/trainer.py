@@ -187,6 +187,14 @@ class Trainer:
         overrides = {**(model_overrides or {}), **({} if n_layers is None else {"n_layers": n_layers})}
         if overrides:
             self.model_args = dataclasses.replace(self.model_args, **overrides)
+        hf_opts = [o for o in ("initial_load_in_hf", "last_save_in_hf") if getattr(cfg.checkpoint, o)]
+        if hf_opts and not get_family(cfg.model.name).hf_adapter:
+            from torchtpu.models.registry import FAMILIES
+
+            raise ConfigError(
+                f"[checkpoint] {hf_opts[0]}: model family {cfg.model.name!r} has no Hugging Face state-dict "
+                f"adapter; families with Hugging Face weights: {', '.join(n for n, f in FAMILIES.items() if f.hf_adapter)}"
+            )
 
         # -- seed
         seed = resolve_seed(cfg)

@@ -1,99 +1,22 @@
-"""Llama 3 weights in Hugging Face's layout, through torchtitan's own state-dict adapter.
+"""config.json for Llama 3 weights in Hugging Face's layout (`LlamaForCausalLM`).
 
-torchtitan's `Llama3StateDictAdapter` owns the two facts that matter: the names
-("layers.0.attention.wq.weight" <-> "model.layers.0.self_attn.q_proj.weight") and the row
-permutation of wq/wk that turns torchtitan's interleaved RoPE pairs into Hugging Face's
-rotate-half layout. This module only asks the adapter; it derives neither.
+Names and the q/k row permutation come from torchtitan's `Llama3StateDictAdapter`, through
+torchtpu.models.hf_adapter (the registry's `hf_adapter`); this module writes and checks the
+config.json that goes with them.
 
-    names = HFNames(model_args)
-    names.to_hf("layers.0.attention.wq.weight")    # "model.layers.0.self_attn.q_proj.weight"
-    names.from_hf("model.norm.weight")               # "norm.weight"
-    names.rows_from_hf("model.layers.0.self_attn.q_proj.weight", 256)  # torchtitan row i = HF row perm[i]
-    hf_tensor = names.tensor_to_hf("layers.0.attention.wk.weight", tensor)
-    hf_config(model_args, intermediate_size, "float32")          # config.json for LlamaForCausalLM
-    check_hf_config(config, model_args)                          # a mismatch that changes the maths -> ValueError
+    hf_config(model_args, "float32")            # config.json for LlamaForCausalLM
+    check_hf_config(config, model_args)         # a mismatch that changes the maths -> ValueError
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-import numpy as np
-import torch
-
-__all__ = ["HFNames", "hf_config", "check_hf_config", "head_dim"]
+__all__ = ["hf_config", "check_hf_config", "head_dim"]
 
 
 def head_dim(model_args) -> int:
     return model_args.dim // model_args.n_heads
-
-
-class HFNames:
-    """Name and layout mapping between torchtitan's Llama 3 state dict and Hugging Face's."""
-
-    def __init__(self, model_args):
-        from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-
-        self.model_args = model_args
-        self.adapter = Llama3StateDictAdapter(model_args, None)
-        # The adapter permutes whole heads independently (it views the rows as
-        # (heads, 2, head_dim // 2) or back), so the permutation of one head, asked of an
-        # adapter for a one-head model, repeated per head, is the whole permutation; asking it
-        # about the full matrix would build an index as large as the weight (16384^2 for 405B).
-        hd = head_dim(model_args)
-        one_head = dataclasses.replace(model_args, dim=hd, n_heads=1, n_kv_heads=1)
-        self._one_head = Llama3StateDictAdapter(one_head, None)
-        self._head_perm: dict[str, np.ndarray] = {}
-
-    # -- names (the adapter maps values; meta tensors give its names without touching data)
-
-    def _probe(self):
-        # Names do not depend on the sizes; a one-head-sized meta tensor passes the adapter's q/k
-        # permutation whatever the real (possibly mismatched) shape is, and touches no data.
-        hd = self._one_head.model_args.dim
-        return torch.empty((hd, hd), device="meta")
-
-    def to_hf(self, name: str) -> str:
-        out = self._one_head.to_hf({name: self._probe()})
-        if len(out) != 1:
-            raise KeyError(f"torchtitan's Llama 3 adapter has no Hugging Face name for {name!r}")
-        return next(iter(out))
-
-    def from_hf(self, hf_name: str) -> str | None:
-        """The torchtitan name of a Hugging Face tensor; None for tensors the model does not keep
-        (rotary inv_freq); KeyError for names the adapter does not know."""
-        out = self._one_head.from_hf({hf_name: self._probe()})
-        return next(iter(out)) if out else None
-
-    # -- values
-
-    def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """(Hugging Face name, value in Hugging Face's layout) of one full torchtitan tensor."""
-        ((hf_name, value),) = self.adapter.to_hf({name: tensor}).items()
-        return hf_name, value
-
-    def tensor_from_hf(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        out = self.adapter.from_hf({hf_name: tensor})
-        return next(iter(out.items())) if out else None
-
-    def rows_from_hf(self, hf_name: str, rows: int) -> np.ndarray | None:
-        """For a tensor whose rows the adapter permutes (q_proj, k_proj): `perm` with torchtitan
-        row i = Hugging Face row perm[i], each head's rows staying inside that head. None when
-        the tensor is not permuted."""
-        hd = head_dim(self.model_args)
-        generic = "model.layers.0." + hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else hf_name
-        if generic not in self._head_perm:
-            index = torch.arange(hd, dtype=torch.int64)[:, None].expand(hd, hd).contiguous()
-            got = self._one_head.from_hf({generic: index})
-            perm = next(iter(got.values()))[:, 0].numpy() if got else np.arange(hd)
-            self._head_perm[generic] = perm
-        perm = self._head_perm[generic]
-        if np.array_equal(perm, np.arange(hd)):
-            return None
-        if rows % hd:
-            raise ValueError(f"{hf_name}: {rows} rows is not a whole number of {hd}-row heads")
-        return (np.arange(rows // hd)[:, None] * hd + perm[None, :]).reshape(-1)
 
 
 def _ffn_hidden(model_args) -> int:
