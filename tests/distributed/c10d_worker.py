@@ -309,25 +309,36 @@ def run_ddp():
     hooks = {"none": None, "allreduce_hook": default_hooks.allreduce_hook}
     # bf16_compress_hook: DDP accepts it on CUDA and XPU only (gloo on CPU refuses it too)
     hooks["fp16_compress_hook"] = default_hooks.fp16_compress_hook
+    hooks["static_graph"] = None  # the same graph every step: a rank-0-only branch, no odd-step one
     base = SomeSteps()
     for hook_name, hook in hooks.items():
         results = []
+        static = hook_name == "static_graph"
         for device, group in (("tpu", None), ("cpu", GLOO)):
             model = SomeSteps()
             model.load_state_dict(base.state_dict())
-            ddp = DDP(model.to(device), process_group=group, find_unused_parameters=True, bucket_cap_mb=1e-4)
+            ddp = DDP(
+                model.to(device),
+                process_group=group,
+                find_unused_parameters=not static,
+                static_graph=static,
+                bucket_cap_mb=1e-4,
+            )
             if hook is not None:
                 ddp.register_comm_hook(group if group is not None else DEFAULT, hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             g = torch.Generator().manual_seed(60 + rank)
             for step in range(3):
-                ddp(torch.randn(4, 6, generator=g).to(device), step).square().mean().backward()
+                ddp(torch.randn(4, 6, generator=g).to(device), 0 if static else step).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
             results.append([p.detach().cpu() for p in ddp.parameters()])
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        checks.append(f"DDP find_unused_parameters, a branch unused on some steps, comm hook {hook_name}")
+        if static:
+            checks.append("DDP static_graph, a branch unused on rank 1")
+        else:
+            checks.append(f"DDP find_unused_parameters, a branch unused on some steps, comm hook {hook_name}")
 
 
 # ----------------------------------------------------------------------------- MPMD and failures

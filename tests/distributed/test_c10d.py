@@ -80,7 +80,7 @@ EVERY_RANK = [
 DDP = ["DDP with no_sync, several buckets"] + [
     f"DDP find_unused_parameters, a branch unused on some steps, comm hook {h}"
     for h in ("none", "allreduce_hook", "fp16_compress_hook")
-]
+] + ["DDP static_graph, a branch unused on rank 1"]
 
 
 def test_every_collective_on_2_processes_ddp_and_pipelines():

@@ -225,6 +225,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) or list(range(size))
         self._group_name = group_name
         self._seq = 0
+        self._stale: list[str] = []  # store keys of finished meetings, to delete
         self._p2p_seq: dict[tuple[int, int], int] = {}
         self._pending: list = []  # queued point-to-point ops: (src, dst, tensor)
         if self._global_ranks == list(range(size)) and size > 1:
@@ -297,14 +298,19 @@ class TpuProcessGroup(dist.ProcessGroup):
                     f"torch.distributed collectives do not match in group {self._group_name!r} (collective #{seq}): "
                     f"rank {self._rank} called {op} {signature}, rank {r} called {o} {s}"
                 )
-        if seq >= 2:
-            self._store.delete_key(f"op/{seq - 2}/{self._rank}")
+        if seq >= 2:  # deleted once this op's program is on its way (_tidy): one store round trip less before it
+            self._stale.append(f"op/{seq - 2}/{self._rank}")
         return [x for _, _, x in seen]
+
+    def _tidy(self):
+        while self._stale:
+            self._store.delete_key(self._stale.pop())
 
     def _run(self, kind: str, static, local):
         _one_at_a_time()
         out = _program(self._mesh, kind, static)(_global(self._mesh, local, self._size))
         _IN_FLIGHT.append(out)
+        self._tidy()
         return _mine(out)
 
     def _cpu(self, tensors) -> bool:
@@ -461,6 +467,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         self._meet("barrier", [])
+        self._tidy()
         _one_at_a_time()
         return _Work()
 
