@@ -319,8 +319,11 @@ class TpuProcessGroup(dist.ProcessGroup):
             return True
         if devs != {"tpu"}:
             raise ValueError(f"the tpu process group got tensors on {sorted(devs)}; pass tpu tensors (or cpu ones)")
+        local = len(jax.local_devices())
         for t in tensors:
-            if t.device.index not in (None, self._index):
+            # an index past this process's devices is no other device: PyTorch's C++ (DDP's
+            # parameter check) labels tensors it makes with the rank's number
+            if t.device.index not in (None, self._index) and t.device.index < local:
                 raise ValueError(
                     f"the tpu process group runs rank {self._rank} on tpu:{self._index} (one device per rank), "
                     f"got a tensor on {t.device}: move it to tpu:{self._index}, or use torchtpu's global mesh "
