@@ -6,7 +6,10 @@ same processes, float32 tensors of 1 MiB to 256 MiB, side by side.
 
 Bus bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the tensor per rank, all_gather
 (n-1)/n of the gathered output. Each figure is the median of --steps timed calls after a warm-up
-call; a tpu call counts until its result is computed (Work.wait() and block_until_ready)."""
+call; a tpu call counts until its result is computed (Work.wait() and block_until_ready). The
+"XLA alone" column calls the backend's compiled XLA program directly on the same data (no store
+meeting, no torch dispatch, no write-back): the difference from the tpu column is what the
+process-group layer costs, the rest is XLA:CPU's own cross-process collective."""
 
 from __future__ import annotations
 
@@ -34,16 +37,15 @@ def _rank_main(sizes_mib: list[int], steps: int) -> None:
         numel = mib * 2**20 // 4
         for op in ("all_reduce", "all_gather"):
             figures = {}
-            for backend in ("tpu", "gloo"):
-                device, group = ("tpu", None) if backend == "tpu" else ("cpu", gloo)
+            for backend in ("tpu", "xla", "gloo"):
+                device, group = ("cpu", gloo) if backend == "gloo" else ("tpu", None)
                 if op == "all_reduce":
                     x = torch.ones(numel, device=device)
                     out = None
                 else:
                     x = torch.ones(numel // n, device=device)
                     out = torch.empty(numel // n * n, device=device)
-
-                call = _call(op, x, out, group)
+                call = _call(op, x, out, group) if backend != "xla" else _bare_program(op, x)
                 _sync(call())
                 times = []
                 for _ in range(steps):
@@ -55,11 +57,11 @@ def _rank_main(sizes_mib: list[int], steps: int) -> None:
                 factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
                 figures[backend] = numel * 4 * factor / seconds / 1e9
                 del x, out
-            rows.append((op, mib, figures["tpu"], figures["gloo"]))
+            rows.append((op, mib, figures["tpu"], figures["xla"], figures["gloo"]))
     if rank == 0:
-        print(f"{'op':<11} {'MiB':>5} {'tpu GB/s':>9} {'gloo GB/s':>10} {'tpu/gloo':>9}")
-        for op, mib, tpu, gl in rows:
-            print(f"{op:<11} {mib:>5} {tpu:>9.3f} {gl:>10.3f} {tpu / gl:>8.2f}x", flush=True)
+        print(f"{'op':<11} {'MiB':>5} {'tpu GB/s':>9} {'XLA alone':>10} {'gloo GB/s':>10} {'tpu/gloo':>9}")
+        for op, mib, tpu, xla, gl in rows:
+            print(f"{op:<11} {mib:>5} {tpu:>9.3f} {xla:>10.3f} {gl:>10.3f} {tpu / gl:>8.2f}x", flush=True)
     dist.destroy_process_group()
 
 
@@ -72,6 +74,26 @@ def _call(op, x, out, group):
             return x
         dist.all_gather_into_tensor(out, x, group=group)
         return out
+
+    return call
+
+
+def _bare_program(op, x):
+    """The backend's own XLA program for `op` on its global array, called directly: no store
+    meeting, no torch dispatch, no copy into the tensor (what XLA's collective costs alone)."""
+    import torch.distributed as dist
+
+    from torchtpu.distributed import process_group as pg
+
+    group = dist.distributed_c10d._get_default_group()
+    kind = "all_reduce" if op == "all_reduce" else "all_gather"
+    program = pg._program(group._mesh, kind, "sum" if op == "all_reduce" else None)
+    glob = pg._global(group._mesh, pg._local_flat(x, group._device), group.size())
+
+    def call():
+        out = program(glob)
+        out.block_until_ready()
+        return x
 
     return call
 

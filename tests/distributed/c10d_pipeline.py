@@ -1,28 +1,38 @@
-"""A 2-stage pipeline with torch.distributed.pipelining on tpu (GPipe, 4 micro-batches) training a
-small transformer, against the same training in one process (run from c10d_worker.py)."""
+"""Pipelines with torch.distributed.pipelining on tpu training a small transformer, one stage per
+rank, against the same training in one process (run from c10d_worker.py): GPipe and 1F1B over 2
+stages, GPipe and 1F1B over 4 stages, 4 micro-batches each."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 64, 32, 8, 8, 4, 2
+VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 64, 16, 8, 8, 4, 2
 
 
 class Embed(nn.Module):
     def __init__(self):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM)
-        self.block = nn.TransformerEncoderLayer(DIM, 4, 64, dropout=0.0, batch_first=True)
+        self.block = nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.0, batch_first=True)
 
     def forward(self, ids):
         return self.block(self.tok(ids))
 
 
+class Middle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, h):
+        return self.block(h)
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()
-        self.block = nn.TransformerEncoderLayer(DIM, 4, 64, dropout=0.0, batch_first=True)
+        self.block = nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.0, batch_first=True)
         self.out = nn.Linear(DIM, VOCAB)
 
     def forward(self, h):
@@ -40,20 +50,23 @@ def batches():
         yield ids[:, :-1], ids[:, 1:]
 
 
-def models():
+def models(stages: int):
     torch.manual_seed(0)
-    return Embed(), Head()
+    return [Embed()] + [Middle() for _ in range(stages - 2)] + [Head()]
 
 
-def one_process_losses() -> list[list[float]]:
+def one_process_losses(stages: int) -> list[list[float]]:
     """Each step's per-micro-batch losses, training the whole model in one process on tpu."""
-    stages = [m.to("tpu") for m in models()]
-    opt = torch.optim.SGD([p for m in stages for p in m.parameters()], lr=0.1)
+    parts = [m.to("tpu") for m in models(stages)]
+    opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.1)
     out = []
     for x, y in batches():
         losses = []
         for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
-            loss = loss_fn(stages[1](stages[0](xm.to("tpu"))), ym.to("tpu")) / MICRO
+            h = xm.to("tpu")
+            for m in parts:
+                h = m(h)
+            loss = loss_fn(h, ym.to("tpu")) / MICRO
             loss.backward()
             losses.append(loss.item() * MICRO)
         opt.step()
@@ -62,32 +75,46 @@ def one_process_losses() -> list[list[float]]:
     return out
 
 
-def run_pipeline(rank: int, world: int) -> list[str]:
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+def _train(rank: int, world: int, schedule_cls) -> list[list[float]]:
+    from torch.distributed.pipelining import PipelineStage
 
     device = torch.device("tpu", 0)
-    module = models()[rank].to(device)
+    module = models(world)[rank].to(device)
     stage = PipelineStage(module, rank, world, device)
-    schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn)
+    schedule = schedule_cls(stage, n_microbatches=MICRO, loss_fn=loss_fn)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     got = []
     for x, y in batches():
         if rank == 0:
             schedule.step(x.to(device))
-        else:
+        elif rank == world - 1:
             losses = []
             schedule.step(target=y.to(device), losses=losses)
             got.append([float(loss.item()) for loss in losses])
+        else:
+            schedule.step()
         opt.step()
         opt.zero_grad()
+    return got
+
+
+def run_pipeline(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    runs = {"GPipe": _train(rank, world, ScheduleGPipe), "1F1B": _train(rank, world, Schedule1F1B)}
     done = []
     if rank == world - 1:
-        want = one_process_losses()
-        print("pipeline losses", got, "one process", want, flush=True)
-        for a, b in zip(got, want):
-            assert len(a) == MICRO and all(abs(p - q) <= 1e-5 * max(1.0, abs(q)) for p, q in zip(a, b)), (got, want)
-        assert len(got) == STEPS
-        done.append("GPipe over 2 stages, 4 micro-batches = one process")
+        want = one_process_losses(world)
+        for name, got in runs.items():
+            print(f"{name} pipeline losses", got, "one process", want, flush=True)
+            assert len(got) == STEPS, got
+            for a, b in zip(got, want):
+                assert len(a) == MICRO and all(abs(p - q) <= 1e-5 * max(1.0, abs(q)) for p, q in zip(a, b)), (
+                    name,
+                    got,
+                    want,
+                )
+            done.append(f"{name} over {world} stages, {MICRO} micro-batches = one process")
     dist.barrier()
     return done

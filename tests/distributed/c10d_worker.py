@@ -16,7 +16,11 @@ import torch.distributed as dist
 import torchtpu  # noqa: F401
 
 part = sys.argv[1] if len(sys.argv) > 1 else "all"
-dist.init_process_group()  # tpu is the default device: the device -> backend map picks "tpu"
+INIT = os.environ.get("C10D_INIT")  # e.g. "cpu:gloo,tpu:tpu"
+if INIT:
+    dist.init_process_group(INIT)
+else:
+    dist.init_process_group()  # tpu is the default device: the device -> backend map picks "tpu"
 rank, world = dist.get_rank(), dist.get_world_size()
 DEFAULT = dist.distributed_c10d._get_default_group()
 assert type(DEFAULT).__name__ == "TpuProcessGroup", type(DEFAULT)
@@ -236,6 +240,15 @@ def run_collectives():
     dist.barrier()
     checks.append("barrier")
 
+    # a CPU tensor given to the default group runs on gloo, a tpu tensor on tpu, in one job
+    t, c = both(data((4,), torch.float32, 30))
+    cpu = c.clone()
+    dist.all_reduce(cpu)
+    dist.all_reduce(c, group=GLOO)
+    dist.all_reduce(t)
+    assert torch.equal(cpu, c) and isinstance(DEFAULT._gloo_group, dist.ProcessGroupGloo), (cpu, c)
+    check(f"cpu tensor -> gloo, tpu tensor -> tpu on the default group ({INIT or 'default'})", t, c)
+
 
 # ----------------------------------------------------------------------------- DDP
 
@@ -272,6 +285,60 @@ def run_ddp():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     checks.append("DDP with no_sync, several buckets")
+
+    class SomeSteps(torch.nn.Module):
+        """A branch used on odd steps only, and one used on rank 0 only."""
+
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 6)
+            self.odd = torch.nn.Linear(6, 6)
+            self.rank0 = torch.nn.Linear(6, 6)
+            self.b = torch.nn.Linear(6, 3)
+
+        def forward(self, x, step):
+            h = torch.relu(self.a(x))
+            if step % 2:
+                h = h + self.odd(h)
+            if rank == 0:
+                h = h * torch.sigmoid(self.rank0(h))
+            return self.b(h)
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {"none": None, "allreduce_hook": default_hooks.allreduce_hook}
+    # bf16_compress_hook: DDP accepts it on CUDA and XPU only (gloo on CPU refuses it too)
+    hooks["fp16_compress_hook"] = default_hooks.fp16_compress_hook
+    hooks["static_graph"] = None  # the same graph every step: a rank-0-only branch, no odd-step one
+    base = SomeSteps()
+    for hook_name, hook in hooks.items():
+        results = []
+        static = hook_name == "static_graph"
+        for device, group in (("tpu", None), ("cpu", GLOO)):
+            model = SomeSteps()
+            model.load_state_dict(base.state_dict())
+            ddp = DDP(
+                model.to(device),
+                process_group=group,
+                find_unused_parameters=not static,
+                static_graph=static,
+                bucket_cap_mb=1e-4,
+            )
+            if hook is not None:
+                ddp.register_comm_hook(group if group is not None else DEFAULT, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(60 + rank)
+            for step in range(3):
+                ddp(torch.randn(4, 6, generator=g).to(device), 0 if static else step).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            results.append([p.detach().cpu() for p in ddp.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        if static:
+            checks.append("DDP static_graph, a branch unused on rank 1")
+        else:
+            checks.append(f"DDP find_unused_parameters, a branch unused on some steps, comm hook {hook_name}")
 
 
 # ----------------------------------------------------------------------------- MPMD and failures
@@ -310,6 +377,18 @@ def run_mpmd():
             checks.append("lone all_reduce times out")
         else:
             raise AssertionError("an all_reduce no peer called returned")
+    # ranks that call different collectives: every rank raises, naming both
+    mixed = dist.new_group(timeout=timedelta(seconds=10))
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(2, device="tpu"), group=mixed)
+        else:
+            dist.broadcast(torch.ones(2, device="tpu"), src=0, group=mixed)
+    except RuntimeError as e:
+        assert "do not match" in str(e) and "all_reduce" in str(e) and "broadcast" in str(e), e
+        checks.append("mismatched collectives raise naming both")
+    else:
+        raise AssertionError("all_reduce against broadcast returned")
     # a recv whose sender never sends
     if rank == 1:
         try:
@@ -320,6 +399,42 @@ def run_mpmd():
         else:
             raise AssertionError("a recv with no sender returned")
     dist.barrier()
+
+
+def run_pg_mesh():
+    """PyTorch's own DeviceMesh over the tpu process group: DTensor's collectives (funcol ops
+    addressed to the c10d group) run as the group's eager collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import distribute_tensor as dt
+
+    mesh = init_device_mesh("tpu", (world,))
+    x = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3)
+    d = dt(x.to("tpu"), mesh, [Shard(0)])
+    check("torch DeviceMesh over the tpu group: Shard(0) local piece", d.to_local(), x[2 * rank : 2 * rank + 2])
+    check("torch DeviceMesh over the tpu group: full_tensor", d.full_tensor(), x)
+    check("torch DeviceMesh over the tpu group: sum of a sharded dim", (d * 2).sum(0).full_tensor(), (x * 2).sum(0))
+    r = d.redistribute(mesh, [Replicate()]).to_local()
+    check("torch DeviceMesh over the tpu group: redistribute to Replicate", r, x)
+
+
+def run_dead_peer():
+    """The last rank exits; the others' next collective raises within the timeout, naming it."""
+    quick = dist.new_group(timeout=timedelta(seconds=5))
+    dist.barrier()
+    if rank == world - 1:
+        for c in checks:
+            print("ok", c)
+        print(f"checks {len(checks) + 1}", flush=True)
+        print("ok dead peer: this rank exits", flush=True)
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(2, device="tpu"), group=quick)
+    except RuntimeError as e:
+        assert "all_reduce" in str(e) and f"ranks [{world - 1}]" in str(e), e
+        checks.append("a dead peer: the next all_reduce times out naming it")
+    else:
+        raise AssertionError("an all_reduce with a dead peer returned")
 
 
 def run_global_mesh():
@@ -352,12 +467,15 @@ if part in ("all", "ddp") and world == 2:
     run_ddp()
 if part in ("all", "mpmd"):
     run_mpmd()
-if part in ("all", "pipeline") and world == 2:
+if part in ("all", "pipeline"):
     from tests.distributed.c10d_pipeline import run_pipeline
 
     checks += run_pipeline(rank, world)
 if part in ("all", "mesh"):
-    run_global_mesh()  # last: the global mesh makes every eager op wait for its result
+    run_pg_mesh()
+    run_global_mesh()  # late: the global mesh makes every eager op wait for its result
+if part in ("all", "dead") and world > 2:
+    run_dead_peer()  # last: a rank leaves
 for c in checks:
     print("ok", c)
 print(f"checks {len(checks)}", flush=True)

@@ -2,9 +2,12 @@
 XLA CPU device each, gloo on CPU as the oracle:
 
 - every collective, sync and async, float32 / bfloat16 / int64, views; point to point; subgroups;
-  MPMD; a lone collective and a lone recv time out naming the op; DDP with no_sync; torchtpu's
-  global mesh (fully_shard, distribute_tensor) after init_process_group (c10d_worker.py, which also
-  runs a 2-stage GPipe pipeline against one process: c10d_pipeline.py);
+  CPU tensors on the default group (and "cpu:gloo,tpu:tpu"); MPMD; a lone collective and a lone
+  recv time out naming the op, mismatched collectives raise naming both, a dead peer makes the
+  next collective time out; DDP with no_sync, find_unused_parameters and comm hooks; PyTorch's
+  DeviceMesh over the group (DTensor) and torchtpu's global mesh (fully_shard, distribute_tensor)
+  after init_process_group (c10d_worker.py, which also runs GPipe and 1F1B pipelines over 2 and 4
+  stages against one process: c10d_pipeline.py);
 - PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py).
 
 Each launch checks many things: a process launch costs seconds, so there are four."""
@@ -34,8 +37,8 @@ def _env(**extra):
     return env
 
 
-def _workers(n: int, part: str) -> list[str]:
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+def _workers(n: int, part: str, **extra) -> list[str]:
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n), **extra)
     cmds = [["env", f"RANK={i}", f"LOCAL_RANK={i}", sys.executable, str(WORKER), part] for i in range(n)]
     return run_together(cmds, env, timeout=600)
 
@@ -69,29 +72,42 @@ EVERY_RANK = [
     "barrier",
     "distribute_tensor over the process-group mesh",
     "fully_shard over the process-group mesh = one device",
+    "mismatched collectives raise naming both",
+    "torch DeviceMesh over the tpu group: full_tensor",
+    "torch DeviceMesh over the tpu group: sum of a sharded dim",
+    "torch DeviceMesh over the tpu group: redistribute to Replicate",
 ]
+DDP = ["DDP with no_sync, several buckets"] + [
+    f"DDP find_unused_parameters, a branch unused on some steps, comm hook {h}"
+    for h in ("none", "allreduce_hook", "fp16_compress_hook")
+] + ["DDP static_graph, a branch unused on rank 1"]
 
 
-def test_every_collective_on_2_processes_and_a_gpipe_pipeline():
+def test_every_collective_on_2_processes_ddp_and_pipelines():
     done = _checked(_workers(2, "all"))
     for names in done:
-        assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
+        assert set(EVERY_RANK + DDP) <= names, set(EVERY_RANK + DDP) - names
         assert "all_reduce in a subgroup" in names and "send/recv in a subgroup (global ranks)" in names
+        assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (default)" in names
         assert len(names) >= 90
     assert "lone all_reduce times out" in done[0]
     assert "lone recv times out" in done[1]
     assert "gather" in done[0] and "reduce" in done[1]
-    assert all("DDP with no_sync, several buckets" in names for names in done)
-    assert "GPipe over 2 stages, 4 micro-batches = one process" in done[1]
+    assert {f"{s} over 2 stages, 4 micro-batches = one process" for s in ("GPipe", "1F1B")} <= done[1]
 
 
-def test_every_collective_on_4_processes():
-    done = _checked(_workers(4, "all"))
+def test_every_collective_on_4_processes_pipelines_and_a_dead_peer():
+    # the device-backend string: CPU tensors to gloo, tpu tensors to tpu
+    done = _checked(_workers(4, "all", C10D_INIT="cpu:gloo,tpu:tpu"))
     for r, names in enumerate(done):
         assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
         assert ("all_reduce in a subgroup" in names) == (r in (0, 2))
+        assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (cpu:gloo,tpu:tpu)" in names
+        dead = "a dead peer: the next all_reduce times out naming it"
+        assert (dead in names) == (r < 3) and ("dead peer: this rank exits" in names) == (r == 3)
     assert "lone all_reduce times out" in done[0]
     assert "lone recv times out" in done[1]
+    assert {f"{s} over 4 stages, 4 micro-batches = one process" for s in ("GPipe", "1F1B")} <= done[3]
 
 
 _LINE = r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) "  # after a launcher's prefix

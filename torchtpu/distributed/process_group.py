@@ -225,11 +225,14 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) or list(range(size))
         self._group_name = group_name
         self._seq = 0
+        self._stale: list[str] = []  # store keys of finished meetings, to delete
         self._p2p_seq: dict[tuple[int, int], int] = {}
         self._pending: list = []  # queued point-to-point ops: (src, dst, tensor)
         if self._global_ranks == list(range(size)) and size > 1:
             _join_jax(store, rank, size, timeout)
-        me = jax.local_devices()[0]
+        # the rank's device: the current tpu device (torch.accelerator.set_device_index), tpu:0
+        self._index = torch.accelerator.current_device_index()
+        me = jax.local_devices()[self._index]
         store.set(f"device/{rank}", str(me.id))
         keys = [f"device/{r}" for r in range(size)]
         # making a group is not an op: a short timeout for the group's ops is no limit here
@@ -276,10 +279,17 @@ class TpuProcessGroup(dist.ProcessGroup):
         try:
             self._store.wait(keys, self._timeout)
         except Exception as e:  # the store's own timeout error says nothing about the op
-            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            head = f"torch.distributed {op} on the tpu backend"
+            where = f"(group {self._group_name!r}, collective #{seq})"
+            try:
+                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            except Exception:  # the store itself is gone: rank 0, which serves it, died
+                raise RuntimeError(
+                    f"{head} failed {where}: the job's store is unreachable, its host (rank 0) is gone"
+                ) from e
             raise RuntimeError(
-                f"torch.distributed {op} on the tpu backend timed out after {self._timeout.total_seconds():.0f} s "
-                f"(group {self._group_name!r}, collective #{seq}): ranks {missing} of the group never called it"
+                f"{head} timed out after {self._timeout.total_seconds():.0f} s {where}: "
+                f"ranks {missing} of the group never called it"
             ) from e
         seen = [json.loads(v) for v in self._store.multi_get(keys)]
         for r, (o, s, _) in enumerate(seen):
@@ -288,14 +298,19 @@ class TpuProcessGroup(dist.ProcessGroup):
                     f"torch.distributed collectives do not match in group {self._group_name!r} (collective #{seq}): "
                     f"rank {self._rank} called {op} {signature}, rank {r} called {o} {s}"
                 )
-        if seq >= 2:
-            self._store.delete_key(f"op/{seq - 2}/{self._rank}")
+        if seq >= 2:  # deleted once this op's program is on its way (_tidy): one store round trip less before it
+            self._stale.append(f"op/{seq - 2}/{self._rank}")
         return [x for _, _, x in seen]
+
+    def _tidy(self):
+        while self._stale:
+            self._store.delete_key(self._stale.pop())
 
     def _run(self, kind: str, static, local):
         _one_at_a_time()
         out = _program(self._mesh, kind, static)(_global(self._mesh, local, self._size))
         _IN_FLIGHT.append(out)
+        self._tidy()
         return _mine(out)
 
     def _cpu(self, tensors) -> bool:
@@ -304,6 +319,16 @@ class TpuProcessGroup(dist.ProcessGroup):
             return True
         if devs != {"tpu"}:
             raise ValueError(f"the tpu process group got tensors on {sorted(devs)}; pass tpu tensors (or cpu ones)")
+        local = len(jax.local_devices())
+        for t in tensors:
+            # an index past this process's devices is no other device: PyTorch's C++ (DDP's
+            # parameter check) labels tensors it makes with the rank's number
+            if t.device.index not in (None, self._index) and t.device.index < local:
+                raise ValueError(
+                    f"the tpu process group runs rank {self._rank} on tpu:{self._index} (one device per rank), "
+                    f"got a tensor on {t.device}: move it to tpu:{self._index}, or use torchtpu's global mesh "
+                    "(torchtpu.distributed.init_device_mesh) for several devices per process"
+                )
         return False
 
     # -- collectives
@@ -445,6 +470,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         self._meet("barrier", [])
+        self._tidy()
         _one_at_a_time()
         return _Work()
 
@@ -589,6 +615,10 @@ def register() -> None:
     """Make "tpu" a torch.distributed backend, and the default one for tpu tensors."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
+    from . import ddp, pg_functional
+
+    ddp.install()
+    pg_functional.install()
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=[BACKEND_NAME])
 
 
