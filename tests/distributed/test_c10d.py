@@ -77,10 +77,14 @@ EVERY_RANK = [
     "torch DeviceMesh over the tpu group: sum of a sharded dim",
     "torch DeviceMesh over the tpu group: redistribute to Replicate",
 ]
-DDP = ["DDP with no_sync, several buckets"] + [
-    f"DDP find_unused_parameters, a branch unused on some steps, comm hook {h}"
-    for h in ("none", "allreduce_hook", "fp16_compress_hook")
-] + ["DDP static_graph, a branch unused on rank 1"]
+DDP = (
+    ["DDP with no_sync, several buckets"]
+    + [
+        f"DDP find_unused_parameters, a branch unused on some steps, comm hook {h}"
+        for h in ("none", "allreduce_hook", "fp16_compress_hook")
+    ]
+    + ["DDP static_graph, a branch unused on rank 1"]
+)
 
 
 def test_every_collective_on_2_processes_ddp_and_pipelines():
@@ -137,8 +141,10 @@ def _assert_tutorial_matches(found, world: int):
             np.testing.assert_array_equal(wt, found[(demo, "tpu", 0)][1])
 
 
-def _run(cmd, env, timeout=600) -> str:
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+def _run(cmd, env, timeout=600, cwd=None) -> str:
+    p = subprocess.run(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     return p.stdout
 
@@ -150,7 +156,8 @@ def test_ddp_tutorial_under_torchrun_matches_gloo_on_cpu():
     _assert_tutorial_matches(_tutorial_results(out), 2)
 
 
-def test_ddp_tutorial_under_torchtpu_launch_with_4_hosts_matches_gloo_on_cpu():
+def test_ddp_tutorial_under_torchtpu_launch_with_4_hosts_matches_gloo_on_cpu(tmp_path):
     launch = [sys.executable, "-m", "torchtpu.launch", "local", "--num-hosts", "4", "--devices-per-host", "1"]
-    out = _run(launch + ["--", sys.executable, str(TUTORIAL)], _env())
+    # a plain script's host logs go to ./torchtpu_logs: run it from a scratch folder
+    out = _run(launch + ["--", sys.executable, str(TUTORIAL)], _env(), cwd=tmp_path)
     _assert_tutorial_matches(_tutorial_results(out), 4)
