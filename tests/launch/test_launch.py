@@ -1,9 +1,9 @@
 """torchtpu-launch local: real multi-host jobs on this machine (torchelastic agents, jax.distributed
 over loopback), with real kills and real signals, against single-process runs of the same training.
 
-The model is torchtitan's debugmodel with short sequences and few steps, so that each job takes
-minutes on a small shared host; every test kills whatever it started (found by a marker in the
-processes' environment) in a finally block.
+The model is torchtitan's debugmodel (2 of its 6 blocks) with short sequences and few steps, so
+that each job takes minutes on a small shared host; every test kills whatever it started (found by
+a marker in the processes' environment) in a finally block.
 """
 
 from __future__ import annotations
