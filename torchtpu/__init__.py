@@ -25,7 +25,7 @@ _load_ops()
 torch.autograd.set_multithreading_enabled(False)
 
 from . import distributed  # noqa: E402,F401  (the sharding layer; registers torchtpu::shard)
-from ._platform import persistent_cache_stats, platform  # noqa: E402,F401
+from ._platform import cache_root, persistent_cache_stats, platform  # noqa: E402,F401
 from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
 from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
 from .backend.compile import compile  # noqa: E402,F401

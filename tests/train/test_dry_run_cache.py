@@ -92,6 +92,6 @@ def test_the_cache_is_off_on_request(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TORCHTPU_DRY_RUN_CACHE", "off")
     _, n = _dry_run(tmp_path, capsys, monkeypatch)
-    _, n_again = _dry_run(tmp_path, capsys, monkeypatch)
-    assert n == n_again == 3
+    assert n == 3
+    # nothing written (so a second dry run has nothing to read: it would compile again)
     assert not (tmp_path / "cache" / "dry_run").exists()

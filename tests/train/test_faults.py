@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -87,10 +88,12 @@ def guarded_run(tmp_path_factory):
     )
     try:
         assert _wait_for(lambda: _lock_pid(dump) == first.pid, first), first.communicate()[1][-3000:]
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
         second = subprocess.Popen(_cmd(dump, data), cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out2, err2 = second.communicate(timeout=300)
         wall = time.monotonic() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the second and its helpers: the first still runs
+        cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
         first_running = first.poll() is None
         out1, err1 = first.communicate(timeout=600)
     finally:
@@ -100,12 +103,12 @@ def guarded_run(tmp_path_factory):
         "data": data,
         "pid": first.pid,
         "first": (first.returncode, out1, err1, first_running),
-        "second": (second.returncode, out2.decode(), err2.decode(), wall),
+        "second": (second.returncode, out2.decode(), err2.decode(), wall, cpu),
     }
 
 
 def test_second_job_on_a_running_folder_exits_2_naming_it(guarded_run):
-    rc, out, err, wall = guarded_run["second"]
+    rc, out, err, wall, cpu = guarded_run["second"]
     _, _, _, first_running = guarded_run["first"]
     assert first_running, "the first job ended before the second was refused: the test proves nothing"
     assert rc == 2, out + err[-3000:]
@@ -116,10 +119,13 @@ def test_second_job_on_a_running_folder_exits_2_naming_it(guarded_run):
     assert f"(host {socket.gethostname()}, pid {pid}, started 20" in lines[0]
     assert f"kill {pid}" in lines[0] and "another --job.dump_folder" in lines[0]
     assert not out.strip()  # it trained nothing and printed no step
-    # It stops before the slow part of starting (the model, the compile): on an idle host well within
-    # 10 s; the wall time here depends on the other tests sharing the CPUs, so it is only reported.
-    print(f"second job refused after {wall:.1f} s")
-    assert wall < 60
+    # It stops before the slow part of starting (the model, the compile): the interpreter, torch's and
+    # jax's imports (about 4 s of CPU) and the configuration. On an idle host its wall time is its CPU
+    # time; on a loaded one (the suite's other worker, other jobs) the wall time stretches with the
+    # load (60 s at a load of 16 on 2 cores), so the 10 s bound is on the CPU time it used.
+    print(f"second job refused after {wall:.1f} s ({cpu:.1f} s of CPU)")
+    assert cpu < 10, cpu
+    assert wall < 120
 
 
 def test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta(guarded_run):
@@ -175,6 +181,10 @@ def test_ctrl_c_during_a_save_keeps_it_and_a_killed_jobs_lock_is_taken_over(guar
     assert f"resumed from {ckpt / f'step_{stopped}'} (step {stopped}): " in p.stdout, p.stdout[-3000:]
     step_lines = [line for line in p.stdout.splitlines() if line.startswith("step ")]
     assert step_lines[0].startswith(f"step {stopped + 1}/{STEPS} | eta ")  # it counts from its step
+    # the bad record (read at step 1) is in the checkpoint's count, and not read again
+    after = [r["bad_records"] for r in map(json.loads, open(dump / "metrics.jsonl")) if r["step"] > stopped]
+    assert after == [1] * (STEPS - stopped), after
+    assert "skipped a bad data record" not in p.stderr
     resumed = _losses(dump)
     straight = _losses(guarded_run["dump"])
     for s in range(1, STEPS + 1):
@@ -325,3 +335,30 @@ def test_console_filter_finds_the_last_word_behind_a_dying_threads_fragment():
     out = []
     filter_lines(lines, out.append)
     assert out == ["step 1/6\n", final]
+
+
+def test_a_launch_agents_console_filter_drops_c10d_traces_only():
+    """A host agent of torchtpu-launch whose rendezvous store has gone (host 0's agent ended first)
+    prints c10d's C++ warning with its stack frames: off the console; every other line, the training
+    process's own included, passes."""
+    from torchtpu.train.console_filter import drop_c10d
+
+    trace = [
+        "[W1203 11:53:43.817000123 TCPStore.cpp:125] [c10d] recvValue failed on SocketImpl(fd=5, "
+        "addr=[localhost]:40512, remote=[localhost]:29500): failed to recv, got 0 bytes\n",
+        "Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:682 (most recent "
+        "call first):\n",
+        "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f2c in libc10.so)\n",
+        "frame #1: <unknown function> + 0x5d4f2ae (0x7f2c in libtorch_cpu.so)\n",
+        "<omitting python frames>\n",
+        "frame #28: __libc_start_main + 0x8b (0x7f2c in libc.so.6)\n",
+        "\n",
+    ]
+    kept = [
+        "[host 1] step 10/10 | eta 0:00:00 | loss 5.7738\n",
+        "[host 1] [W1203 a line of the training process, filtered there if at all]\n",
+        "torchtpu-launch agent: host 1: the training process ended with exit status 42\n",
+    ]
+    out = []
+    drop_c10d([kept[0], *trace, kept[1], *trace, kept[2]], out.append)
+    assert out == kept

@@ -392,6 +392,12 @@ def test_bad_records_are_skipped_and_counted_up_to_max_bad_records(tmp_path, tok
     assert loader.bad_records.count == 2  # 4 row streams read every line; each bad one is counted once
     assert "skipped a bad data record (1 of at most 2)" in capsys.readouterr().err
     assert batches[0][0].shape == (4, 16)
+    # a resume continues the count: both records lie before the saved position, so they are not read again
+    resumed = D.build_global_batch_loader("files", str(path), tok, 16, 4, max_bad_records=2, infinite=False)
+    resumed.load_state_dict(loader.state_dict())
+    assert resumed.bad_records.count == 2
+    np.testing.assert_array_equal(next(resumed)[0], next(loader)[0])
+    assert resumed.bad_records.count == 2 and "skipped a bad data record" not in capsys.readouterr().err
     with pytest.raises(ValueError, match=rf"{path}:2 is not valid JSON .*set \[training\] max_bad_records"):
         first_batches(0)
     with pytest.raises(

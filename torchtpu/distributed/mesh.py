@@ -29,6 +29,7 @@ __all__ = [
     "current_mesh",
     "set_mesh",
     "initialize",
+    "free_port",
 ]
 
 # The dims of a training job's mesh, outermost first: data-parallel replicas (HSDP's replicate
@@ -111,7 +112,8 @@ class CoordinatorUnreachable(RuntimeError):
         )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on every interface now (for a coordinator to listen on)."""
     import socket
 
     with socket.socket() as s:
@@ -135,9 +137,9 @@ def _coordinator_from_torchelastic(rank: int, timeout_seconds: int) -> str:
     try:
         store = TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
         if rank == 0:
-            port = _free_port()
+            port = free_port()
             while port == store_port:
-                port = _free_port()
+                port = free_port()
             store.set(key, str(port))
         else:
             port = int(store.get(key).decode())

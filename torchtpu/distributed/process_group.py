@@ -589,7 +589,7 @@ def _join_jax(store, rank: int, size: int, timeout: timedelta) -> None:
     coordinator's port chosen by rank 0 and handed to the others through `store`."""
     from jax._src import distributed
 
-    from .mesh import _free_port, initialize
+    from .mesh import free_port, initialize
 
     if distributed.global_state.client is not None:
         if jax.process_count() != size or jax.process_index() != rank:
@@ -600,7 +600,7 @@ def _join_jax(store, rank: int, size: int, timeout: timedelta) -> None:
         return
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if rank == 0:
-        store.set("jax_coordinator_port", str(_free_port()))
+        store.set("jax_coordinator_port", str(free_port()))
     port = int(store.get("jax_coordinator_port").decode())
     initialize(f"{host}:{port}", size, rank, init_timeout_seconds=int(timeout.total_seconds()))
 

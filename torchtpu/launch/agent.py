@@ -16,6 +16,8 @@ this module adds is what a TPU job needs on top of plain `torchrun`:
 - Logs. Every line of the training process is printed with a `[host I]` prefix and kept, per
   attempt, in `DIR/attempt_<n>/host_<I>.stdout.log` / `.stderr.log`.
 - A last line naming the host and what happened to its process, for the launcher and the user.
+- A quiet console: c10d's C++ warnings (a rendezvous store gone at the end of a job) are kept in
+  `DIR/agent_<I>.stderr.log`, not printed.
 """
 
 from __future__ import annotations
@@ -199,6 +201,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _filter_stderr(log_dir: str | None, host: int) -> None:
+    """Send this agent's stderr through torchtpu/train/console_filter.py --c10d-only: c10d's C++
+    TCPStore warnings and their stack frames stay off the console (host 0 serves the rendezvous store,
+    and an agent still closing the rendezvous when it has gone prints them at the end of a job). The
+    whole stderr is kept in LOG_DIR/agent_<host>.stderr.log when there is a log folder."""
+    import subprocess
+
+    from torchtpu.train import console_filter
+
+    log = os.devnull
+    if log_dir:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            log = os.path.join(log_dir, f"agent_{host}.stderr.log")
+        except OSError:
+            pass
+    sys.stderr.flush()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", console_filter.__file__, "--c10d-only", log],
+            stdin=subprocess.PIPE,
+            stdout=sys.stderr.fileno(),
+        )
+    except OSError:
+        return
+    os.dup2(proc.stdin.fileno(), sys.stderr.fileno())  # EOF once this agent and its children are gone
+    proc.stdin.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -206,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     host = host_index(args.host_index, args.host_offset)
+    _filter_stderr(args.log_dir, host)
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,

@@ -1,6 +1,7 @@
 """The console's stderr filter: library noise off the console, every byte in the host's log.
 
     python torchtpu/train/console_filter.py LOG_FILE < stderr-of-torchtpu-train > console
+    python torchtpu/train/console_filter.py --c10d-only LOG_FILE < stderr-of-a-launch-agent > console
 
 `torchtpu-train` (without --debug) runs this file as a small separate process (it imports nothing
 of torchtpu, torch or jax, and starts in milliseconds) and sends its own stderr through it. Being a
@@ -99,7 +100,20 @@ def filter_lines(lines, write) -> None:
         kept_last = True
 
 
-def main(log_path: str) -> None:
+def drop_c10d(lines, write) -> None:
+    """Pass `lines` to `write` without c10d's C++ warnings and their stack frames, and nothing else
+    removed: the filter of a `torchtpu-launch` host agent, whose rendezvous store (served by host 0)
+    can go away while another host's agent still talks to it, at the end of a job."""
+    dropped = False
+    for line in lines:
+        if _C10D.match(line) or _cpp_frame(line) or (dropped and line.strip() == ""):
+            dropped = True
+            continue
+        dropped = False
+        write(line)
+
+
+def main(log_path: str, c10d_only: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -125,9 +139,12 @@ def main(log_path: str) -> None:
         except OSError:
             pass
 
-    filter_lines(lines(), write)
+    (drop_c10d if c10d_only else filter_lines)(lines(), write)
 
 
 if __name__ == "__main__":
     sys.stdin.reconfigure(errors="replace")
-    main(sys.argv[1])
+    if sys.argv[1] == "--c10d-only":
+        main(sys.argv[2], c10d_only=True)
+    else:
+        main(sys.argv[1])

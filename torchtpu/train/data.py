@@ -409,6 +409,8 @@ class TokenBatchLoader:
         self.dp_world_size = dp_world_size
         self.infinite = infinite
         self.bad_records = bad_records if bad_records is not None else BadRecords(0)
+        self._bad_before = 0  # bad records this stream skipped before the position it resumed from
+        self._bad_at: list[tuple[int, int, int]] = []  # (epoch, unit, doc) of those it skipped since
         self.batches = 0
         self._set_position(0, 0, 0, 0, 0)
 
@@ -436,6 +438,7 @@ class TokenBatchLoader:
                     last = index
                     if isinstance(text, BadRecord):  # counted by the one stream that owns it
                         if self._owns(global_doc):
+                            self._bad_at.append((epoch, u, index))
                             self.bad_records.skip(text)
                     elif self._owns(global_doc) and text.strip():
                         owned_any = True
@@ -510,6 +513,8 @@ class TokenBatchLoader:
             "global_doc": int(global_doc),
             "offset": int(offset),
             "batches": int(self.batches),
+            # read ahead of the position, a bad record is counted again when a resume reads it again
+            "bad_records": self._bad_before + sum(p < (epoch, unit, doc) for p in self._bad_at),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -529,6 +534,10 @@ class TokenBatchLoader:
             int(state["epoch"]), int(state["file"]), int(state["doc"]), int(state["global_doc"]), int(state["offset"])
         )
         self.batches = int(state.get("batches", 0))
+        # the count continues from the checkpoint's (the process's total is the sum over its rows)
+        before = int(state.get("bad_records", 0))
+        self.bad_records.count += before - self._bad_before - len(self._bad_at)
+        self._bad_before, self._bad_at = before, []
 
 
 def build_dataloader(

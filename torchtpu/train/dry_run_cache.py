@@ -38,11 +38,11 @@ _FORMAT = 1  # bump when a record's fields change meaning
 
 def folder() -> str | None:
     """The cache's folder, None when it is off."""
-    from torchtpu import _platform
+    from torchtpu import cache_root
 
     if os.environ.get("TORCHTPU_DRY_RUN_CACHE", "").strip().lower() in ("0", "off", "none", "false"):
         return None
-    root = _platform.cache_root()
+    root = cache_root()
     return None if root is None else os.path.join(root, "dry_run")
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import sys
 import threading
@@ -231,12 +232,19 @@ def _in_multiprocess_job() -> bool:
         return False
 
 
+_GLOO_FAILED = re.compile(r"\bGloo \w+ failed: ")
+
+
 def failure_status(error: BaseException) -> tuple[int, str]:
     """(exit status, explanation) for an exception that ends training.
 
     In a multi-process job an XLA runtime error is how a collective reports a peer that is gone
-    (gloo: "Connection reset by peer"): the job is retriable, 42. Anything else is 1."""
-    if _in_multiprocess_job() and type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+    (gloo: "Connection reset by peer"): the job is retriable, 42. So is any error carrying gloo's own
+    report of a failed collective: the same failure reaches the trainer as a ValueError when the
+    peer dies while the step is being traced (its second step). Anything else is 1."""
+    if _in_multiprocess_job() and (
+        type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") or _GLOO_FAILED.search(str(error))
+    ):
         return (
             EXIT_RETRIABLE,
             f"; a collective failed, another host is probably gone: exiting with {EXIT_RETRIABLE} (retriable)",

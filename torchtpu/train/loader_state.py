@@ -8,7 +8,7 @@ from .job_config import ConfigError
 
 __all__ = ["loader_states", "load_loader_state"]
 
-_LOADER_INTS = ("seed", "epoch", "file", "doc", "global_doc", "offset", "batches")
+_LOADER_INTS = ("seed", "epoch", "file", "doc", "global_doc", "offset", "batches", "bad_records")
 
 
 def loader_states(loader) -> dict:

@@ -58,9 +58,9 @@ _MEMO: dict[str, tuple[float, str]] = {}
 def peak_flops_cache_file() -> str | None:
     """Where measured peaks are kept: $TORCHTPU_CACHE_DIR/peak_flops.json, by default
     ~/.cache/torchtpu/peak_flops.json (None when TORCHTPU_CACHE_DIR=off)."""
-    from torchtpu import _platform
+    from torchtpu import cache_root
 
-    root = _platform.cache_root()
+    root = cache_root()
     return None if root is None else os.path.join(root, "peak_flops.json")
 
 

@@ -500,7 +500,7 @@ class Trainer:
                         "step_time": dt,
                         "memory_gib": _memory_gib(),
                     }
-                    if cfg.training.max_bad_records:  # this host's rows, since this process started
+                    if cfg.training.max_bad_records:  # this host's rows since step 1 (a resume continues)
                         rec["bad_records"] = self.dataloader.bad_records.count
                     if not math.isfinite(loss_v):
                         logger.log(step, rec)
@@ -586,6 +586,20 @@ def _lock_dump_folder(cfg: JobConfig):
     return hold_dump_folder(cfg)
 
 
+TEST_N_LAYERS_ENV = "TORCHTPU_TEST_N_LAYERS"
+
+
+def _test_n_layers() -> int | None:
+    """Test hook (TORCHTPU_TEST_N_LAYERS=N): the flavor's model with N blocks, so that the multi-process
+    tests (each collective a loopback TCP exchange on the CPU backend) run a shallower torchtitan model.
+    Announced on the console: nothing else changes the depth."""
+    value = os.environ.get(TEST_N_LAYERS_ENV)
+    if not value:
+        return None
+    log(f"{TEST_N_LAYERS_ENV}={value}: the model has {int(value)} blocks (a test hook)")
+    return int(value)
+
+
 def main(cfg: JobConfig) -> int:
     """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
 
@@ -613,7 +627,7 @@ def main(cfg: JobConfig) -> int:
             with phase("building the job (model on meta, parallelized)"):
                 trainer = Trainer(cfg)
             return trainer.dry_run()
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, n_layers=_test_n_layers())
         trainer.watchdog = watchdog
         t0 = time.perf_counter()
         try:
