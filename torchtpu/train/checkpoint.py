@@ -42,9 +42,11 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from jax.sharding import NamedSharding, PartitionSpec
 
 from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.views import array_of, write
+from torchtpu.distributed.mesh import current_mesh
 
 from .checkpoint_files import (
     ARRAYS,
@@ -393,7 +395,15 @@ class CheckpointManager:
                     "checkpoint; use the matching config or a fresh checkpoint folder"
                 )
         if isinstance(t, TpuTensor):
-            return jax.ShapeDtypeStruct(shape, jdt, sharding=array_of(t).sharding)
+            a = array_of(t)
+            sharding = a.sharding
+            if not getattr(a, "_committed", True) and current_mesh() is not None:
+                # a tensor made with no layout (a buffer that init_weights created, such as an MoE
+                # layer's expert_bias) lives on one device, uncommitted, and JAX moves it wherever the
+                # program needs it; restored there, it would be committed to that device and refused
+                # beside the mesh's arrays. It is restored replicated over the mesh instead.
+                sharding = NamedSharding(current_mesh().jax_mesh, PartitionSpec())
+            return jax.ShapeDtypeStruct(shape, jdt, sharding=sharding)
         if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
             return jax.ShapeDtypeStruct(shape, jdt, sharding=t.sharding)
         if isinstance(t, jax.Array):
