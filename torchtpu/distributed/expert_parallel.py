@@ -14,7 +14,7 @@ through expert expert_ids[i]. Everything between runs per chip, under one `jax.s
    with each row's local expert id (padding rows get the id one past the last);
 3. a stable sort by local expert id groups them, and `run_experts(weights, x, tokens_per_expert)`
    (torch code: torchtitan's grouped matmul, lowered to `jax.lax.ragged_dot`) runs each local
-   expert on its own rows only; the padding rows lie past the last group and are not computed;
+   expert on its own rows only; the padding rows lie past the last group and come out zero;
 4. the rows go back through the inverse permutation and a second all-to-all, and are put back
    in their original order.
 
@@ -28,6 +28,7 @@ share an expert shard.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -90,8 +91,17 @@ def expert_parallel_ffn(
             raise ValueError(
                 f"expert_parallel_ffn: a weight of shape {tuple(w.shape)} has no expert dim of {num_experts}"
             )
-    plan = _Plan(root.jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, tuple(w.dtype for w in weights))
-    return _ExpertParallel.apply(plan, expert_ids, rows, *weights)
+    f = _function(
+        root.jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, tuple(w.dtype for w in weights), rows.dtype
+    )
+    return _ExpertParallel.apply(f, expert_ids, rows, *weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _function(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype):
+    """(ids, rows, *weights) -> out over global arrays, one per layout and dtypes (so the layers of a
+    model share it, and a step run eagerly compiles it once)."""
+    return _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes).function(rows_dtype)
 
 
 class _Plan:
@@ -155,10 +165,12 @@ class _Plan:
 
 class _ExpertParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan, expert_ids, rows, *weights):
-        f = plan.function(rows.dtype)
+    def forward(ctx, f, expert_ids, rows, *weights):
         ids = array_of(expert_ids)
-        out, ctx.vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), array_of(rows), *[array_of(w) for w in weights])
+        arrays = [array_of(rows)] + [array_of(w) for w in weights]
+        if not any(ctx.needs_input_grad[2:]):  # no gradient wanted (evaluation): no residuals kept
+            return new_base(f(ids, *arrays), 0, rows.dtype)
+        out, ctx.vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), *arrays)
         return new_base(out, 0, rows.dtype)
 
     @staticmethod
