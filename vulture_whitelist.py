@@ -121,7 +121,9 @@ _.get_group
 _.get_local_rank
 
 # Read by name: ChipSpec fields (topology.chip_spec returns them as a dict), a config key refused when
-# changed (profiler_warmup), attributes the config-honesty test reads through strings.
+# changed (profiler_warmup, expert_tensor_parallel_degree), attributes the config-honesty test reads
+# through strings.
+_.expert_tensor_parallel_degree
 _.hbm_bytes
 _.hbm_bandwidth
 _.profiler_warmup

@@ -51,6 +51,7 @@ REFUSED = {
     "validation.dataloader.prefetch_factor": "2",
     "parallelism.pipeline_parallel_degree": "2",
     "parallelism.context_parallel_degree": "2",
+    "parallelism.expert_tensor_parallel_degree": "2",
     "compile.backend": "inductor",
 }
 
@@ -75,6 +76,9 @@ _COVERING_RUNS = {
         "tpu.scan_layers"
     ],
     "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["tpu.loss_chunk_size"],
+    "tests/train/test_families.py::test_expert_parallel_gives_the_ep1_losses_and_resumes_under_another_degree": [
+        "parallelism.expert_parallel_degree"
+    ],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
     "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
     "tests/train/test_faults.py::test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta": [

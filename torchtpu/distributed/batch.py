@@ -22,6 +22,7 @@ __all__ = [
     "host_rows",
     "place_batch",
     "activation_batch_axes",
+    "data_parallel_axes",
     "batch_pinner",
 ]
 
@@ -78,12 +79,20 @@ def place_batch(x, mesh: DeviceMesh, global_rows: int | None = None) -> torch.Te
     return from_jax(jax.make_array_from_callback(shape, sharding, block))
 
 
-def activation_batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The data-parallel axes of the job's mesh (its axes named dp*) outside `mesh` (a
-    tensor-parallel sub-mesh): they split the batch dim that a layout on `mesh` leaves free."""
+def data_parallel_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The JAX axes of the job mesh's data-parallel dims, outermost first (under expert
+    parallelism the dp_shard dim spans two axes, efsdp and ep: mesh.split_dim)."""
     root = mesh.root()
+    return tuple(a for n, d in zip(root.mesh_dim_names, root.dims) if n in DATA_PARALLEL_DIMS for a in d)
+
+
+def activation_batch_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The data-parallel axes of the job's mesh (its axes named dp*, and those of its data-parallel
+    dims) outside `mesh` (a tensor-parallel sub-mesh): they split the batch dim that a layout on
+    `mesh` leaves free."""
     mine = {a for d in mesh.dims for a in d}
-    return tuple(a for a in root.jax_mesh.axis_names if a.startswith("dp") and a not in mine)
+    dp = set(data_parallel_axes(mesh))
+    return tuple(a for a in mesh.root().jax_mesh.axis_names if (a.startswith("dp") or a in dp) and a not in mine)
 
 
 def batch_pinner(mesh: DeviceMesh):

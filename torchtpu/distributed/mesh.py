@@ -26,6 +26,7 @@ __all__ = [
     "CoordinatorUnreachable",
     "DeviceMesh",
     "init_device_mesh",
+    "split_dim",
     "current_mesh",
     "set_mesh",
     "initialize",
@@ -356,3 +357,37 @@ def init_device_mesh(
     mesh = DeviceMesh(Mesh(grid, names), [(n,) for n in names], names)
     set_mesh(mesh)
     return mesh
+
+
+def split_dim(mesh: DeviceMesh, name: str, parts: Sequence[tuple[str, int]]) -> DeviceMesh:
+    """The root mesh `mesh` with its one-axis dim `name` split into several JAX axes, outermost
+    first (`parts`: (axis name, size) pairs whose sizes multiply to the dim's). The devices keep
+    their order, so every layout on the old mesh is the same layout on the new one: the dim `name`
+    spans the new axes, and each part is also a dim of its own (`mesh["ep"]`). This is how expert
+    parallelism borrows the inner ranks of the FSDP dim (torchtitan's `efsdp` x `ep`). Becomes the
+    current mesh."""
+    if mesh.root() is not mesh:
+        raise ValueError(f"split_dim splits a dim of the root mesh, not of the view {mesh}")
+    i = mesh._index(name)
+    if len(mesh.dims[i]) != 1:
+        raise ValueError(f"split_dim: mesh dim {name!r} already spans several axes {mesh.dims[i]}")
+    axis = mesh.dims[i][0]
+    names = [n for n, _ in parts]
+    sizes = [int(k) for _, k in parts]
+    if math.prod(sizes) != mesh.size(name):
+        raise ValueError(f"split_dim: parts {tuple(parts)} do not multiply to the {mesh.size(name)} ranks of {name!r}")
+    taken = set(mesh.jax_mesh.axis_names) - {axis}
+    if len(set(names)) != len(names) or taken & set(names) or set(names) & (set(mesh.mesh_dim_names) - {name}):
+        raise ValueError(f"split_dim: part names {names} must be new and distinct")
+    old = list(mesh.jax_mesh.axis_names)
+    k = old.index(axis)
+    grid = mesh.jax_mesh.devices.reshape(
+        mesh.jax_mesh.devices.shape[:k] + tuple(sizes) + mesh.jax_mesh.devices.shape[k + 1 :]
+    )
+    axes = old[:k] + names + old[k + 1 :]
+    dims = [tuple(names) if d == (axis,) else d for d in mesh.dims]
+    out = DeviceMesh(Mesh(grid, tuple(axes)), dims, mesh.mesh_dim_names)
+    for n in names:
+        out._flattened[n] = (n,)
+    set_mesh(out)
+    return out

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from jax.sharding import NamedSharding, PartitionSpec
 
 from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.views import array_of, write
@@ -336,11 +337,12 @@ class CheckpointManager:
         placed = {}  # array name -> target tensor (filled in place) or None
         skipped = {k for k in skip if isinstance(tree, dict) and "dict" in tree}
         nodes = [(kp, n) for kp, n in array_nodes(tree) if not (kp and kp[0] in skipped)]
+        mesh = _target_mesh(target)
         for kpath, node in nodes:
             t = target
             for k in kpath:
                 t = child(t, k) if t is not MISSING else MISSING
-            abstract[node["array"]] = self._abstract(path, kpath, node, t)
+            abstract[node["array"]] = self._abstract(path, kpath, node, t, mesh)
             placed[node["array"]] = t if isinstance(t, torch.Tensor) else None
         # Tensors the target has but the checkpoint lacks: the model or optimizer differs.
         saved = {kp for kp, _ in nodes}
@@ -379,7 +381,7 @@ class CheckpointManager:
         return decode(tree, arrays, placed)
 
     @staticmethod
-    def _abstract(path, kpath, node, t):
+    def _abstract(path, kpath, node, t, mesh=None):
         shape = tuple(node["shape"])
         kind = node["kind"]
         jdt = jax_dtype(node["dtype"])
@@ -393,7 +395,15 @@ class CheckpointManager:
                     "checkpoint; use the matching config or a fresh checkpoint folder"
                 )
         if isinstance(t, TpuTensor):
-            return jax.ShapeDtypeStruct(shape, jdt, sharding=array_of(t).sharding)
+            a = array_of(t)
+            sharding = a.sharding
+            if not getattr(a, "_committed", True) and mesh is not None:
+                # a tensor made with no layout (a buffer that init_weights created, such as an MoE
+                # layer's expert_bias) lives on one device, uncommitted, and JAX moves it wherever the
+                # program needs it; restored there, it would be committed to that device and refused
+                # beside the mesh's arrays. It is restored replicated over the target's mesh instead.
+                sharding = NamedSharding(mesh, PartitionSpec())
+            return jax.ShapeDtypeStruct(shape, jdt, sharding=sharding)
         if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
             return jax.ShapeDtypeStruct(shape, jdt, sharding=t.sharding)
         if isinstance(t, jax.Array):
@@ -402,6 +412,16 @@ class CheckpointManager:
             dev = jax.local_devices()[0]
             return jax.ShapeDtypeStruct(shape, jdt, sharding=jax.sharding.SingleDeviceSharding(dev))
         return jax.ShapeDtypeStruct(shape, jdt)  # host array (NumPy)
+
+
+def _target_mesh(target):
+    """The device mesh of the first tensor of `target` laid out over several devices (None if none is)."""
+    for _, t in tensor_leaves(target):
+        if isinstance(t, TpuTensor):
+            sharding = array_of(t).sharding
+            if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+                return sharding.mesh
+    return None
 
 
 # ----------------------------------------------------------------------------- module and optimizer helpers

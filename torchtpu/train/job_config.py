@@ -339,6 +339,19 @@ class Parallelism:
         "Ranks a sequence is split over (context parallelism). Must be 1 in torchtpu.",
         check=_only_one("context parallelism"),
     )
+    expert_parallel_degree: int = _opt(
+        1,
+        "Ranks the routed experts of a Mixture-of-Experts model are split over (expert parallelism), "
+        "taken from the FSDP shards as in torchtitan: it divides data_parallel_shard_degree, and "
+        "each expert is sharded over the remaining data_parallel_shard_degree / expert_parallel_degree "
+        "ranks. 1 disables it.",
+        check=_positive,
+    )
+    expert_tensor_parallel_degree: int = _opt(
+        1,
+        "Ranks each routed expert is split over (tensor parallelism inside expert parallelism). Must be 1 in torchtpu.",
+        check=_only_one("expert tensor parallelism"),
+    )
     num_slices: int = _opt(
         1,
         "TPU slices the job spans (Multislice, connected over the data-center network, "

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from jax.sharding import PartitionSpec as P
 
 from torchtpu.distributed import placements
-from torchtpu.distributed.batch import DATA_PARALLEL_DIMS
+from torchtpu.distributed.batch import data_parallel_axes
 from torchtpu.distributed.params import get_layout, module_record, through_layout
 
 __all__ = ["cross_entropy_loss", "chunked_cross_entropy_loss", "language_model_loss", "IGNORE_INDEX"]
@@ -166,7 +166,7 @@ def _chunk_pinners(weight_layout, tokens: int, rows: int):
 
 
 def _batch_axes(weight_layout) -> tuple[str, ...]:
-    return tuple(a for a in weight_layout.mesh.jax_mesh.axis_names if a in DATA_PARALLEL_DIMS)
+    return data_parallel_axes(weight_layout.mesh)
 
 
 def _vocab_split_as_fsdp(weight_layout, tokens: int, rows: int) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .config_manager import check_fields, check_paths, check_relations, describe_keys
 from .job_config import ConfigError, JobConfig
 
-__all__ = ["ParallelDims", "resolve_dims", "job_devices"]
+__all__ = ["ParallelDims", "resolve_dims", "job_devices", "check_expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class ParallelDims:
     """Resolved parallelism for a device count (what resolve_dims returns).
 
     Mesh axes, outermost first: dp_replicate, dp_shard, tp (pp and cp are always 1 in torchtpu).
+    Expert parallelism (`ep` > 1) takes its ranks from dp_shard, as torchtitan's does with
+    tensor parallelism off: dp_shard splits into `efsdp` x `ep` (ep inner), the routed experts are
+    split over ep and sharded over efsdp, everything else stays as it is.
     """
 
     world_size: int
@@ -37,6 +40,7 @@ class ParallelDims:
     cp: int = 1
     num_slices: int = 1
     dcn_axis: str = "dp_replicate"
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -60,6 +64,15 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each routed expert is sharded over under expert parallelism (dp_shard / ep)."""
+        return self.dp_shard // self.ep
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
@@ -136,6 +149,22 @@ def resolve_dims(cfg: JobConfig, num_devices: int) -> ParallelDims:
                 f"{describe_keys(cfg, sec, ['num_slices', 'dcn_axis', degree_key])}: the {par.dcn_axis} "
                 f"degree ({axis_degree}) must be a multiple of num_slices ({par.num_slices})"
             )
+    ep = par.expert_parallel_degree
+    if ep > 1:
+        if tp > 1:
+            raise ConfigError(
+                f"{describe_keys(cfg, sec, ['expert_parallel_degree', 'tensor_parallel_degree'])}: expert "
+                "parallelism together with tensor parallelism is not supported by torchtpu yet; set "
+                "tensor_parallel_degree = 1 (expert parallelism then takes its ranks from "
+                "data_parallel_shard_degree)"
+            )
+        if shard % ep:
+            raise ConfigError(
+                f"{describe_keys(cfg, sec, ['expert_parallel_degree', 'data_parallel_shard_degree'])}: "
+                f"expert parallelism takes its ranks from the {shard} FSDP shards (as in torchtitan), so "
+                f"expert_parallel_degree must divide {shard}; choose one of "
+                f"{', '.join(str(d) for d in range(1, shard + 1) if shard % d == 0)}"
+            )
     tr = cfg.training
     if tp > 1:
         if tr.seq_len % tp:
@@ -161,6 +190,7 @@ def resolve_dims(cfg: JobConfig, num_devices: int) -> ParallelDims:
         seq_len=tr.seq_len,
         num_slices=par.num_slices,
         dcn_axis=par.dcn_axis,
+        ep=ep,
     )
     micro = dims.micro_batch_size
     if tr.global_batch_size == -1:
@@ -176,6 +206,27 @@ def resolve_dims(cfg: JobConfig, num_devices: int) -> ParallelDims:
             )
     check_paths(cfg)
     return dataclasses.replace(dims, global_batch_size=global_batch, grad_accum_steps=global_batch // micro)
+
+
+def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
+    """Expert parallelism needs a Mixture-of-Experts model whose expert count the degree divides
+    (torchtitan's model arguments: `moe_enabled`, `moe_args.num_experts`). Raises ConfigError."""
+    if dims.ep == 1:
+        return
+    keys = describe_keys(cfg, ("parallelism",), ["expert_parallel_degree"])
+    moe = getattr(model_args, "moe_args", None)
+    if not getattr(model_args, "moe_enabled", moe is not None) or moe is None:
+        raise ConfigError(
+            f"{keys}: {cfg.model.name} {cfg.model.flavor} is a dense model with no experts to split; set "
+            "expert_parallel_degree = 1 or choose a Mixture-of-Experts flavor"
+        )
+    n = moe.num_experts
+    if n % dims.ep:
+        raise ConfigError(
+            f"{keys}: {cfg.model.name} {cfg.model.flavor} has {n} experts per layer, which {dims.ep} ranks cannot "
+            f"split evenly; choose an expert_parallel_degree that divides both {n} and data_parallel_shard_degree "
+            f"= {dims.dp_shard}"
+        )
 
 
 def job_devices(cfg: JobConfig) -> list:

@@ -55,7 +55,7 @@ from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
 from .optimizer import build_optimizer, init_optimizer_state, track_stacked_state
-from .parallel_dims import ParallelDims, job_devices, resolve_dims
+from .parallel_dims import ParallelDims, check_expert_parallel, job_devices, resolve_dims
 from .profiling import Profiler
 
 __all__ = ["Trainer", "main"]
@@ -176,6 +176,11 @@ class Trainer:
         if dims.num_slices > 1:
             kwargs["dcn_mesh_shape"] = dims.dcn_mesh_shape
         self.mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names, **kwargs)
+        if dims.ep_enabled:
+            from torchtpu.distributed.mesh import split_dim
+
+            # expert parallelism takes the inner ranks of the FSDP dim (torchtitan's efsdp x ep)
+            self.mesh = split_dim(self.mesh, "dp_shard", (("efsdp", dims.efsdp), ("ep", dims.ep)))
 
         # -- tokenizer and model arguments
         try:
@@ -195,6 +200,7 @@ class Trainer:
                 f"[checkpoint] {hf_opts[0]}: model family {cfg.model.name!r} has no Hugging Face state-dict "
                 f"adapter; families with Hugging Face weights: {', '.join(n for n, f in FAMILIES.items() if f.hf_adapter)}"
             )
+        check_expert_parallel(cfg, dims, self.model_args)
 
         # -- seed
         seed = resolve_seed(cfg)
@@ -445,7 +451,9 @@ class Trainer:
         world = dims.world_size
         log(
             f"{cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh "
-            f"{dict(zip(dims.mesh_axis_names, dims.mesh_shape))} over {world} {self.devices[0].platform} devices, "
+            f"{dict(zip(dims.mesh_axis_names, dims.mesh_shape))}"
+            f"{f' (experts over ep {dims.ep} x efsdp {dims.efsdp})' if dims.ep_enabled else ''} "
+            f"over {world} {self.devices[0].platform} devices, "
             f"global batch {dims.global_batch_size} x {dims.seq_len} tokens "
             f"({dims.grad_accum_steps} micro-batch(es)), steps {self.step + 1}..{total_steps}"
         )

@@ -104,7 +104,10 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
 
     dt = dtypes.to_jax_dtype(out_dtype) if out_dtype is not None else jnp.result_type(self, mat2)
     acc = jnp.float32 if _low_float(dt) or _low_float(self.dtype) else dt
-    kw = {"precision": HIGHEST, "preferred_element_type": acc}
+    # bf16 x bf16 products are exact in the float32 accumulator at any precision; HIGHEST on
+    # low-precision operands makes TPU's ragged-dot kernel fail to compile (Mosaic: "Bad lhs type")
+    low = _low_float(self.dtype) and _low_float(mat2.dtype)
+    kw = {"precision": None if low else HIGHEST, "preferred_element_type": acc}
     if offs is None:
         if self.ndim != 3 or mat2.ndim != 3:
             raise ValueError(f"_grouped_mm without offs needs two 3-D operands, got {self.ndim}-D and {mat2.ndim}-D")

@@ -6,7 +6,8 @@ heads, so the Llama 3 plan (torchtpu.models.llama3.parallelize) shards it: tenso
 over heads and the feed-forward, FSDP per block, mixed precision, activation checkpointing, the
 layer scan (dense flavors; the Mixture-of-Experts blocks run unrolled, as their load-statistics
 buffers are state the scan does not carry). Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE
-swap is needed. Refused with one line: tensor parallelism for a Mixture-of-Experts flavor, and
+swap is needed. The Mixture-of-Experts flavors take expert parallelism (torchtpu.models.moe:
+`apply_expert_parallel`) when the job's mesh has an "ep" dim. Refused with one line: tensor parallelism for a Mixture-of-Experts flavor, and
 for a flavor whose output projection is the embedding table (weight tying: the two layouts
 conflict).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..llama3.parallelize import parallelize_llama
-from ..moe import use_ragged_experts
+from ..moe import apply_expert_parallel, use_ragged_experts
 
 __all__ = ["parallelize_qwen3", "prepare_qwen3"]
 
@@ -43,6 +44,9 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
                 "parallelism.tensor_parallel_degree = 1 or use a flavor of 8B or more"
             )
     if args.moe_enabled:
+        # expert parallelism (a mesh split by [parallelism] expert_parallel_degree) first: FSDP then
+        # leaves the experts' layout as it is
+        apply_expert_parallel(model, mesh)
         # the MoE blocks hold buffers (expert_bias, tokens_per_expert) that the layer scan does not
         # carry: they run unrolled, each under the activation checkpointing asked for
         kw["scan_layers"] = False

@@ -1,0 +1,179 @@
+"""Expert parallelism: routed tokens travel to the chips that hold their experts and back.
+
+    out = expert_parallel_ffn(rows, expert_ids, [w1, w2, w3], run_experts, mesh, num_experts=E)
+
+`rows` (tokens x dim, one row per (token, chosen expert) pair) and `expert_ids` (which of the E
+experts each row goes to) are global tensors split over the data-parallel axes of the job mesh,
+as the batch is; each weight is (E, ...) and split on its expert dim over the mesh dim "ep" (its
+other layout, e.g. FSDP's over "efsdp", is gathered by XLA at the boundary). `out[i]` is row i
+through expert expert_ids[i]. Everything between runs per chip, under one `jax.shard_map`:
+
+1. the chip sorts its rows by expert (stable) and writes them into one bucket per "ep" rank: the
+   rows for the experts rank r holds, in expert order, then zeros;
+2. an all-to-all over "ep" swaps the buckets, so each chip holds every row routed to its experts,
+   with each row's local expert id (padding rows get the id one past the last);
+3. a stable sort by local expert id groups them, and `run_experts(weights, x, tokens_per_expert)`
+   (torch code: torchtitan's grouped matmul, lowered to `jax.lax.ragged_dot`) runs each local
+   expert on its own rows only; the padding rows lie past the last group and come out zero;
+4. the rows go back through the inverse permutation and a second all-to-all, and are put back
+   in their original order.
+
+No row is dropped: a bucket holds all of a chip's rows, the case where every row picks experts of
+one rank. That worst case sizes the buffers (ep x the chip's rows each way); the all-to-all is a
+plain, padded one, since XLA's CPU backend has no `ragged-all-to-all` and the same program runs
+on every backend. Gradients are the shard_map's own (`jax.vjp`): the transposed all-to-alls bring
+each row's gradient home, and the weights' gradients are summed over the data-parallel chips that
+share an expert shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ..backend.state import tracing
+from ..backend.tensor import new_base
+from ..backend.views import array_of
+from .batch import data_parallel_axes
+from .mesh import DeviceMesh
+
+__all__ = ["expert_parallel_ffn", "expert_axes"]
+
+
+def expert_axes(mesh: DeviceMesh, dim: str = "ep") -> tuple[str, ...]:
+    """The JAX axes of the job mesh's expert-parallel dim `dim` (empty when the mesh has none or it
+    has one rank)."""
+    root = mesh.root()
+    try:
+        view = root[dim]
+    except KeyError:
+        return ()
+    return view.dims[0] if view.size() > 1 else ()
+
+
+def expert_parallel_ffn(
+    rows: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    run_experts: Callable[..., torch.Tensor],
+    mesh: DeviceMesh,
+    *,
+    num_experts: int,
+    dim: str = "ep",
+) -> torch.Tensor:
+    """Each row of `rows` through the expert `expert_ids` names, the experts split over the mesh
+    dim `dim` (see the module docstring). `run_experts(local_weights, x, tokens_per_expert)` is torch
+    code computing a chip's experts on `x` grouped by expert (rows past the groups must come out
+    zero); it runs on each chip's pieces."""
+    ep_axes = expert_axes(mesh, dim)
+    if not ep_axes:
+        raise ValueError(f"expert_parallel_ffn: the mesh {mesh.root()} has no dim {dim!r} of more than one rank")
+    root = mesh.root()
+    n_ep = math.prod(root.jax_mesh.shape[a] for a in ep_axes)
+    if num_experts % n_ep:
+        raise ValueError(f"expert_parallel_ffn: {num_experts} experts do not split over {n_ep} expert-parallel ranks")
+    data = data_parallel_axes(root)
+    n_data = math.prod(root.jax_mesh.shape[a] for a in data)
+    if rows.shape[0] % n_data:
+        raise ValueError(
+            f"expert_parallel_ffn: {rows.shape[0]} rows do not split over the {n_data} data-parallel chips; "
+            "the batch must split evenly over the data-parallel degree"
+        )
+    for w in weights:
+        if w.shape[0] != num_experts:
+            raise ValueError(
+                f"expert_parallel_ffn: a weight of shape {tuple(w.shape)} has no expert dim of {num_experts}"
+            )
+    f = _function(
+        root.jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, tuple(w.dtype for w in weights), rows.dtype
+    )
+    return _ExpertParallel.apply(f, expert_ids, rows, *weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _function(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype):
+    """(ids, rows, *weights) -> out over global arrays, one per layout and dtypes (so the layers of a
+    model share it, and a step run eagerly compiles it once)."""
+    return _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes).function(rows_dtype)
+
+
+class _Plan:
+    """What one expert-parallel call needs besides its tensors."""
+
+    def __init__(self, jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes):
+        self.jax_mesh = jax_mesh
+        self.data = data
+        self.ep = ep_axes[0] if len(ep_axes) == 1 else tuple(ep_axes)
+        self.n_ep = n_ep
+        self.num_experts = num_experts
+        self.run_experts = run_experts
+        self.weight_dtypes = weight_dtypes
+
+    def function(self, rows_dtype: torch.dtype):
+        """(ids, rows, *weights) -> out over global arrays: the shard_map of `_local`."""
+        entry = self.data[0] if len(self.data) == 1 else tuple(self.data)
+        n_w = len(self.weight_dtypes)
+        # jitted: run eagerly (a step's first, uncompiled run), a shard_map would dispatch op by op
+        return jax.jit(
+            jax.shard_map(
+                lambda ids, rows, *ws: self._local(ids, rows, ws, rows_dtype),
+                mesh=self.jax_mesh,
+                in_specs=(P(entry), P(entry, None)) + (P(self.ep),) * n_w,
+                out_specs=P(entry, None),
+                check_vma=False,
+            )
+        )
+
+    def _local(self, ids, rows, weights, rows_dtype):
+        n, width = rows.shape
+        n_ep, per_rank = self.n_ep, self.num_experts // self.n_ep
+        ids = ids.astype(jnp.int32)
+        # 1. sort by expert; each row's destination rank and its slot in that rank's bucket
+        order = jnp.argsort(ids, stable=True)
+        sorted_ids = ids[order]
+        dest = sorted_ids // per_rank
+        sent = jax.ops.segment_sum(jnp.ones_like(dest), dest, num_segments=n_ep)
+        slot = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sent) - sent)[dest]
+        bucket = jnp.zeros((n_ep, n, width), rows.dtype).at[dest, slot].set(rows[order], unique_indices=True)
+        bucket_ids = jnp.full((n_ep, n), per_rank, jnp.int32)
+        bucket_ids = bucket_ids.at[dest, slot].set(sorted_ids - dest * per_rank, unique_indices=True)
+        # 2. swap the buckets: bucket s now holds what rank s sent here
+        got = lax.all_to_all(bucket, self.ep, 0, 0, tiled=True).reshape(n_ep * n, width)
+        got_ids = lax.all_to_all(bucket_ids, self.ep, 0, 0, tiled=True).reshape(n_ep * n)
+        # 3. group by local expert (padding last) and run the experts
+        group = jnp.argsort(got_ids, stable=True)
+        tokens_per_expert = jax.ops.segment_sum(jnp.ones_like(got_ids), got_ids, num_segments=per_rank)
+        done = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
+        # 4. back to the bucket layout, back to the sending chips, back to the original order
+        back = jnp.zeros_like(done).at[group].set(done, unique_indices=True).reshape(n_ep, n, width)
+        home = lax.all_to_all(back, self.ep, 0, 0, tiled=True)
+        return jnp.zeros((n, width), home.dtype).at[order].set(home[dest, slot], unique_indices=True)
+
+    def _experts(self, x, tokens_per_expert, weights, rows_dtype):
+        ws = [new_base(w, 0, dt) for w, dt in zip(weights, self.weight_dtypes)]
+        with tracing(), torch.no_grad():
+            out = self.run_experts(ws, new_base(x, 0, rows_dtype), new_base(tokens_per_expert, 0, torch.int32))
+        return array_of(out)
+
+
+class _ExpertParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, expert_ids, rows, *weights):
+        ids = array_of(expert_ids)
+        arrays = [array_of(rows)] + [array_of(w) for w in weights]
+        if not any(ctx.needs_input_grad[2:]):  # no gradient wanted (evaluation): no residuals kept
+            return new_base(f(ids, *arrays), 0, rows.dtype)
+        out, ctx.vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), *arrays)
+        return new_base(out, 0, rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.vjp(array_of(grad))
+        return (None, None) + tuple(new_base(g, 0) for g in grads)
