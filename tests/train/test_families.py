@@ -1,9 +1,10 @@
 """The model registry and the families beyond Llama 3: torchtitan's Qwen3 (dense and
-Mixture-of-Experts) trained by `Trainer` from the shipped train_configs/qwen3_debug.toml on the 8 XLA
-CPU devices under FSDP 8, against the same torchtitan model trained by plain PyTorch on the CPU
-(tests/train/reference.py) from the same initial weights and batches. The models are the debug
-flavors made narrow and 2 layers deep (arguments torchtitan's classes take, nothing else), so a
-2-core machine trains them in seconds per step.
+Mixture-of-Experts), DeepSeek-V3 and Llama 4 trained by `Trainer` from the shipped
+train_configs/<family>_debug.toml on the 8 XLA CPU devices under FSDP 8, against the same torchtitan
+model trained by plain PyTorch on the CPU with torchtitan's optimizer for it (tests/train/reference.py)
+from the same initial weights and batches. The models are the debug flavors made narrow and 2 layers
+deep (arguments torchtitan's classes take, nothing else), so a 2-core machine trains them in seconds
+per step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from torchtpu.train.config_manager import load_config
 
 from .debug_run import REPO
-from .reference import cpu_state, reference_losses
+from .reference import cpu_state, reference_run
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
@@ -32,12 +33,33 @@ def _narrow_moe():
     return {**NARROW, "moe_inter_dim": 64, "moe_args": dataclasses.replace(moe, num_experts=8, top_k=2)}
 
 
-def _train_and_reference(tmp_path, flavor, overrides):
+def _narrow_deepseek_v3():
+    # MLA narrowed (KV latent 32, rotary part 8 of 24 per query/key head); layer 0 dense, layer 1 MoE:
+    # the flavor's 8 routed experts (3 per token) and 2 shared ones, its softmax router
+    return {
+        "dim": 64,
+        "n_heads": 4,
+        "inter_dim": 128,
+        "moe_inter_dim": 32,
+        "n_layers": 2,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+    }
+
+
+def _narrow_llama4():
+    # layer 0 dense, layer 1 MoE (the flavor's 8 routed experts, 1 per token, and a shared one)
+    return {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "multiple_of": 32}
+
+
+def _train_and_reference(tmp_path, flavor, overrides, family="qwen3"):
     from torchtpu.train.trainer import Trainer
 
     argv = [
         "--config",
-        os.path.join(REPO, "train_configs", "qwen3_debug.toml"),
+        os.path.join(REPO, "train_configs", f"{family}_debug.toml"),
         "--job.dump_folder",
         str(tmp_path),
         "--training.seq_len",
@@ -62,17 +84,17 @@ def _train_and_reference(tmp_path, flavor, overrides):
     hist = t.train()
     got = [h["loss"] for h in hist]
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
-    ref = reference_losses(cfg, init, STEPS, overrides)
+    ref, ref_model = reference_run(cfg, init, STEPS, overrides)
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
     print(f"trainer {got}\nCPU     {ref}\nmax relative difference {max(rel):.2e}")
     assert max(rel) <= 1e-4, (got, ref)
     assert min(ref[-3:]) < ref[0] - 0.1  # it learns: the comparison is not between two flat curves
-    return t
+    return t, ref_model
 
 
 def test_qwen3_dense_fsdp8_matches_pytorch(tmp_path):
     """Qwen3 (q/k norms, GQA, tied embedding and output) under FSDP 8: 10 losses = plain PyTorch's."""
-    t = _train_and_reference(tmp_path, "debugmodel", NARROW)
+    t, _ = _train_and_reference(tmp_path, "debugmodel", NARROW)
     assert t.model.output.weight is t.model.tok_embeddings.weight
 
 
@@ -82,13 +104,33 @@ def test_qwen3_moe_fsdp8_matches_pytorch(tmp_path):
     import torch
 
     overrides = _narrow_moe()
-    t = _train_and_reference(tmp_path, "debugmodel_moe", overrides)
+    t, _ = _train_and_reference(tmp_path, "debugmodel_moe", overrides)
     moe = t.model.layers["0"].moe
     assert type(moe.experts).__name__ == "RaggedGroupedExperts"
     counts = moe.tokens_per_expert.cpu()
     # torchtitan's Qwen3 accumulates the counts over the run: 10 steps x 8 x 32 tokens x top-2
     assert counts.sum().item() == STEPS * 8 * 32 * 2
     assert torch.count_nonzero(counts).item() > 1
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
+def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
+    """DeepSeek-V3 (MLA, a dense first layer, shared + routed experts) and Llama 4 (dense and MoE
+    layers interleaved, a shared expert, sigmoid routing) under FSDP 8: 10 losses = plain PyTorch's
+    with torchtitan's optimizer, whose pre-step hook moves each MoE layer's expert bias; the trainer's
+    update inside the compiled step leaves the same biases, and the counts zeroed as torchtitan does."""
+    import torch
+
+    overrides = _narrow_deepseek_v3() if family == "deepseek_v3" else _narrow_llama4()
+    t, ref_model = _train_and_reference(tmp_path, "debugmodel", overrides, family)
+    moe = t.model.layers["1"].moe
+    assert not hasattr(t.model.layers["0"], "moe")  # the dense first layer
+    assert type(moe.experts).__name__ == "RaggedGroupedExperts"
+    bias = moe.expert_bias.cpu()
+    ref_bias = ref_model.layers["1"].moe.expert_bias
+    assert torch.count_nonzero(ref_bias).item() > 0  # the update moved the reference's biases
+    torch.testing.assert_close(bias, ref_bias, rtol=0, atol=1e-7)
+    assert torch.count_nonzero(moe.tokens_per_expert.cpu()).item() == 0
 
 
 def test_registry_is_what_the_config_offers():
@@ -101,8 +143,8 @@ def test_registry_is_what_the_config_offers():
     for family in FAMILIES.values():
         for flavor in family.flavors:
             assert family.model_args(flavor) is not family.model_args(flavor)  # a fresh copy each time
-    with pytest.raises(UnknownModel, match="families: llama3, qwen3"):
-        get_family("llama4")
+    with pytest.raises(UnknownModel, match="families: llama3, qwen3, deepseek_v3, llama4"):
+        get_family("gpt_oss")
     with pytest.raises(UnknownModel, match="flavors: debugmodel, 8B, 70B, 405B"):
         get_family("llama3").model_args("7B")
 
