@@ -136,6 +136,8 @@ def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
 def test_registry_is_what_the_config_offers():
     """The configuration's [model] name/flavor choices are the registry's families and flavors, and
     each flavor is one of torchtitan's."""
+    import importlib
+
     from torchtpu.models.registry import FAMILIES, UnknownModel, get_family, model_flavors
     from torchtpu.train.job_config import MODEL_FLAVORS
 
@@ -147,6 +149,68 @@ def test_registry_is_what_the_config_offers():
         get_family("gpt_oss")
     with pytest.raises(UnknownModel, match="flavors: debugmodel, 8B, 70B, 405B"):
         get_family("llama3").model_args("7B")
+    for name in ("deepseek_v3", "llama4"):  # every flavor of torchtitan's table
+        family = get_family(name)
+        module, _, table = family.args_table.partition(":")
+        assert family.flavors == tuple(getattr(importlib.import_module(module), table))
+
+
+def test_registry_declares_what_torchtitan_train_specs_do():
+    """Each family's expert-bias update and Hugging Face adapter are those of torchtitan's TrainSpec."""
+    import importlib
+
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+
+    from torchtpu.models.registry import FAMILIES
+
+    for family in FAMILIES.values():
+        spec = importlib.import_module(family.model_class.partition(":")[0]).get_train_spec()
+        assert family.moe_load_balancing == (spec.build_optimizers_fn is build_optimizers_with_moe_load_balancing)
+        if family.hf_adapter is not None:
+            module, _, attr = family.hf_adapter.partition(":")
+            assert getattr(importlib.import_module(module), attr) is spec.state_dict_adapter
+
+
+def test_flex_attention_flavors_are_refused_or_sdpa_on_request(tmp_path):
+    """The flavors torchtitan runs through flex_attention: one line naming it (and the fix), or with
+    [model] attn_type = "sdpa" causal SDPA; iRoPE's chunked attention is refused either way."""
+    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.model_builder import build_model_args
+
+    def args(name, flavor, *extra):
+        cfg = load_config(["--model.name", name, "--model.flavor", flavor, "--training.seq_len", "64", *extra])
+        return build_model_args(cfg, None)
+
+    with pytest.raises(ConfigError, match="attention type 'flex' .*block_causal.* attn_type = 'sdpa'") as e:
+        args("deepseek_v3", "16B")
+    assert "\n" not in str(e.value) and "flavors with SDPA" not in str(e.value)
+    a = args("deepseek_v3", "16B", "--model.attn_type", "sdpa")
+    assert (a.attn_type, a.attn_mask_type, a.max_seq_len) == ("sdpa", "causal", 64)
+    with pytest.raises(ConfigError, match=r"iRoPE .* not supported on tpu; use a flavor without it \(debugmodel, "):
+        args("llama4", "17bx16e_irope", "--model.attn_type", "sdpa")
+    assert args("llama4", "17bx16e").max_seq_len == 64
+
+
+def test_deepseek_v3_flops_count_active_experts_only():
+    """torchtitan's count for DeepSeek-V3 671B (3 dense layers, then MoE): 6 x (everything outside the
+    embedding and routed experts + top_k / num_experts of the routed experts) + attention over the
+    query-key and value head widths; shared experts and router run for every token."""
+    import torch
+
+    from torchtpu.models.registry import get_family
+
+    family = get_family("deepseek_v3")
+    args = dataclasses.replace(family.model_args("671B"), n_layers=4)
+    with torch.device("meta"):
+        model = family.build_model(args)
+    n, flops = family.flops_per_token(model, model.model_args, 4096)
+    params = dict(model.named_parameters())
+    assert n == sum(p.numel() for p in params.values())
+    routed = sum(p.numel() for name, p in params.items() if ".moe.experts." in name)
+    assert routed == 256 * 3 * 7168 * 2048  # one MoE layer: layers 0-2 are dense
+    active = n - model.tok_embeddings.weight.numel() - routed + routed * 8 // 256
+    attention = 6 * 4 * 128 * (128 + 64 + 128) * 4096
+    assert flops == 6 * active + attention
 
 
 def test_moe_flops_count_active_experts_only():
