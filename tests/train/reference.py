@@ -22,9 +22,13 @@ from torch.overrides import TorchFunctionMode
 
 def cpu_state(model):
     """Full (gathered) CPU copies of a tpu model's parameters, by name."""
+    import re
+
     out = {}
     for name, p in model.named_parameters():
-        out[name.replace("_checkpoint_wrapped_module.", "")] = p.detach().cpu().clone()
+        # activation checkpointing's wrappers (PyTorch's, torchtpu's) add a level to the block's names
+        name = re.sub(r"^layers\.(\w+)\.module\.", r"layers.\1.", name.replace("_checkpoint_wrapped_module.", ""))
+        out[name] = p.detach().cpu().clone()
     return out
 
 

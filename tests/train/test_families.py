@@ -54,7 +54,7 @@ def _narrow_llama4():
     return {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "multiple_of": 32}
 
 
-def _train_and_reference(tmp_path, flavor, overrides, family="qwen3"):
+def _train_and_reference(tmp_path, flavor, overrides, family="qwen3", extra=()):
     from torchtpu.train.trainer import Trainer
 
     argv = [
@@ -76,6 +76,7 @@ def _train_and_reference(tmp_path, flavor, overrides, family="qwen3"):
         "3",
         "--validation.enable",
         "false",
+        *extra,
     ]
     cfg = load_config(argv)
     t = Trainer(cfg, model_overrides=overrides)
@@ -116,13 +117,17 @@ def test_qwen3_moe_fsdp8_matches_pytorch(tmp_path):
 @pytest.mark.parametrize("family", ["deepseek_v3", "llama4"])
 def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
     """DeepSeek-V3 (MLA, a dense first layer, shared + routed experts) and Llama 4 (dense and MoE
-    layers interleaved, a shared expert, sigmoid routing) under FSDP 8: 10 losses = plain PyTorch's
-    with torchtitan's optimizer, whose pre-step hook moves each MoE layer's expert bias; the trainer's
-    update inside the compiled step leaves the same biases, and the counts zeroed as torchtitan does."""
+    layers interleaved, a shared expert, sigmoid routing; its blocks under activation checkpointing,
+    so their forward and token counts run again in backward) under FSDP 8: 10 losses = plain
+    PyTorch's with torchtitan's optimizer, whose pre-step hook moves each MoE layer's expert bias;
+    the trainer's update inside the compiled step leaves the same biases, and the counts zeroed as
+    torchtitan does."""
     import torch
 
     overrides = _narrow_deepseek_v3() if family == "deepseek_v3" else _narrow_llama4()
-    t, ref_model = _train_and_reference(tmp_path, "debugmodel", overrides, family)
+    extra = ("--activation_checkpoint.mode", "full") if family == "llama4" else ()
+    t, ref_model = _train_and_reference(tmp_path, "debugmodel", overrides, family, extra)
+    assert [recomputed for _, recomputed in t.balanced_moe] == [family == "llama4"]
     moe = t.model.layers["1"].moe
     assert not hasattr(t.model.layers["0"], "moe")  # the dense first layer
     assert type(moe.experts).__name__ == "RaggedGroupedExperts"
@@ -183,7 +188,7 @@ def test_flex_attention_flavors_are_refused_or_sdpa_on_request(tmp_path):
 
     with pytest.raises(ConfigError, match="attention type 'flex' .*block_causal.* attn_type = 'sdpa'") as e:
         args("deepseek_v3", "16B")
-    assert "\n" not in str(e.value) and "flavors with SDPA" not in str(e.value)
+    assert "\n" not in str(e.value) and "SDPA attention (debugmodel)" in str(e.value)
     a = args("deepseek_v3", "16B", "--model.attn_type", "sdpa")
     assert (a.attn_type, a.attn_mask_type, a.max_seq_len) == ("sdpa", "causal", 64)
     with pytest.raises(ConfigError, match=r"iRoPE .* not supported on tpu; use a flavor without it \(debugmodel, "):
