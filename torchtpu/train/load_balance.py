@@ -10,8 +10,9 @@ gradient-accumulation micro-batches and over the data-parallel ranks),
 
 so an expert that got fewer tokens than the average is preferred in the next step. torchtitan halves
 the counts of a block under activation checkpointing, whose forward (and its count) runs again in
-backward. `update_expert_bias(model)` does the same, in the same order, as part of the compiled step;
-the counts are those of the global batch already (the buffer is one global tensor, so no reduction).
+backward. `update_expert_bias(balanced_moe_layers(model))` does the same, in the same order, inside
+the compiled step; the counts are those of the global batch already (the buffer is one global
+tensor, so no reduction).
 """
 
 from __future__ import annotations
