@@ -46,7 +46,9 @@ def update_expert_bias(layers: list[tuple[object, bool]]) -> None:
         if moe.load_balance_coeff is None:
             return  # as torchtitan: a layer without a coefficient stops the whole update
         n = moe.tokens_per_expert
-        counts.append(n // 2 if recomputed else n)
+        # torchtitan's n // 2; n holds whole counts, so floor(n / 2) is the same number, and it
+        # lowers without the 64-bit float arithmetic of the tpu floor division by a Python integer
+        counts.append(torch.floor(n * 0.5) if recomputed else n)
     by_layer = torch.vstack(counts)
     with torch.no_grad():
         for i, (moe, _) in enumerate(layers):
