@@ -174,6 +174,7 @@ TPU_ONLY = {
     ("parallelism", "dcn_axis"),
     ("debug", "verbose"),
     ("training", "max_bad_records"),
+    ("model", "attn_type"),
 }
 
 

@@ -4,7 +4,7 @@ its help text and what values it allows.
 Section and key names, types and defaults follow torchtitan 0.2.2's JobConfig wherever a key means
 the same thing on TPU, so a torchtitan TOML file mostly reads as is. Keys that only make sense on
 CUDA are left out (naming one gives an error that says so); TPU-specific keys live in
-[parallelism] (`num_slices`, `dcn_axis`) and in a [tpu] section.
+[parallelism] (`num_slices`, `dcn_axis`), [model] (`attn_type`) and in a [tpu] section.
 
 Reading a configuration (defaults < TOML file < command line), --help and the checks that involve
 several keys are in config_manager.py; resolving the parallel degrees for a device count is
