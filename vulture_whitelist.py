@@ -190,3 +190,8 @@ _.getBackendName
 _.allreduce_coalesced
 _.all_gather_single_coalesced
 _.reduce_scatter_single_coalesced
+
+# ModelFamily.hf_adapter: torchtitan's Hugging Face state-dict adapter of a family (weights in and out)
+_.hf_adapter
+# torchtitan's MoE load-balancing optimizer hook asks its ParallelDims for this (tests/train/reference.py)
+_.get_optional_mesh

@@ -194,7 +194,7 @@ def _check_names(src, model_args):
 
     family = family_for_args(model_args).name
     with torch.device("meta"):
-        model = family_for_args(model_args).model_cls()(model_args)
+        model = family_for_args(model_args).torchtitan_model(model_args)
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = dict(src.entries)
     for k, shape in want.items():

@@ -63,7 +63,7 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     args = build_model_args(cfg, tok.vocab_size)
     args.max_seq_len = max(args.max_seq_len, total_len)  # the RoPE table must reach every position
     with torch.device("meta"):
-        model = family.model_cls()(args)
+        model = family.torchtitan_model(args)
     dtype = getattr(torch, cfg.training.dtype)
     if dtype != torch.float32:
         for mod in model.modules():

@@ -3,7 +3,9 @@
     init = cpu_state(trainer.model)                 # the trainer's initial weights, gathered
     losses = reference_losses(cfg, init, steps)     # same model, weights, batches, AdamW, LR, clipping
 
-The model is torchtitan's own class for [model] name (torchtpu.models.registry), built on the CPU.
+The model is torchtitan's own class for [model] name (torchtpu.models.registry), built on the CPU,
+and the optimizer the one torchtitan's TrainSpec for it builds (with DeepSeek-V3's and Llama 4's
+expert-bias update before each step).
 Two things differ from a CUDA run of it, neither changing a number: its Mixture-of-Experts layers
 (if any) run the grouped matmul on unpadded groups of tokens (torchtpu.models.moe: the padding is a
 triton kernel, CUDA only), and `torch.histc` of the router's integer expert ids, which PyTorch's CPU
@@ -20,9 +22,13 @@ from torch.overrides import TorchFunctionMode
 
 def cpu_state(model):
     """Full (gathered) CPU copies of a tpu model's parameters, by name."""
+    import re
+
     out = {}
     for name, p in model.named_parameters():
-        out[name.replace("_checkpoint_wrapped_module.", "")] = p.detach().cpu().clone()
+        # activation checkpointing's wrappers (PyTorch's, torchtpu's) add a level to the block's names
+        name = re.sub(r"^layers\.(\w+)\.module\.", r"layers.\1.", name.replace("_checkpoint_wrapped_module.", ""))
+        out[name] = p.detach().cpu().clone()
     return out
 
 
@@ -47,7 +53,7 @@ def reference_model(cfg, init, model_overrides=None):
     args = build_model_args(cfg, build_tokenizer(None).vocab_size)
     if model_overrides:
         args = dataclasses.replace(args, **model_overrides)
-    model = use_ragged_experts(get_family(cfg.model.name).model_cls()(args))
+    model = use_ragged_experts(get_family(cfg.model.name).torchtitan_model(args))
     params = dict(model.named_parameters())
     assert sorted(params) == sorted(init), (sorted(params), sorted(init))
     with torch.no_grad():
@@ -56,20 +62,56 @@ def reference_model(cfg, init, model_overrides=None):
     return model
 
 
+class _OneProcess:
+    """torchtitan's ParallelDims as a single process sees it: no mesh to reduce the loss (or the
+    MoE token counts) over."""
+
+    def get_optional_mesh(self, dims):
+        return None
+
+
+def torchtitan_optimizer(cfg, model):
+    """The optimizer torchtitan's TrainSpec for [model] name builds (AdamW, foreach), with its hooks:
+    for DeepSeek-V3 and Llama 4 the MoE expert-bias update before each step."""
+    import importlib
+
+    from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+    from torchtpu.models.registry import get_family
+
+    package = get_family(cfg.model.name).model_class.partition(":")[0]
+    spec = importlib.import_module(package).get_train_spec()
+    o = cfg.optimizer
+    config = OptimizerConfig(
+        name="AdamW",
+        lr=o.lr,
+        beta1=o.beta1,
+        beta2=o.beta2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        implementation="foreach",
+    )
+    return spec.build_optimizers_fn([model], config, _OneProcess(), ft_manager=None)
+
+
 def reference_losses(cfg, init, steps, model_overrides=None):
     """The same job as a plain PyTorch loop on the CPU: same model, weights, batches, optimizer, LR, clipping."""
+    return reference_run(cfg, init, steps, model_overrides)[0]
+
+
+def reference_run(cfg, init, steps, model_overrides=None):
+    """(reference_losses, the CPU model after the last step)."""
     from torchtpu.train.data import build_global_batch_loader
     from torchtpu.train.loss import cross_entropy_loss
     from torchtpu.train.lr import build_lr_scheduler
     from torchtpu.train.tokenizer import build_tokenizer
 
     model = reference_model(cfg, init, model_overrides)
-    o, ls = cfg.optimizer, cfg.lr_scheduler
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
-    )
+    opt = torchtitan_optimizer(cfg, model)
+    ls = cfg.lr_scheduler
+    # the schedule drives the container's (one) AdamW, as torchtitan's build_lr_schedulers does
     sched = build_lr_scheduler(
-        opt, ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor, cfg.training.steps
+        opt.optimizers[0], ls.warmup_steps, ls.decay_ratio, ls.decay_type, ls.min_lr_factor, cfg.training.steps
     )
     loader = build_global_batch_loader(
         cfg.training.dataset,
@@ -90,4 +132,4 @@ def reference_losses(cfg, init, steps, model_overrides=None):
             opt.zero_grad()
             sched.step()
             losses.append(loss.item())
-    return losses
+    return losses, model

@@ -41,7 +41,7 @@ NO_EFFECT_BY_DESIGN = {"compile.enable", "compile.components"}
 # key -> a non-default value that must be refused
 REFUSED = {
     "profiling.profiler_warmup": "5",
-    "model.name": "llama4",
+    "model.name": "mixtral",
     "training.mixed_precision_reduce": "bfloat16",
     "training.dataloader.num_workers": "2",
     "training.dataloader.persistent_workers": "true",
@@ -79,6 +79,7 @@ _COVERING_RUNS = {
     "tests/train/test_families.py::test_expert_parallel_gives_the_ep1_losses_and_resumes_under_another_degree": [
         "parallelism.expert_parallel_degree"
     ],
+    "tests/train/test_families.py::test_flex_attention_flavors_are_refused_or_sdpa_on_request": ["model.attn_type"],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
     "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
     "tests/train/test_faults.py::test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta": [
@@ -206,6 +207,7 @@ def _step_probe(cfg):
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         stacked=[],  # no layer scan, no stacked parameter storage
+        balanced_moe=[],  # no MoE layer moves its expert bias
         _loss_context=contextlib.nullcontext,
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))

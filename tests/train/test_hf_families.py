@@ -235,27 +235,28 @@ def test_convert_cli_wrong_flavor_or_family_is_one_line(tmp_path, capsys):
 
     _hf_model("debugmodel").save_pretrained(tmp_path / "hf")  # narrow: fits no shipped flavor
     assert main([str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "dcp", "--flavor", "debugmodel"]) == 2
-    assert main([str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "dcp", "--flavor", "8B", "--model", "llama4"]) == 2
+    assert main([str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "dcp", "--flavor", "8B", "--model", "mixtral"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("torchtpu-convert:")]
     print("\n".join(err))
     assert len(err) == 2
     assert "[2048, 64]" in err[0] and "[2048, 256]" in err[0] and "--model" in err[0]
-    assert "no model family 'llama4'" in err[1] and "qwen3" in err[1]
+    assert "no model family 'mixtral'" in err[1] and "qwen3" in err[1]
 
 
-def test_family_without_adapter_is_a_one_line_config_error(tmp_path, monkeypatch):
-    """A family with no hf_adapter (the registry entry swapped for one without) asked for Hugging
-    Face weights stops at start-up with one line naming it and the families that have one."""
-    from torchtpu.models.registry import FAMILIES
+def test_family_without_hf_weights_is_a_one_line_config_error(tmp_path):
+    """DeepSeek-V3 names torchtitan's adapter but has no config.json writer here: asked for Hugging
+    Face weights, it stops at start-up (not after training) with one line naming the families that
+    have them."""
     from torchtpu.train.job_config import ConfigError
     from torchtpu.train.trainer import Trainer
 
-    monkeypatch.setitem(FAMILIES, "qwen3", dataclasses.replace(FAMILIES["qwen3"], hf_adapter=None))
-    argv = ["--config", os.path.join(REPO, "train_configs", "qwen3_debug.toml"), "--job.dump_folder", str(tmp_path)]
-    with pytest.raises(ConfigError) as e:
-        Trainer(load_config([*argv, "--checkpoint.enable", "--checkpoint.last_save_in_hf"]))
-    print(e.value)
-    assert "\n" not in str(e.value)
-    assert (
-        "last_save_in_hf" in str(e.value) and "'qwen3' has no Hugging Face" in str(e.value) and "llama3" in str(e.value)
-    )
+    config = os.path.join(REPO, "train_configs", "deepseek_v3_debug.toml")
+    argv = ["--config", config, "--job.dump_folder", str(tmp_path)]
+    for option in ("--checkpoint.last_save_in_hf", "--checkpoint.initial_load_in_hf"):
+        with pytest.raises(ConfigError) as e:
+            Trainer(load_config([*argv, "--checkpoint.enable", option]))
+        print(e.value)
+        assert "\n" not in str(e.value)
+        assert "'deepseek_v3' has no Hugging Face weights in torchtpu; families with them: llama3, qwen3" in str(
+            e.value
+        )

@@ -34,6 +34,9 @@ SHIPPED = {  # file -> (devices of the slice it is written for, topology)
     "llama3_70b.toml": (64, "v5p:4x4x4"),
     "llama3_405b.toml": (512, "v5p:8x8x8"),
     "qwen3_30b_a3b.toml": (16, "v5p:2x2x4"),
+    "deepseek_v3_16b.toml": (8, "v5p:2x2x2"),
+    "deepseek_v3_671b.toml": (512, "v5p:8x8x8"),
+    "llama4_17bx16e.toml": (64, "v5p:4x4x4"),
 }
 
 
@@ -171,6 +174,7 @@ TPU_ONLY = {
     ("parallelism", "dcn_axis"),
     ("debug", "verbose"),
     ("training", "max_bad_records"),
+    ("model", "attn_type"),
 }
 
 

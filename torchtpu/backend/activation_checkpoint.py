@@ -144,6 +144,11 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts)
 
 
+def is_checkpointed(module: torch.nn.Module) -> bool:
+    """Whether `module` is wrapped by checkpoint_module: its forward runs again in backward."""
+    return isinstance(module, _Checkpointed)
+
+
 def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
     """Return `module` wrapped so that its activations are recomputed during backward."""
     return _Checkpointed(module)

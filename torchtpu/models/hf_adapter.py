@@ -72,7 +72,7 @@ class HFLayout:
         self.model_args = model_args
         self.adapter = _resolve(self.family.hf_adapter)(model_args, None)
         with torch.device("meta"):
-            model = self.family.model_cls()(model_args)
+            model = self.family.torchtitan_model(model_args)
         own = model.state_dict(keep_vars=True)
         params = {id(p) for p in model.parameters()}
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v.shape) for k, v in own.items()}

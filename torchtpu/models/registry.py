@@ -41,6 +41,10 @@ class ModelFamily:
         Mixture-of-Experts model counts only the experts a token runs through.
     hf_adapter: "module:attribute" of torchtitan's state-dict adapter class (Hugging Face names and layouts), or None.
     decode: "module" with the KV-cache decoding `torchtpu-generate` uses, or None.
+    moe_load_balancing: torchtitan's optimizer for the family moves every MoE layer's expert_bias
+        before each step (auxiliary-loss-free load balancing); the trainer does the same.
+    runtime_args: (name, value) of the attributes torchtitan's `update_from_config` sets on the
+        arguments that are no dataclass fields, which the model reads (DeepSeek-V3: moe_impl).
     """
 
     name: str
@@ -52,6 +56,8 @@ class ModelFamily:
     flops_per_token: Callable[[Any, Any, int], tuple[int, int]]
     hf_adapter: str | None = None
     decode: str | None = None
+    moe_load_balancing: bool = False
+    runtime_args: tuple[tuple[str, Any], ...] = ()
 
     def model_args(self, flavor: str):
         """A copy of torchtitan's arguments for `flavor` (UnknownModel if this family has no such flavor)."""
@@ -59,13 +65,28 @@ class ModelFamily:
             raise UnknownModel(f"{self.name} has no flavor {flavor!r}; flavors: {', '.join(self.flavors)}")
         return dataclasses.replace(_resolve(self.args_table)[flavor])
 
+    def has_hf_weights(self) -> bool:
+        """Hugging Face weights load and export: a state-dict adapter and a config.json writer
+        (`torchtpu.models.<name>.hf`, found without importing it)."""
+        import importlib.util
+
+        return bool(self.hf_adapter) and importlib.util.find_spec(f"torchtpu.models.{self.name}.hf") is not None
+
     def model_cls(self):
         """torchtitan's model class (imports torchtitan)."""
         return _resolve(self.model_class)
 
+    def torchtitan_model(self, args):
+        """torchtitan's model for `args` as torchtitan builds it, on the current default device (the
+        attributes torchtitan's `update_from_config` adds to the arguments filled in where missing)."""
+        for name, value in self.runtime_args:
+            if not hasattr(args, name):
+                setattr(args, name, value)
+        return self.model_cls()(args)
+
     def build_model(self, args):
         """torchtitan's model for `args` on the current default device, prepared for tpu."""
-        return self.prepare(self.model_cls()(args))
+        return self.prepare(self.torchtitan_model(args))
 
 
 def _resolve(path: str):
@@ -114,6 +135,30 @@ def _torchtitan_flops(model, args, seq_len):
     return torchtitan_flops_per_token(model, args, seq_len)
 
 
+def _deepseek_v3_prepare(model):
+    from .deepseek_v3 import prepare_deepseek_v3
+
+    return prepare_deepseek_v3(model)
+
+
+def _deepseek_v3_parallelize(model, mesh, **kw):
+    from .deepseek_v3 import parallelize_deepseek_v3
+
+    return parallelize_deepseek_v3(model, mesh, **kw)
+
+
+def _llama4_prepare(model):
+    from .llama4 import prepare_llama4
+
+    return prepare_llama4(model)
+
+
+def _llama4_parallelize(model, mesh, **kw):
+    from .llama4 import parallelize_llama4
+
+    return parallelize_llama4(model, mesh, **kw)
+
+
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f
     for f in (
@@ -148,6 +193,29 @@ FAMILIES: dict[str, ModelFamily] = {
             parallelize=_qwen3_parallelize,
             flops_per_token=_torchtitan_flops,
             hf_adapter="torchtitan.models.qwen3.model.state_dict_adapter:Qwen3StateDictAdapter",
+        ),
+        ModelFamily(
+            name="deepseek_v3",
+            flavors=("debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"),
+            args_table="torchtitan.models.deepseek_v3:deepseekv3_args",
+            model_class="torchtitan.models.deepseek_v3:DeepSeekV3Model",
+            prepare=_deepseek_v3_prepare,
+            parallelize=_deepseek_v3_parallelize,
+            flops_per_token=_torchtitan_flops,
+            hf_adapter="torchtitan.models.deepseek_v3.model.state_dict_adapter:DeepSeekV3StateDictAdapter",
+            moe_load_balancing=True,
+            runtime_args=(("moe_impl", "standard"),),  # torchtitan's MoE, not DeepEP
+        ),
+        ModelFamily(
+            name="llama4",
+            flavors=("debugmodel", "17bx16e", "17bx128e", "debugmodel_irope", "17bx16e_irope", "17bx128e_irope"),
+            args_table="torchtitan.models.llama4:llama4_args",
+            model_class="torchtitan.models.llama4:Transformer",
+            prepare=_llama4_prepare,
+            parallelize=_llama4_parallelize,
+            flops_per_token=_torchtitan_flops,
+            hf_adapter="torchtitan.models.llama4.model.state_dict_adapter:Llama4StateDictAdapter",
+            moe_load_balancing=True,
         ),
     )
 }

@@ -4,7 +4,7 @@ its help text and what values it allows.
 Section and key names, types and defaults follow torchtitan 0.2.2's JobConfig wherever a key means
 the same thing on TPU, so a torchtitan TOML file mostly reads as is. Keys that only make sense on
 CUDA are left out (naming one gives an error that says so); TPU-specific keys live in
-[parallelism] (`num_slices`, `dcn_axis`) and in a [tpu] section.
+[parallelism] (`num_slices`, `dcn_axis`), [model] (`attn_type`) and in a [tpu] section.
 
 Reading a configuration (defaults < TOML file < command line), --help and the checks that involve
 several keys are in config_manager.py; resolving the parallel degrees for a device count is
@@ -33,6 +33,8 @@ __all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
 MODEL_FLAVORS: dict[str, tuple[str, ...]] = {
     "llama3": ("debugmodel", "8B", "70B", "405B"),
     "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B"),
+    "deepseek_v3": ("debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"),
+    "llama4": ("debugmodel", "17bx16e", "17bx128e", "debugmodel_irope", "17bx16e_irope", "17bx128e_irope"),
 }
 
 
@@ -216,6 +218,14 @@ class Model:
         "Folder with the model's Hugging Face files (tokenizer.json or "
         "tokenizer.model, config.json, optionally *.safetensors). Empty: the small "
         "tokenizer bundled with torchtpu, meant for the debug model.",
+    )
+    attn_type: str = _opt(
+        "",
+        'Attention of the model: "" = the flavor\'s; "sdpa" = causal attention over each whole sequence, '
+        "for the flavors whose torchtitan attention is flex_attention with block-causal document masks "
+        "(deepseek_v3 debugmodel_flex_attn, 16B, 236B, 671B), which torchtpu does not run: documents "
+        "packed into one sequence then attend to the ones before them. Same weights.",
+        choices=("", "sdpa"),
     )
 
 

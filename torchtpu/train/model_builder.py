@@ -14,7 +14,7 @@ __all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac
 
 
 def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
-    """The flavor's torchtitan model arguments with max_seq_len = training.seq_len (or validation.seq_len if
+    """The flavor's torchtitan model arguments (with [model] attn_type applied) with max_seq_len = training.seq_len (or validation.seq_len if
     validation is on and its sequences are longer).
 
     The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
@@ -27,11 +27,22 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
         args = family.model_args(flavor)
     except UnknownModel as e:
         raise ConfigError(f"[model] name = {cfg.model.name!r}, flavor = {flavor!r}: {e}") from None
-    if args.attn_type != "sdpa":
+    sdpa = ", ".join(f for f in family.flavors if family.model_args(f).attn_type == "sdpa")
+    if getattr(args, "every_n_layers_nope", None) is not None:
         raise ConfigError(
-            f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} is not supported by "
-            f"torchtpu; use a flavor with SDPA attention ({', '.join(family.flavors)})"
+            f"[model] flavor = {flavor!r}: iRoPE (NoPE layers and chunked attention through flex_attention's "
+            f"fixed-block masks) is not supported on tpu; use a flavor without it ({sdpa})"
         )
+    if args.attn_type != "sdpa":
+        if cfg.model.attn_type != "sdpa":
+            raise ConfigError(
+                f"[model] flavor = {flavor!r}: attention type {args.attn_type!r} (flex_attention, "
+                f"{getattr(args, 'attn_mask_type', 'causal')} masks) is not supported on tpu; use a flavor with "
+                f"SDPA attention ({sdpa}) or set [model] attn_type = 'sdpa' (causal attention over whole sequences)"
+            )
+        args.attn_type = "sdpa"
+        if hasattr(args, "attn_mask_type"):
+            args.attn_mask_type = "causal"
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > args.vocab_size:
         where = cfg.origin("model", "hf_assets_path") or "default"
         raise ConfigError(

@@ -17,7 +17,8 @@ What a run does, in order:
    rate held in a tpu tensor, so the LR schedule (a LambdaLR that writes that tensor in place)
    reaches the compiled step without recompiling it.
 4. The step. Forward and backward over the gradient-accumulation micro-batches, gradient
-   clipping, the optimizer update and zeroing the gradients run as ONE `torchtpu.compile`
+   clipping, the MoE expert-bias update of the families that balance load that way
+   (load_balance.py), the optimizer update and zeroing the gradients run as ONE `torchtpu.compile`
    program (the first call runs eagerly and discovers the state, the second compiles). The loss
    and the gradient norm stay on the devices; the host reads them only at logging steps.
 5. Data: each host reads its own shard of the token stream; batches are laid out over the
@@ -50,6 +51,7 @@ from .config_manager import save_resolved_config
 from .console import log
 from .fault import Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
 from .job_config import ConfigError, JobConfig
+from .load_balance import balanced_moe_layers, update_expert_bias
 from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
 from .lr import build_schedule
@@ -193,12 +195,12 @@ class Trainer:
         if overrides:
             self.model_args = dataclasses.replace(self.model_args, **overrides)
         hf_opts = [o for o in ("initial_load_in_hf", "last_save_in_hf") if getattr(cfg.checkpoint, o)]
-        if hf_opts and not get_family(cfg.model.name).hf_adapter:
+        if hf_opts and not get_family(cfg.model.name).has_hf_weights():
             from torchtpu.models.registry import FAMILIES
 
             raise ConfigError(
-                f"[checkpoint] {hf_opts[0]}: model family {cfg.model.name!r} has no Hugging Face state-dict "
-                f"adapter; families with Hugging Face weights: {', '.join(n for n, f in FAMILIES.items() if f.hf_adapter)}"
+                f"[checkpoint] {hf_opts[0]}: model family {cfg.model.name!r} has no Hugging Face weights in torchtpu; "
+                f"families with them: {', '.join(n for n, f in FAMILIES.items() if f.has_hf_weights())}"
             )
         check_expert_parallel(cfg, dims, self.model_args)
 
@@ -238,6 +240,8 @@ class Trainer:
                 model.init_weights(buffer_device=torch.device("tpu"))
         self.model = model
         self.model.train()
+        # auxiliary-loss-free load balancing, as the family's torchtitan optimizer does it (load_balance.py)
+        self.balanced_moe = balanced_moe_layers(model) if family.moe_load_balancing else []
 
         # -- optimizer, schedule
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
@@ -305,6 +309,8 @@ class Trainer:
         stack_gradients(self.stacked, self.model)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_norm, foreach=True)
+        if self.balanced_moe:  # torchtitan: an optimizer step pre-hook
+            update_expert_bias(self.balanced_moe)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return (total / n if n > 1 else total), grad_norm

@@ -1,0 +1,83 @@
+"""torchtitan's Llama 4 on tpu: preparation and parallelize plan.
+
+The model is torchtitan's Llama 4 `Transformer`: grouped-query attention with the Llama 3 module
+names, Mixture-of-Experts feed-forward in every `interleave_moe_layer_step`-th block (the others
+dense), each MoE layer with a shared expert, sigmoid top-k routing whose score scales the routed
+expert's input, and the auxiliary-loss-free load balancing (`expert_bias`, moved before every
+optimizer step by the trainer: `ModelFamily.moe_load_balancing`).
+
+`prepare_llama4(model)` changes two things, the numbers staying the same: the rotary table becomes
+real (torchtpu.models.llama3.rope, as for Llama 3) and each `Attention` a `RealRopeLlama4Attention`
+(a subclass, same parameters and names) that rotates in real arithmetic, and skips the rotation in
+the NoPE layers as torchtitan's does; the routed experts run as grouped matmuls on unpadded groups
+(torchtpu.models.moe).
+
+The plan is FSDP/HSDP per block with mixed precision and activation checkpointing (the Llama 3
+plan's data-parallel part). Refused with one line: tensor parallelism (the MoE blocks have no
+tensor-parallel plan on tpu), and the iRoPE flavors (NoPE layers plus chunked attention, whose
+fixed-block masks torchtitan builds for flex_attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..llama3.parallelize import parallelize_llama
+from ..llama3.rope import apply_real_rotary_emb, use_real_rope
+from ..moe import use_ragged_experts
+
+__all__ = ["RealRopeLlama4Attention", "parallelize_llama4", "prepare_llama4"]
+
+
+def _model_module():
+    from torchtitan.models.llama4.model import model
+
+    return model
+
+
+class RealRopeLlama4Attention(_model_module().Attention):
+    """torchtitan's Llama 4 attention (SDPA, causal) with the rotary embedding in real arithmetic."""
+
+    def forward(self, x, freqs_cis, attention_masks=None, positions=None):
+        if self.attn_type != "sdpa" or attention_masks is not None or positions is not None:
+            raise NotImplementedError(
+                f"Llama 4 attention on tpu runs SDPA without masks or positions (got attn_type={self.attn_type!r}); "
+                "use a flavor without iRoPE"
+            )
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.use_rope:
+            if freqs_cis.is_complex():
+                freqs_cis = torch.view_as_real(freqs_cis)
+            xq, xk = apply_real_rotary_emb(xq, xk, freqs_cis)
+        out = self.inner_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), enable_gqa=self.enable_gqa
+        )
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+def prepare_llama4(model: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's Llama 4 Transformer ready for tpu (real rotary arithmetic, experts as grouped
+    matmuls on unpadded groups), in place; returns it. The model may be on `meta`."""
+    m = _model_module()
+    if type(model) is not m.Transformer:
+        raise TypeError(f"prepare_llama4 expects torchtitan's Llama 4 Transformer, got {type(model).__name__}")
+    use_real_rope(model)  # the table (and its rebuild in init_weights); Llama 3's attention class is not here
+    for module in model.modules():
+        if type(module) is m.Attention:
+            module.__class__ = RealRopeLlama4Attention
+    return use_ragged_experts(model)
+
+
+def parallelize_llama4(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
+    """Shard a torchtitan Llama 4 Transformer over `mesh`; the arguments are parallelize_llama's."""
+    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
+        raise ValueError(
+            f"tensor parallel degree {mesh.size('tp')}: Llama 4 trains with FSDP/HSDP only on tpu; "
+            "set parallelism.tensor_parallel_degree = 1"
+        )
+    # the MoE blocks hold buffers (expert_bias, tokens_per_expert) that the layer scan does not carry
+    kw["scan_layers"] = False
+    return parallelize_llama(model, mesh, **kw)
