@@ -9,6 +9,7 @@ groups and rows past the last group; and torchtitan's own expert function
 
 from __future__ import annotations
 
+import jax
 import torch
 
 import torchtpu  # noqa: F401
@@ -116,3 +117,83 @@ def test_histc_of_integers():
         want = torch.histc(ids.float(), bins=bins, min=lo, max=hi)
         assert got.dtype == dtype
         assert torch.equal(got.cpu(), want.to(dtype)), (bins, lo, hi, got.cpu(), want)
+
+
+# ----------------------------------------------------------------------------- TPU kernels (megablox)
+
+# rows 256 = 2 tiles of 128; groups of 40, 0, 160 and 50 rows (boundaries inside tiles), 6 rows past the end
+MB_ENDS = [40, 40, 200, 250]
+MB_M, MB_K, MB_N = 256, 128, 256
+
+
+def _pytorch_grouped_mm_and_grads(x, w, ends, grad):
+    """The oracle: PyTorch's CPU _grouped_mm, forward and gradients."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor(ends, dtype=torch.int32))
+    out.backward(grad)
+    return out.detach(), x.grad, w.grad
+
+
+def _assert_grouped(out, gx, gw, want, end, **tol):
+    """Output, input and weight gradients against PyTorch's; rows past the last group zero (PyTorch's
+    CPU kernel leaves those rows of the input gradient unwritten, so they are not compared)."""
+    assert_close_to_cpu(out.float(), want[0].float(), "output", **tol)
+    assert_close_to_cpu(gx[:end].float(), want[1][:end].float(), "grad x", **tol)
+    assert_close_to_cpu(gw.float(), want[2].float(), "grad w", **tol)
+    assert torch.count_nonzero(out[end:].cpu()) == 0 and torch.count_nonzero(gx[end:].cpu()) == 0
+
+
+def test_megablox_kernels_equal_pytorch_cpu_grouped_mm():
+    """On TPU `_grouped_mm` runs megablox's gmm (experts, input gradient) and tgmm (weight
+    gradient); here they run in Pallas interpret mode on the CPU and give PyTorch's CPU kernel's
+    numbers, rows past the last group zero."""
+    from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
+
+    assert grouped_mm_tpu.unsupported_reason((MB_M, MB_K), (4, MB_K, MB_N), "bfloat16", "bfloat16") is None
+    assert grouped_mm_tpu.unsupported_reason((MB_K, MB_M), (MB_M, MB_N), "bfloat16", "bfloat16") is None
+    torch.manual_seed(4)
+    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(MB_ENDS), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
+    grad[MB_ENDS[-1] :] = 0
+    want = _pytorch_grouped_mm_and_grads(x, w, MB_ENDS, grad)
+    xt, wt = (t.to("tpu").requires_grad_() for t in (x, w))
+    with attention_tpu.interpret_kernels():
+        out = torch._grouped_mm(xt, wt.transpose(-2, -1), offs=torch.tensor(MB_ENDS, dtype=torch.int32).to("tpu"))
+        out.backward(grad.to("tpu"))
+    tol = dict(rtol=1e-2, atol=1e-2)  # float32 accumulation in 128-wide tiles, one bfloat16 rounding
+    _assert_grouped(out, xt.grad, wt.grad, want, MB_ENDS[-1], **tol)
+    assert torch.count_nonzero(wt.grad[1].cpu()) == 0  # the empty group's expert
+
+
+def test_megablox_kernels_per_shard_in_a_sharded_program():
+    """In a compiled program over 4 CPU devices the kernels run per shard of the routed rows
+    (group boundaries cross shards; each shard counts its own rows of each group, the weight
+    gradient's partial sums are added over the shards) and give PyTorch's CPU numbers."""
+    from torchtpu.backend.ops import attention_tpu
+    from torchtpu.distributed import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=jax.devices("cpu")[:4])
+    ends = [100, 100, 300, 500]  # 512 rows: 128 per shard, 12 past the end
+    torch.manual_seed(5)
+    x = torch.randn(512, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(ends), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(512, MB_N, dtype=torch.bfloat16)
+    grad[ends[-1] :] = 0
+    want = _pytorch_grouped_mm_and_grads(x, w, ends, grad)
+
+    def step(x, w, offs, g):
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        gx, gw = torch.autograd.grad(out, (x, w), g)
+        return out.detach(), gx, gw
+
+    xt = distribute_tensor(x, mesh, (Shard(0),)).requires_grad_()
+    wt = distribute_tensor(w, mesh, (Replicate(),)).requires_grad_()
+    offs = distribute_tensor(torch.tensor(ends, dtype=torch.int32), mesh, (Replicate(),))
+    gt = distribute_tensor(grad, mesh, (Shard(0),))
+    compiled = torchtpu.compile(step)
+    with attention_tpu.interpret_kernels():
+        compiled(xt, wt, offs, gt)  # eager warm-up
+        got = compiled(xt, wt, offs, gt)  # traced over the mesh
+    assert "shard_map" in compiled.as_text(optimized=False) or "manual_computation" in compiled.as_text(optimized=False)
+    _assert_grouped(*got, want, ends[-1], rtol=1e-2, atol=1e-2)
