@@ -54,6 +54,7 @@ from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
+from .moe_metrics import load_metrics, moe_layers, reset_counts
 from .optimizer import build_optimizer, init_optimizer_state, track_stacked_state
 from .parallel_dims import ParallelDims, job_devices, resolve_dims
 from .profiling import Profiler
@@ -224,6 +225,7 @@ class Trainer:
                 model.init_weights(buffer_device=torch.device("tpu"))
         self.model = model
         self.model.train()
+        self.moe_layers = moe_layers(model)  # MoE layers' load statistics go into the metrics
 
         # -- optimizer, schedule
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
@@ -279,6 +281,7 @@ class Trainer:
 
         n = len(microbatches)
         total = None
+        reset_counts(self.moe_layers)  # MoE load statistics: this step's tokens per expert
         for inputs, labels in microbatches:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
             # loss_parallel): the cross entropy reduces across the tp shards, never gathering them,
@@ -499,6 +502,7 @@ class Trainer:
                         raise FloatingPointError(
                             f"loss is {loss_v} at step {step}; lower [optimizer] lr or check the data"
                         )
+                    rec.update(load_metrics(self.moe_layers))
                     rec.update(val or {})
                     logger.log(step, rec)
                     self.history.append({"step": step, **rec})
