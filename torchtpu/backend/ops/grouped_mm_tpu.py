@@ -27,11 +27,14 @@ partial sums are added over the row axes (`psum`) in float32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import sys
 
 import jax
+import jax.experimental.pallas.ops.tpu.megablox.gmm  # noqa: F401  (the module, for _costable_metadata)
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as _gmm
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as _tgmm
@@ -95,6 +98,48 @@ def unsupported_reason(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, shards: int =
     return None
 
 
+class _CostableNumpy:
+    """jax.numpy as megablox's tile bookkeeping (`make_group_metadata`) sees it while its kernels
+    are traced here: the same functions, except `repeat` (with a total length) and `histogram`,
+    which count with compares and sums instead of scatter-adds of scalars. XLA's TPU cost model
+    gives no time for a program holding a scatter-add of scalars, so without this every
+    Mixture-of-Experts step would get no step-time estimate. The results are the same integers."""
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+    @staticmethod
+    def repeat(a, repeats, axis=None, *, total_repeat_length=None):
+        if total_repeat_length is None or axis is not None or jnp.ndim(a) != 1 or jnp.ndim(repeats) != 1:
+            return jnp.repeat(a, repeats, axis=axis, total_repeat_length=total_repeat_length)
+        # position i takes the first entry whose cumulative count exceeds i; past the total, the last
+        ends = jnp.cumsum(repeats)
+        pos = jnp.arange(total_repeat_length, dtype=ends.dtype)
+        idx = jnp.sum(ends[None, :] <= pos[:, None], axis=1, dtype=jnp.int32)
+        return jnp.asarray(a)[jnp.minimum(idx, a.shape[0] - 1)]
+
+    @staticmethod
+    def histogram(a, bins=10, range=None, weights=None, density=None):  # noqa: A002  (numpy's names)
+        if weights is not None or density or not isinstance(bins, int):
+            return jnp.histogram(a, bins=bins, range=range, weights=weights, density=density)
+        edges = jnp.histogram_bin_edges(a, bins, range)
+        x = jnp.ravel(a).astype(edges.dtype)[:, None]
+        last = jnp.arange(bins) == bins - 1  # the last bin includes its right edge
+        inside = (x >= edges[None, :-1]) & jnp.where(last[None, :], x <= edges[None, 1:], x < edges[None, 1:])
+        return jnp.sum(inside, axis=0), edges
+
+
+@contextlib.contextmanager
+def _costable_metadata():
+    module = sys.modules["jax.experimental.pallas.ops.tpu.megablox.gmm"]
+    saved = module.jnp
+    module.jnp = _CostableNumpy()
+    try:
+        yield
+    finally:
+        module.jnp = saved
+
+
 def _local_sizes(ends, start, m_local):
     """Each group's row count inside rows [start, start + m_local) from the global group ends."""
     local_ends = jnp.clip(ends - start, 0, m_local)
@@ -135,7 +180,7 @@ def forward_gmm(x, w, ends, out_dtype):
     def kernel(x, w, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False):  # Mosaic index maps are 32-bit
+        with jax.enable_x64(False), _costable_metadata():  # Mosaic index maps are 32-bit
             out = _gmm(x, w, sizes, jnp.float32, tile, interpret=interpret)
         # rows past the last group belong to no group: the kernel leaves them unwritten
         valid = jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
@@ -160,7 +205,7 @@ def weight_grad_tgmm(a, b, ends, out_dtype):
     def kernel(a, b, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False):
+        with jax.enable_x64(False), _costable_metadata():
             out = _tgmm(a, b, sizes, jnp.float32, tile, num_actual_groups=groups, interpret=interpret)
         if axes:
             out = jax.lax.psum(out, axes)
