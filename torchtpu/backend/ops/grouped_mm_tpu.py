@@ -34,7 +34,7 @@ import math
 import sys
 
 import jax
-import jax.experimental.pallas.ops.tpu.megablox.gmm  # noqa: F401  (the module, for _costable_metadata)
+import jax.experimental.pallas.ops.tpu.megablox.gmm  # noqa: F401  (the module, for costable_metadata)
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as _gmm
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as _tgmm
@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
 
-__all__ = ["ROW_TILES", "forward_gmm", "tiling", "unsupported_reason", "weight_grad_tgmm"]
+__all__ = ["ROW_TILES", "costable_metadata", "forward_gmm", "tiling", "unsupported_reason", "weight_grad_tgmm"]
 
 log = logging.getLogger("torchtpu")
 
@@ -130,7 +130,7 @@ class _CostableNumpy:
 
 
 @contextlib.contextmanager
-def _costable_metadata():
+def costable_metadata():
     module = sys.modules["jax.experimental.pallas.ops.tpu.megablox.gmm"]
     saved = module.jnp
     module.jnp = _CostableNumpy()
@@ -180,7 +180,7 @@ def forward_gmm(x, w, ends, out_dtype):
     def kernel(x, w, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False), _costable_metadata():  # Mosaic index maps are 32-bit
+        with jax.enable_x64(False), costable_metadata():  # Mosaic index maps are 32-bit
             out = _gmm(x, w, sizes, jnp.float32, tile, interpret=interpret)
         # rows past the last group belong to no group: the kernel leaves them unwritten
         valid = jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
@@ -205,7 +205,7 @@ def weight_grad_tgmm(a, b, ends, out_dtype):
     def kernel(a, b, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False), _costable_metadata():
+        with jax.enable_x64(False), costable_metadata():
             out = _tgmm(a, b, sizes, jnp.float32, tile, num_actual_groups=groups, interpret=interpret)
         if axes:
             out = jax.lax.psum(out, axes)
