@@ -136,7 +136,8 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
 
 
 def with_torchtpu_kernel_costs(fn):
-    """`fn` with each Pallas flash-attention kernel in it declaring to XLA the cost torchtpu's
+    """`fn` with each Pallas flash-attention kernel in it (other kernels, such as megablox's, keep
+    their own declared costs) declaring to XLA the cost torchtpu's
     kernels declare for the same shapes (`attention_tpu.kernel_costs`: the blocks a causal kernel
     visits). The library's forward kernel declares the FLOPs of the whole, non-causal score matrix
     (twice the causal work) and its two backward kernels declare none, which XLA's cost model
@@ -152,7 +153,7 @@ def with_torchtpu_kernel_costs(fn):
     def recost(jaxpr):
         eqns = []
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
+            if eqn.primitive.name == "pallas_call" and len(eqn.invars[0].aval.shape) == 4:  # flash: q first
                 q, k = eqn.invars[0].aval, eqn.invars[1].aval
                 b, h, length, d = q.shape
                 costs = kernel_costs(b, h, length, k.shape[2], d, causal=True, itemsize=q.dtype.itemsize)
