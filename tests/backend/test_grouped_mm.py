@@ -278,3 +278,21 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
     assert not re.search(rf"\[{experts},{rows * 4}[,\]]|\[{experts},{rows}[,\]]", hlo)
     assert report["estimated_step_seconds"], report
     assert not any(report["wide_types"].values()), report["wide_types"]
+
+
+def test_router_gather_gradient_and_short_scatter_add_match_cpu():
+    """The router's top-k scores (`gather` along the experts) and their gradient (a scatter-add
+    along that short dimension, computed by compare-and-sum on tpu), with repeated indices too."""
+    torch.manual_seed(6)
+    scores = torch.randn(64, 8, requires_grad=True)
+    ids = torch.topk(scores.detach(), 2, dim=1).indices
+    grad = torch.randn(64, 2)
+    scores.gather(1, ids).backward(grad)
+    st = scores.detach().to("tpu").requires_grad_()
+    st.gather(1, ids.to("tpu")).backward(grad.to("tpu"))
+    assert_close_to_cpu(st.grad, scores.grad, "gather gradient", rtol=0, atol=0)
+    base = torch.randn(5, 6)
+    idx = torch.tensor([[0, 0, 3], [5, 1, 1], [2, 2, 2], [4, 0, 5], [1, 3, 3]])
+    src = torch.randn(5, 3)
+    got = torch.scatter_add(base.to("tpu"), 1, idx.to("tpu"), src.to("tpu"))
+    assert_close_to_cpu(got, torch.scatter_add(base, 1, idx, src), "scatter_add with repeats", rtol=1e-6, atol=1e-6)
