@@ -588,18 +588,21 @@ def _cummin_helper(self, values, indices, dim):
 def _sort(x, ax, descending):
     """Stable sort along `ax`: (values, int64 indices). NaN sorts above +inf."""
     _no_complex("sort", x)
-    idx = lax.broadcasted_iota(_I64, x.shape, ax)
+    # the positions travel through the sort as int32 where they fit (TPUs emulate 64-bit integers,
+    # as pairs of 32-bit words through the sort) and come out as PyTorch's int64
+    narrow = jnp.int32 if x.shape[ax] < 2**31 else _I64
+    idx = lax.broadcasted_iota(narrow, x.shape, ax)
     if x.shape[ax] <= 1:
-        return x, idx
+        return x, idx.astype(_I64)
     if not descending:
         values, indices = lax.sort((x, idx), dimension=ax, is_stable=True, num_keys=1)
-        return values, indices
+        return values, indices.astype(_I64)
     if _is_float(x):
         keys = ((~jnp.isnan(x)).astype(jnp.uint8), -x)
     else:
         keys = (~x,)
     out = lax.sort((*keys, x, idx), dimension=ax, is_stable=True, num_keys=len(keys))
-    return out[-2], out[-1]
+    return out[-2], out[-1].astype(_I64)
 
 
 @lower(aten.sort.default)
