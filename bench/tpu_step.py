@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
-from bench import jax_llama  # noqa: E402
+from bench import jax_llama, jax_moe  # noqa: E402
 from torchtpu.distributed.topology import (  # noqa: E402
     aot_compile,
     compile_report,
@@ -99,11 +99,28 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
         "heads": P(batch_axes, None, tp, None),
         "hidden": P(batch_axes, None, tp),
         "logits": P(batch_axes, None, tp),
+        "rows": P(batch_axes, None),
     }
 
     def pin(x, kind):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, acts[kind]))
 
+    if getattr(args, "moe_enabled", False):
+        if scan:
+            raise ValueError(
+                "the pure-JAX MoE reference runs its layers unrolled (as torchtpu's MoE blocks); drop --scan"
+            )
+        return jax_moe.make_loss(
+            args,
+            seq,
+            pin=pin,
+            compute_dtype=jnp.bfloat16,
+            remat=remat,
+            attention="pallas" if pallas else "xla",
+            mesh=mesh,
+            batch_axes=batch_axes,
+            tp=tp,
+        )
     return jax_llama.make_loss(
         args,
         seq,
@@ -119,7 +136,8 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
 
 
 def with_torchtpu_kernel_costs(fn):
-    """`fn` with each Pallas flash-attention kernel in it declaring to XLA the cost torchtpu's
+    """`fn` with each Pallas flash-attention kernel in it (other kernels, such as megablox's, keep
+    their own declared costs) declaring to XLA the cost torchtpu's
     kernels declare for the same shapes (`attention_tpu.kernel_costs`: the blocks a causal kernel
     visits). The library's forward kernel declares the FLOPs of the whole, non-causal score matrix
     (twice the causal work) and its two backward kernels declare none, which XLA's cost model
@@ -135,7 +153,7 @@ def with_torchtpu_kernel_costs(fn):
     def recost(jaxpr):
         eqns = []
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
+            if eqn.primitive.name == "pallas_call" and len(eqn.invars[0].aval.shape) == 4:  # flash: q first
                 q, k = eqn.invars[0].aval, eqn.invars[1].aval
                 b, h, length, d = q.shape
                 costs = kernel_costs(b, h, length, k.shape[2], d, causal=True, itemsize=q.dtype.itemsize)
@@ -201,7 +219,11 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
     t0 = time.perf_counter()
     # a pure-JAX program needs no 64-bit types (torchtpu turns jax's x64 on for PyTorch's int64 and
     # float64), and Mosaic's (Pallas TPU) index maps must be 32-bit
-    with jax.enable_x64(False):
+    from torchtpu.backend.ops.grouped_mm_tpu import costable_metadata
+
+    # megablox's tile bookkeeping counted with compares (XLA's TPU cost model cannot time its
+    # scatter-adds of scalars), as torchtpu's kernels run it
+    with jax.enable_x64(False), costable_metadata():
         lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
         compiled = aot_compile(lowered)
     dt = time.perf_counter() - t0
@@ -215,15 +237,15 @@ def full_depth_and_flops(cfg, shallow_trainer):
     """(n_layers, torchtitan's training FLOPs per token) of the job's model at its own depth (the
     trainers that cost it were built with fewer layers)."""
     import torch
-    from torchtitan.models.llama3 import Transformer
 
-    from torchtpu.train.metrics import model_flops_per_token
+    from torchtpu.models.registry import get_family
     from torchtpu.train.trainer import build_model_args
 
+    family = get_family(cfg.model.name)
     args = build_model_args(cfg, shallow_trainer.tokenizer.vocab_size)
     with torch.device("meta"):
-        model = Transformer(args)
-    return args.n_layers, model_flops_per_token(model, args, cfg.training.seq_len)[1]
+        model = family.build_model(args)
+    return args.n_layers, family.flops_per_token(model, args, cfg.training.seq_len)[1]
 
 
 def _log(msg):

@@ -208,10 +208,11 @@ def _step_probe(cfg):
         optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         stacked=[],  # no layer scan, no stacked parameter storage
         balanced_moe=[],  # no MoE layer moves its expert bias
+        moe_layers=[],
         _loss_context=contextlib.nullcontext,
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    loss, norm = Trainer._train_step(ns, [(x, x.roll(1, 1))])
+    loss, norm, _ = Trainer._train_step(ns, [(x, x.roll(1, 1))])
     return round(float(loss), 6), round(float(norm), 6), model.weight.detach().sum().item()
 
 

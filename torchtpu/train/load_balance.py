@@ -37,14 +37,16 @@ def balanced_moe_layers(model) -> list[tuple[object, bool]]:
     return out
 
 
-def update_expert_bias(layers: list[tuple[object, bool]]) -> None:
-    """torchtitan's expert-bias update for `layers` (balanced_moe_layers), in place."""
+def update_expert_bias(layers: list[tuple[object, bool]]):
+    """torchtitan's expert-bias update for `layers` (balanced_moe_layers), in place. Returns the
+    counts it used, [layers, experts] (the step's routed tokens: the metrics read them, since the
+    update zeroes the buffers), or None when a layer without a coefficient stops the update."""
     import torch
 
     counts = []
     for moe, recomputed in layers:
         if moe.load_balance_coeff is None:
-            return  # as torchtitan: a layer without a coefficient stops the whole update
+            return None  # as torchtitan: a layer without a coefficient stops the whole update
         n = moe.tokens_per_expert
         # torchtitan's n // 2; n holds whole counts, so floor(n / 2) is the same number, and it
         # lowers without the 64-bit float arithmetic of the tpu floor division by a Python integer
@@ -56,3 +58,4 @@ def update_expert_bias(layers: list[tuple[object, bool]]) -> None:
             delta = moe.load_balance_coeff * torch.sign(n.mean() - n)
             moe.expert_bias.add_(delta - delta.mean())
             moe.tokens_per_expert.zero_()
+    return by_layer

@@ -194,13 +194,18 @@ _CONSOLE = (
     (("mfu",), "mfu", "{:.2f}%"),
     (("step_time", "time_s", "step_time_s"), "step", "{:.3f}s"),
     (("memory_gib", "memory", "mem_gib"), "mem", "{:.2f}GiB"),
+    (("moe/max_over_mean",), "moe max/mean", "{:.2f}"),
 )
+# metrics.jsonl, TensorBoard and W&B only: the console line shows the one item above for them
+_FILE_ONLY_PREFIXES = ("moe/",)
 
 
 def _plain(value):
     """A JSON/TensorBoard-friendly Python value (numpy, jax and torch scalars become floats/ints)."""
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     if hasattr(value, "item"):
         try:
             return value.item()
@@ -328,7 +333,7 @@ class MetricsLogger:
                     used.add(key)
                     break
         for key, value in metrics.items():
-            if key not in used and key != "step" and value is not None:
+            if key not in used and key != "step" and value is not None and not key.startswith(_FILE_ONLY_PREFIXES):
                 value = _plain(value)
                 parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
         if self.color:

@@ -56,6 +56,7 @@ from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
 from .lr import build_schedule
 from .model_builder import ac_settings, build_meta_model, build_model_args, mixed_precision_dtypes
+from .moe_metrics import load_metrics, moe_layers, reset_counts, step_counts
 from .optimizer import build_optimizer, init_optimizer_state, track_stacked_state
 from .parallel_dims import ParallelDims, check_expert_parallel, job_devices, resolve_dims
 from .profiling import Profiler
@@ -242,6 +243,7 @@ class Trainer:
         self.model.train()
         # auxiliary-loss-free load balancing, as the family's torchtitan optimizer does it (load_balance.py)
         self.balanced_moe = balanced_moe_layers(model) if family.moe_load_balancing else []
+        self.moe_layers = moe_layers(model)  # MoE layers' load statistics go into the metrics
 
         # -- optimizer, schedule
         # In a dry run the learning rate is an unfilled program input too, and there is no schedule
@@ -297,6 +299,7 @@ class Trainer:
 
         n = len(microbatches)
         total = None
+        reset_counts(self.moe_layers)  # MoE load statistics: this step's tokens per expert
         for inputs, labels in microbatches:
             # With tensor parallelism the logits stay split over the vocabulary (torchtitan's
             # loss_parallel): the cross entropy reduces across the tp shards, never gathering them,
@@ -309,11 +312,12 @@ class Trainer:
         stack_gradients(self.stacked, self.model)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.training.max_norm, foreach=True)
+        counts = step_counts(self.moe_layers)  # the MoE metrics' (a bias update zeroes the buffers)
         if self.balanced_moe:  # torchtitan: an optimizer step pre-hook
             update_expert_bias(self.balanced_moe)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return (total / n if n > 1 else total), grad_norm
+        return (total / n if n > 1 else total), grad_norm, counts
 
     def _loss_context(self):
         import contextlib
@@ -486,7 +490,7 @@ class Trainer:
                 profiler.before(step)
                 batch = self.next_batch()
                 lr = self.current_lr()
-                loss, grad_norm = self.step_fn(batch)
+                loss, grad_norm, moe_counts = self.step_fn(batch)
                 maybe_stall(step, jax.process_index())
                 self.lr_scheduler.step()
                 self.step = step
@@ -521,6 +525,7 @@ class Trainer:
                         raise FloatingPointError(
                             f"loss is {loss_v} at step {step}; lower [optimizer] lr or check the data"
                         )
+                    rec.update(load_metrics(self.moe_layers, moe_counts))
                     rec.update(val or {})
                     logger.log(step, rec)
                     self.history.append({"step": step, **rec})

@@ -54,12 +54,23 @@ def _expand_masks(indices):
     return out
 
 
-def _index_tuple(indices):
-    return tuple(slice(None) if ix is None else ix for ix in indices)
+def narrow_index(ix, shape):
+    """Integer indices into an array of `shape` as int32 when every dimension is under 2**31
+    (same positions): XLA's TPU cost model gives no time for a gather or scatter with 64-bit
+    indices (PyTorch's indices are int64), and TPUs emulate 64-bit integers."""
+    if getattr(ix, "dtype", None) == jnp.int64 and all(n < 2**31 for n in shape):
+        return ix.astype(jnp.int32)
+    return ix
+
+
+def _index_tuple(indices, shape=None):
+    if shape is None:
+        return tuple(slice(None) if ix is None else ix for ix in indices)
+    return tuple(slice(None) if ix is None else narrow_index(ix, shape) for ix in indices)
 
 
 def _index_fn(self, indices):
-    return self[_index_tuple(indices)]
+    return self[_index_tuple(indices, self.shape)]
 
 
 _INDEX_JIT = jax.jit(_index_fn)
@@ -106,7 +117,7 @@ def _broadcast_values(values, target_shape, dtype):
 
 
 def _int_put(self, indices, values, accumulate):
-    idx = _index_tuple(indices)
+    idx = _index_tuple(indices, self.shape)
     target = jax.eval_shape(lambda s: s[idx], jax.ShapeDtypeStruct(self.shape, self.dtype)).shape
     values = _broadcast_values(values, target, self.dtype)
     if accumulate:
@@ -209,8 +220,11 @@ def _unsafe_masked_index_put_accumulate(self, mask, indices, values):
 # ----------------------------------------------------------------------------- gather / scatter
 
 
-def _full_index(index, dim):
-    """Index tuple addressing, for every element of `index`, position index[...] along `dim`."""
+def _full_index(index, dim, shape=None):
+    """Index tuple addressing, for every element of `index`, position index[...] along `dim` (of an
+    array of `shape`, when given: then int32 where it fits, see narrow_index)."""
+    if shape is not None:
+        index = narrow_index(index, tuple(shape) + tuple(index.shape))
     idx = []
     for d in range(index.ndim):
         if d == dim:
@@ -239,7 +253,7 @@ def gather(self, dim, index, sparse_grad=False):
         return self.reshape(-1)[index].reshape(())
     if index.size == 0:
         return jnp.zeros(index.shape, self.dtype)
-    return self[_full_index(index, dim)]
+    return self[_full_index(index, dim, self.shape)]
 
 
 def _prep_scatter(self, dim, index, src):
@@ -280,7 +294,7 @@ def scatter(self, dim, index, src=None, value=None, reduce=None):
     if index.size == 0:
         return self
     dim, index, src = _prep_scatter(self, dim, index, src)
-    at = self.at[_full_index(index, dim)]
+    at = self.at[_full_index(index, dim, self.shape)]
     if reduce is None:
         return at.set(src)
     if reduce == "add":
@@ -290,6 +304,32 @@ def scatter(self, dim, index, src=None, value=None, reduce=None):
     raise RuntimeError(f"torchtpu: scatter reduce argument must be 'add' or 'multiply', got {reduce!r}")
 
 
+# A scatter-add along a short dimension (gather's gradient, such as a Mixture-of-Experts router's
+# top-k scores) adds with compares and sums instead: XLA's TPU cost model gives no time for a
+# program holding a scatter-add of scalars. Used when every other dimension of the index is whole
+# and index length x dimension length is at most this.
+_DENSE_SCATTER_ADD = 8192
+
+
+def _dense_scatter_add_fits(self, dim, index) -> bool:
+    others = all(index.shape[d] == self.shape[d] for d in range(self.ndim) if d != dim)
+    return (
+        self.dtype != jnp.bool_
+        and index.ndim == self.ndim
+        and others
+        and index.shape[dim] * self.shape[dim] <= _DENSE_SCATTER_ADD
+    )
+
+
+def _dense_scatter_add(self, dim, index, src):
+    """self.scatter_add(dim, index, src) as sum_j (index[.., j, ..] == e) * src[.., j, ..]."""
+    idx = jnp.moveaxis(index, dim, -1)
+    values = jnp.moveaxis(src, dim, -1)
+    hit = idx[..., :, None] == jnp.arange(self.shape[dim], dtype=idx.dtype)
+    added = jnp.sum(jnp.where(hit, values[..., :, None], jnp.zeros((), values.dtype)), axis=-2)
+    return self + jnp.moveaxis(added, -1, dim).astype(self.dtype)
+
+
 @lower(aten.scatter_add.default)
 def scatter_add(self, dim, index, src):
     if self.ndim == 0:
@@ -297,9 +337,12 @@ def scatter_add(self, dim, index, src):
     if index.size == 0:
         return self
     dim, index, src = _prep_scatter(self, dim, index, src)
+    if _dense_scatter_add_fits(self, dim, index):
+        return _dense_scatter_add(self, dim, index, src)
+    idx = _full_index(index, dim, self.shape)
     if self.dtype == jnp.bool_:
-        return self.at[_full_index(index, dim)].max(src)
-    return self.at[_full_index(index, dim)].add(src)
+        return self.at[idx].max(src)
+    return self.at[idx].add(src)
 
 
 def _identity(reduce, dtype):
@@ -371,7 +414,7 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
 
 def _along(self, dim, index):
     dim = _dim(dim, max(self.ndim, 1))
-    return (slice(None),) * dim + (index.reshape(-1),)
+    return (slice(None),) * dim + (narrow_index(index.reshape(-1), self.shape),)
 
 
 def _source_along(self, dim, index, source):
@@ -400,7 +443,9 @@ def index_select(self, dim, index):
     if self.ndim == 0:
         return self.reshape(1)[index.reshape(-1)].reshape(())
     dim = _dim(dim, self.ndim)
-    return jnp.take(self, index.reshape(-1), axis=dim, mode="clip" if self.shape[dim] else "fill")
+    return jnp.take(
+        self, narrow_index(index.reshape(-1), self.shape), axis=dim, mode="clip" if self.shape[dim] else "fill"
+    )
 
 
 @lower(aten.index_add.default)

@@ -86,9 +86,8 @@ def _group_sizes(offs, n):
 
 @lower(aten._grouped_mm.default)
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
-    """torch._grouped_mm: one matmul per group of rows, as `jax.lax.ragged_dot` (a grouped matmul
-    kernel on TPU; other backends compute it masked). The forms a Mixture-of-Experts layer and its
-    gradients use, with `offs` the groups' cumulative ends:
+    """torch._grouped_mm: one matmul per group of rows. The forms a Mixture-of-Experts layer and
+    its gradients use, with `offs` the groups' cumulative ends:
 
     - (M, K) x (G, K, N) -> (M, N): rows offs[g-1]:offs[g] times the g-th matrix (the experts);
     - (K, M) x (M, N) -> (G, K, N): the g-th product over columns/rows offs[g-1]:offs[g] only (the
@@ -96,22 +95,58 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     - (G, M, K) x (K, N) -> (M, N): columns offs[g-1]:offs[g] of the product with the g-th matrix;
     - without offs, (G, M, K) x (G, K, N) -> (G, M, N), a batched matmul.
 
-    Rows (or columns) past the last group are zero, and accumulation is in float32 for bfloat16
-    inputs, rounded once, as in the other matmuls here."""
+    On TPU the first two run as megablox's grouped-matmul kernels (grouped_mm_tpu.py) where they
+    apply; elsewhere, and for what the kernels do not take, as `jax.lax.ragged_dot` (other backends
+    compute it masked). Rows (or columns) past the last group are zero, and accumulation is in
+    float32 for bfloat16 inputs, rounded once, as in the other matmuls here."""
     if bias is not None:
         raise NotImplementedError("torchtpu _grouped_mm: bias is not supported (as in PyTorch's CUDA kernel)")
     from .. import dtypes
 
     dt = dtypes.to_jax_dtype(out_dtype) if out_dtype is not None else jnp.result_type(self, mat2)
-    acc = jnp.float32 if _low_float(dt) or _low_float(self.dtype) else dt
-    # bf16 x bf16 products are exact in the float32 accumulator at any precision; HIGHEST on
-    # low-precision operands makes TPU's ragged-dot kernel fail to compile (Mosaic: "Bad lhs type")
-    low = _low_float(self.dtype) and _low_float(mat2.dtype)
-    kw = {"precision": None if low else HIGHEST, "preferred_element_type": acc}
     if offs is None:
         if self.ndim != 3 or mat2.ndim != 3:
             raise ValueError(f"_grouped_mm without offs needs two 3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
-        return jnp.matmul(self, mat2, **kw).astype(dt)
+        return jnp.matmul(self, mat2, **_grouped_kw(self, mat2, dt)).astype(dt)
+    if (self.ndim, mat2.ndim) not in ((2, 3), (2, 2), (3, 2)):
+        raise ValueError(f"_grouped_mm with offs takes 2-D/3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
+    if (self.ndim, mat2.ndim) == (3, 2):
+        return _ragged_grouped_mm(self, mat2, offs, dt)
+    from . import grouped_mm_tpu
+
+    form = "(M, K) x (G, K, N)" if mat2.ndim == 3 else "(K, M) x (M, N)"
+    reason = grouped_mm_tpu.unsupported_reason(
+        self.shape, mat2.shape, self.dtype, mat2.dtype, grouped_mm_tpu.shards_of(self, mat2)
+    )
+    if reason is None:
+        kernel = grouped_mm_tpu.forward_gmm if mat2.ndim == 3 else grouped_mm_tpu.weight_grad_tgmm
+
+        def tpu(a, b, o):
+            return kernel(a, b, jnp.minimum(o.astype(jnp.int32), a.shape[0] if b.ndim == 3 else a.shape[1]), dt)
+
+    else:
+
+        def tpu(a, b, o):
+            grouped_mm_tpu.note_fallback(form, reason)
+            return _ragged_grouped_mm(a, b, o, dt)
+
+    if reason is None and grouped_mm_tpu.interpreting():
+        return tpu(self, mat2, offs)
+    return lax.platform_dependent(self, mat2, offs, tpu=tpu, default=lambda a, b, o: _ragged_grouped_mm(a, b, o, dt))
+
+
+def _grouped_kw(a, b, dt):
+    """dot keywords of a grouped matmul: float32 accumulation for 16-bit floats. Products of
+    bfloat16 operands are exact in float32, so those ask for no extra precision (TPU's ragged dot
+    refuses a float32 contract precision on bfloat16 operands); other floats for HIGHEST."""
+    acc = jnp.float32 if _low_float(dt) or _low_float(a.dtype) else dt
+    precision = None if _low_float(a.dtype) and _low_float(b.dtype) else HIGHEST
+    return {"precision": precision, "preferred_element_type": acc}
+
+
+def _ragged_grouped_mm(self, mat2, offs, dt):
+    """_grouped_mm with offs as `jax.lax.ragged_dot` (any platform, any shape)."""
+    kw = _grouped_kw(self, mat2, dt)
     if self.ndim == 2 and mat2.ndim == 3:
         out = lax.ragged_dot(self, mat2, _group_sizes(offs, self.shape[0]), **kw)
     elif self.ndim == 2 and mat2.ndim == 2:
@@ -119,12 +154,10 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
             dot_dimension_numbers=(([1], [0]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
         )
         out = lax.ragged_dot_general(self, mat2, _group_sizes(offs, self.shape[1]), dims, **kw)
-    elif self.ndim == 3 and mat2.ndim == 2:
+    else:
         # (M, N)^T = (N, K) x (G, K, M), the groups ragged over N
         gs = _group_sizes(offs, mat2.shape[1])
         out = lax.ragged_dot(mat2.T, jnp.swapaxes(self, 1, 2), gs, **kw).T
-    else:
-        raise ValueError(f"_grouped_mm with offs takes 2-D/3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
     return out.astype(dt)
 
 

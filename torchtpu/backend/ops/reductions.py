@@ -588,18 +588,21 @@ def _cummin_helper(self, values, indices, dim):
 def _sort(x, ax, descending):
     """Stable sort along `ax`: (values, int64 indices). NaN sorts above +inf."""
     _no_complex("sort", x)
-    idx = lax.broadcasted_iota(_I64, x.shape, ax)
+    # the positions travel through the sort as int32 where they fit (TPUs emulate 64-bit integers,
+    # as pairs of 32-bit words through the sort) and come out as PyTorch's int64
+    narrow = jnp.int32 if x.shape[ax] < 2**31 else _I64
+    idx = lax.broadcasted_iota(narrow, x.shape, ax)
     if x.shape[ax] <= 1:
-        return x, idx
+        return x, idx.astype(_I64)
     if not descending:
         values, indices = lax.sort((x, idx), dimension=ax, is_stable=True, num_keys=1)
-        return values, indices
+        return values, indices.astype(_I64)
     if _is_float(x):
         keys = ((~jnp.isnan(x)).astype(jnp.uint8), -x)
     else:
         keys = (~x,)
     out = lax.sort((*keys, x, idx), dimension=ax, is_stable=True, num_keys=len(keys))
-    return out[-2], out[-1]
+    return out[-2], out[-1].astype(_I64)
 
 
 @lower(aten.sort.default)
@@ -791,7 +794,22 @@ def histc(self, bins=100, min=0, max=0):
     pos = (flat - lo) / (hi - lo) * bins
     ok = (flat >= lo) & (flat <= hi)
     pos = jnp.clip(jnp.where(ok, pos, 0), 0, bins - 1).astype(jnp.int32)
-    return jnp.zeros((bins,), x.dtype).at[pos].add(ok.astype(x.dtype))
+    return _count_bins(pos, ok, bins, x.dtype)
+
+
+# Up to this many bins, histc counts by comparing every element with every bin and summing (a
+# fused compare-and-reduce): XLA's TPU cost model gives no time for a program holding a scatter
+# of scalars, which is what counting by scatter-add is, so a Mixture-of-Experts step (its router
+# counts tokens per expert with histc) would get no step-time estimate. More bins: scatter-add.
+_COMPARE_BINS = 4096
+
+
+def _count_bins(pos, ok, bins, dtype):
+    """Counts (in `dtype`) of the positions `pos` (int32 in [0, bins)) where `ok`."""
+    if bins <= _COMPARE_BINS:
+        hit = (pos[:, None] == jnp.arange(bins, dtype=pos.dtype)[None, :]) & ok[:, None]
+        return jnp.sum(hit, axis=0, dtype=dtype)
+    return jnp.zeros((bins,), dtype).at[pos].add(ok.astype(dtype))
 
 
 def _histc_int(self, bins, min, max):
@@ -806,8 +824,8 @@ def _histc_int(self, bins, min, max):
         lo, hi = jnp.where(same, jnp.min(x), lo), jnp.where(same, jnp.max(x), hi)
     width = jnp.maximum(hi - lo, 1)
     ok = (x >= lo) & (x <= hi)
-    pos = jnp.clip(jnp.where(ok, (x - lo) * bins // width, 0), 0, bins - 1)
-    return jnp.zeros((bins,), self.dtype).at[pos].add(ok.astype(self.dtype))
+    pos = jnp.clip(jnp.where(ok, (x - lo) * bins // width, 0), 0, bins - 1).astype(jnp.int32)
+    return _count_bins(pos, ok, bins, self.dtype)
 
 
 # ----------------------------------------------------------------------------- prims (emitted by torch decompositions)
