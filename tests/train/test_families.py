@@ -298,7 +298,7 @@ def test_expert_parallel_gives_the_ep1_losses_and_resumes_under_another_degree(t
     got4 = [h["loss"] for h in t4.train()]
     print(f"EP 4 {got4}\nEP 1 {ep1[:3]}")
     assert _max_diff(got4, ep1[:3]) <= 1e-5
-    assert moe.tokens_per_expert.cpu().sum().item() == 3 * 8 * 32 * 2  # every routed token counted
+    assert moe.tokens_per_expert.cpu().sum().item() == 8 * 32 * 2  # every routed token of the last step counted
     resume = ("--checkpoint.enable", "--checkpoint.load_step", "2")
     t2 = Trainer(
         load_config(_argv(tmp_path, "debugmodel_moe", 4, "--parallelism.expert_parallel_degree", "2", *resume)),
