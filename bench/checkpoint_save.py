@@ -44,8 +44,8 @@ def main() -> None:
     import jax
 
     import torchtpu
-    from torchtpu.train.checkpoint import CheckpointManager
-    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.checkpoint.manager import CheckpointManager
+    from torchtpu.train.config.manager import load_config
     from torchtpu.train.trainer import Trainer
 
     dump = tempfile.mkdtemp(prefix="torchtpu-bench-ckpt-")

@@ -25,8 +25,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def compile_once(argv, layers: int, chunk: int, dump: str) -> dict:
     from torchtpu.distributed.topology import compile_report, count_collectives, dump_compiles_to, largest_temporaries
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import compile_step, unrolled
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import compile_step, unrolled
     from torchtpu.train.trainer import Trainer
 
     cfg = unrolled(load_config([*argv, "--tpu.loss_chunk_size", str(chunk)]))

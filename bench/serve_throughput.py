@@ -100,7 +100,7 @@ def run_generate(folder: str, a) -> dict:
     from torchtpu.distributed import init_device_mesh, materialize
     from torchtpu.generate import generate
     from torchtpu.models.llama3.parallelize import parallelize_llama
-    from torchtpu.train.hf_checkpoint import load_hf_into_model
+    from torchtpu.train.checkpoint.hf import load_hf_into_model
 
     args = model_args(a)
     from torchtitan.models.llama3 import Transformer

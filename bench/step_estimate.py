@@ -27,8 +27,8 @@ def main() -> None:
     args, rest = ap.parse_known_args()
 
     from torchtpu.distributed.topology import chip_spec
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import estimate_lines, step_estimate
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import estimate_lines, step_estimate
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])

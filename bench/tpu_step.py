@@ -61,7 +61,7 @@ BETAS, EPS = (0.9, 0.95), 1e-8
 
 def torchtpu_program(cfg, n_layers=None):
     """(compile_report, seconds to compile, trainer) of the trainer's step."""
-    from torchtpu.train.dry_run import compile_step
+    from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
     t = Trainer(cfg, n_layers=n_layers)
@@ -267,8 +267,8 @@ def main(argv=None):
     ap.add_argument("--no-full", action="store_true", help="skip the full-depth compiles (no HBM/collectives)")
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import COSTING_DEPTHS, recompute_factor, unrolled, with_loop_warning
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS, recompute_factor, unrolled, with_loop_warning
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])

@@ -153,8 +153,8 @@ def train_main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     log = None  # the host's full stderr, when the console gets it filtered
     debug = _wants_debug(args)
-    from torchtpu.train.config_manager import HelpRequested, load_config
-    from torchtpu.train.job_config import ConfigError, topology_num_devices
+    from torchtpu.train.config.job_config import ConfigError, topology_num_devices
+    from torchtpu.train.config.manager import HelpRequested, load_config
     from torchtpu.train.parallel_dims import resolve_dims
 
     try:

@@ -49,7 +49,7 @@ class ConvertError(ValueError):
 
 
 def detect_format(path: str) -> str:
-    from torchtpu.train.hf_checkpoint import is_hf_folder
+    from torchtpu.train.checkpoint.hf import is_hf_folder
 
     if os.path.isfile(path):
         return "torch"
@@ -76,7 +76,7 @@ def detect_format(path: str) -> str:
 class _HFSource:
     def __init__(self, path, model_args):
         from torchtpu.models.hf_adapter import HFLayout
-        from torchtpu.train.hf_checkpoint import HFFolder
+        from torchtpu.train.checkpoint.hf import HFFolder
 
         self.hf = HFFolder(path)
         self.layout = HFLayout(model_args)
@@ -138,7 +138,7 @@ class _DCPSource:
 
 class _TorchSource:
     def __init__(self, path):
-        from torchtpu.train.checkpoint import canonical_name
+        from torchtpu.train.checkpoint.manager import canonical_name
 
         sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped, not read
         if isinstance(sd, dict) and isinstance(sd.get("model"), dict):
@@ -154,14 +154,14 @@ class _TorchSource:
 
 class _TorchtpuSource:
     def __init__(self, path, step):
-        from torchtpu.train.checkpoint import CheckpointManager, canonical_name, split_step_path
+        from torchtpu.train.checkpoint.manager import CheckpointManager, canonical_name, split_step_path
 
         folder, in_path = split_step_path(path)
         self.ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
         self.step = step if step is not None else in_path if in_path is not None else self.ck.latest_step()
         if self.step is None:
             raise ConvertError(f"{path}: no checkpoint (step_N folder) in it")
-        tree = self.ck.manifest(self.step)  # {"dict": [[key, node], ...]} (torchtpu.train.checkpoint's format)
+        tree = self.ck.manifest(self.step)  # {"dict": [[key, node], ...]} (torchtpu.train.checkpoint.manager's format)
         model = dict(tree["dict"]).get("model") if "dict" in tree else None
         if not model or "dict" not in model:
             raise ConvertError(f"{self.ck.step_path(self.step)} holds no model weights")
@@ -229,7 +229,7 @@ def write_output(
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
     if fmt == "hf":
-        from torchtpu.train.hf_checkpoint import DEFAULT_MAX_SHARD_BYTES, save_hf
+        from torchtpu.train.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
 
         shapes = dict(src.entries)
         return save_hf(
@@ -255,7 +255,7 @@ def write_output(
         import jax
 
         from torchtpu.backend import dtypes
-        from torchtpu.train.checkpoint import CheckpointManager
+        from torchtpu.train.checkpoint.manager import CheckpointManager
 
         dev = jax.local_devices()[0]
         arrays = {}

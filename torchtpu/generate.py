@@ -29,7 +29,7 @@ def tokenizer_for(cfg, checkpoint: str):
     `checkpoint` if it is a Hugging Face folder holding them; else the bundled one."""
     import os
 
-    from torchtpu.train.hf_checkpoint import is_hf_folder
+    from torchtpu.train.checkpoint.hf import is_hf_folder
     from torchtpu.train.tokenizer import build_tokenizer
 
     path = cfg.model.hf_assets_path
@@ -47,7 +47,7 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     import torchtpu  # noqa: F401
     from torchtpu.distributed import init_device_mesh, materialize
     from torchtpu.models.registry import FAMILIES, get_family
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.model_builder import build_model_args
     from torchtpu.train.parallel_dims import resolve_dims
 
@@ -77,13 +77,13 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
         model.init_weights(buffer_device=torch.device("tpu"))  # the RoPE table; weights are overwritten
     model.eval()
 
-    from torchtpu.train.hf_checkpoint import HFCheckpointError, is_hf_folder, load_hf_into_model
+    from torchtpu.train.checkpoint.hf import HFCheckpointError, is_hf_folder, load_hf_into_model
 
     try:
         if is_hf_folder(checkpoint):
             load_hf_into_model(checkpoint, model, args)
         else:
-            from torchtpu.train.checkpoint import CheckpointManager, load_model_weights, split_step_path
+            from torchtpu.train.checkpoint.manager import CheckpointManager, load_model_weights, split_step_path
 
             folder, step = split_step_path(checkpoint)
             ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
@@ -164,8 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0)
     a, overrides = p.parse_known_args(argv)
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
+    from torchtpu.train.config.manager import load_config
 
     try:
         if a.max_new_tokens < 1:

@@ -138,7 +138,7 @@ def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_s
     the scanned run's losses."""
     import shutil
 
-    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.config.manager import load_config
     from torchtpu.train.trainer import Trainer
 
     from ..train.test_trainer import cpu_state, reference_losses
@@ -181,8 +181,8 @@ def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_s
 
 def _trainer_step_hlo(tmp_path, n_layers, *extra):
     """The trainer's compiled step (debugmodel, FSDP over 8 CPU devices) at `n_layers` blocks."""
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import compile_step
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
     from ..train.test_trainer import small_argv
@@ -253,8 +253,8 @@ def test_tpu_step_casts_one_block_of_the_stacked_weights_at_a_time():
 
     if not libtpu_available():
         pytest.skip("libtpu is not installed")
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import compile_step
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
     argv = ["--config", "train_configs/llama3_8b.toml", "--dry-run", "--tpu.topology", "v5p:2x2x1"]

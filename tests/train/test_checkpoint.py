@@ -1,4 +1,4 @@
-"""Checkpoint/resume with real Orbax checkpoints on disk (torchtpu.train.checkpoint)."""
+"""Checkpoint/resume with real Orbax checkpoints on disk (torchtpu.train.checkpoint.manager)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torchtpu
-from torchtpu.train.checkpoint import (
+from torchtpu.train.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     load_model_state,
@@ -325,7 +325,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     folder = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
         import os, torch, torchtpu
-        from torchtpu.train.checkpoint import CheckpointManager
+        from torchtpu.train.checkpoint.manager import CheckpointManager
         ckpt = CheckpointManager({str(folder)!r}, interval=1, async_mode="async")
         ckpt.save(1, {{"x": torch.full((4,), 1.0).to("tpu")}})
         ckpt.wait()
@@ -382,7 +382,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     import signal
     import time
 
-    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.config.manager import load_config
     from torchtpu.train.trainer import Trainer
 
     dump = tmp_path / "run"

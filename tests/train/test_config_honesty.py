@@ -1,7 +1,7 @@
 """A configuration that never lies: every key of the trainer's schema either changes what the trainer
 does, or a non-default value is refused with an error naming the key.
 
-The list of keys comes from the schema itself (torchtpu.train.job_config), so a key added without a
+The list of keys comes from the schema itself (torchtpu.train.config.job_config), so a key added without a
 behaviour (or a refusal) makes test_every_key_is_accounted_for fail. Each key is in exactly one group:
 
 - PROBED: changing the key (alone, from a base configuration) changes `plan(cfg)`, what the
@@ -27,10 +27,10 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train import config_manager as C
-from torchtpu.train import config_schema as schema
-from torchtpu.train import job_config as S
 from torchtpu.train import parallel_dims as P
+from torchtpu.train.config import job_config as S
+from torchtpu.train.config import manager as C
+from torchtpu.train.config import schema
 from torchtpu.train.xla_env import xla_env_updates
 
 KEYS = [".".join(path) for path, _ in schema.walk(S.JobConfig)]

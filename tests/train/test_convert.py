@@ -57,7 +57,7 @@ def test_dcp_to_torchtpu_and_back(tmp_path, titan_state):
     """A checkpoint written by PyTorch's DCP from a torchtitan Transformer state dict (in a process
     without torchtpu) converts to a torchtpu checkpoint and back to DCP with equal tensors, read
     back by DCP in a process without torchtpu; the torchtpu checkpoint holds them too."""
-    from torchtpu.train.checkpoint import CheckpointManager
+    from torchtpu.train.checkpoint.manager import CheckpointManager
 
     torch.save(titan_state, tmp_path / "ref.pt")
     clean_python(_TITAN_DCP_SAVE, tmp_path / "ref.pt", tmp_path / "titan")

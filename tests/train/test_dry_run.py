@@ -1,4 +1,4 @@
-"""The dry run's step-time estimate: honest through loops over layers (torchtpu/train/dry_run.py).
+"""The dry run's step-time estimate: honest through loops over layers (torchtpu/train/dry_run/estimate.py).
 
 XLA's cost analysis costs a while-loop body once, so a program whose layers run under lax.scan
 reports a fraction of its work. The dry run costs the step from unrolled 2- and 4-layer
@@ -118,9 +118,9 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
     the full program looks like, so the scanned trainer's estimate is also the unrolled trainer's,
     and each TPU program here is compiled once (the full unrolled step, the scanned step, 2 and 4
     layers)."""
-    import torchtpu.train.dry_run as dry_run_module
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import compile_step, dry_run, step_estimate
+    import torchtpu.train.dry_run.estimate as dry_run_module
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
 
     argv = [
@@ -185,7 +185,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
 def test_an_estimate_from_costing_programs_with_loops_is_withdrawn():
     """If a costing program still holds a while loop (its body costed once), the extrapolated time
     is not shown as an estimate, and the method says why."""
-    from torchtpu.train.dry_run import with_loop_warning
+    from torchtpu.train.dry_run.estimate import with_loop_warning
 
     est = {"method": "extrapolated", "flops_per_device": 1e12, "estimated_step_seconds": 0.5}
     assert with_loop_warning(est, [{"while_loops": []}, {}]) == est

@@ -1,4 +1,4 @@
-"""The dry run's cache of compile reports (torchtpu/train/dry_run_cache.py): a repeated dry run of
+"""The dry run's cache of compile reports (torchtpu/train/dry_run/cache.py): a repeated dry run of
 the same program prints what compiling again would, without compiling; any change to the program
 compiles again; a damaged cache is a miss, never an error."""
 
@@ -15,8 +15,8 @@ ARGV = ["--config", "train_configs/debug_model.toml", "--dry-run", "--training.s
 def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
     """(printed lines, number of XLA compiles) of one dry run of the debug model on the CPU devices."""
     import torchtpu.backend.aot as aot
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import dry_run
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import dry_run
     from torchtpu.train.trainer import Trainer
 
     compiles = []

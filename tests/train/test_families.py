@@ -15,7 +15,7 @@ import os
 import pytest
 
 from torchtpu.distributed.topology import libtpu_available
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
 from .reference import cpu_state, reference_run
@@ -177,7 +177,7 @@ def test_registry_is_what_the_config_offers():
     import importlib
 
     from torchtpu.models.registry import FAMILIES, UnknownModel, get_family, model_flavors
-    from torchtpu.train.job_config import MODEL_FLAVORS
+    from torchtpu.train.config.job_config import MODEL_FLAVORS
 
     assert MODEL_FLAVORS == model_flavors()
     for family in FAMILIES.values():
@@ -212,7 +212,7 @@ def test_registry_declares_what_torchtitan_train_specs_do():
 def test_flex_attention_flavors_are_refused_or_sdpa_on_request(tmp_path):
     """The flavors torchtitan runs through flex_attention: one line naming it (and the fix), or with
     [model] attn_type = "sdpa" causal SDPA; iRoPE's chunked attention is refused either way."""
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.model_builder import build_model_args
 
     def args(name, flavor, *extra):
@@ -316,7 +316,7 @@ def test_expert_parallel_config_errors(tmp_path):
     """One line naming the keys and the fix: a degree that does not divide the FSDP shards or the
     experts, expert parallelism on a dense model or with tensor parallelism, and ETP other than 1."""
     from torchtpu.models.registry import get_family
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.parallel_dims import check_expert_parallel, resolve_dims
 
     def cfg(flavor, *extra):
@@ -355,7 +355,7 @@ def test_expert_parallel_step_compiles_for_tpu_with_all_to_all_and_grouped_matmu
     compiler): the tokens travel by all-to-all (dispatch and combine, forward and backward, in
     both layers), the experts run as TPU ragged-dot kernels, and there is no loop at all (no
     per-expert loop)."""
-    from torchtpu.train.dry_run import compile_step
+    from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
     argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.topology", "v5p:2x2x1")

@@ -223,8 +223,8 @@ def test_a_second_ctrl_c_aborts_at_once():
 def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
     """Across hosts pids mean nothing: a lock written on another host holds while its heartbeat is
     fresh and is taken over once it is older than STALE_SECONDS (by the folder's own clock)."""
+    from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.dump_lock import LOCK_NAME, STALE_SECONDS, DumpFolderLock
-    from torchtpu.train.job_config import ConfigError
 
     path = tmp_path / LOCK_NAME
     holder = {"job": "run-7", "host": "tpu-vm-other-3", "pid": 4242, "started": "2026-01-01T00:00:00+00:00"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -26,7 +26,7 @@ def hf_folder(tmp_path_factory):
     """torchtitan debugmodel weights (its own init, seed 0) as a Hugging Face folder."""
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    from torchtpu.train.hf_checkpoint import save_hf
+    from torchtpu.train.checkpoint.hf import save_hf
 
     args = llama3_args["debugmodel"]
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
 
@@ -217,7 +217,7 @@ def test_convert_both_ways_is_bit_exact(round_trip):
 def test_hf_config_mismatch_and_missing_adapter_are_one_line_errors(round_trip, tmp_path):
     from torchtpu.models.hf_adapter import HFLayout, HFLayoutError
     from torchtpu.models.registry import get_family
-    from torchtpu.train.hf_checkpoint import HFCheckpointError, load_hf_arrays
+    from torchtpu.train.checkpoint.hf import HFCheckpointError, load_hf_arrays
 
     folder = round_trip["folder"]
     args = dataclasses.replace(_args(round_trip["flavor"]), rope_theta=10000.0)
@@ -247,7 +247,7 @@ def test_family_without_hf_weights_is_a_one_line_config_error(tmp_path):
     """DeepSeek-V3 names torchtitan's adapter but has no config.json writer here: asked for Hugging
     Face weights, it stops at start-up (not after training) with one line naming the families that
     have them."""
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.trainer import Trainer
 
     config = os.path.join(REPO, "train_configs", "deepseek_v3_debug.toml")

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors in and out of torchtpu-train (torchtpu.train.hf_checkpoint).
+"""Hugging Face safetensors in and out of torchtpu-train (torchtpu.train.checkpoint.hf).
 
 The oracle is code nobody here wrote: `transformers.LlamaForCausalLM` on the CPU reads the folder
 the trainer exports, and torchtitan's state-dict adapter defines names and the q/k permutation.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config_manager import load_config
-from torchtpu.train.job_config import ConfigError
+from torchtpu.train.config.job_config import ConfigError
+from torchtpu.train.config.manager import load_config
 
 from ..processes import free_port, run_together
 from .debug_run import DEBUG_TOML, REPO, debug_argv
@@ -202,7 +202,7 @@ def test_weights_roundtrip_exactly(exported, tmp_path):
     """HF folder -> model (FSDP8) -> HF folder: every tensor bit-identical (fp32)."""
     from safetensors.torch import load_file
 
-    from torchtpu.train.hf_checkpoint import save_model_as_hf
+    from torchtpu.train.checkpoint.hf import save_model_as_hf
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(
@@ -269,7 +269,7 @@ def _write_folder(folder, model_args, max_shard_bytes=None, seed=0, tokenizer=No
     """A Hugging Face folder of random weights for `model_args`, written tensor by tensor."""
     from torchtitan.models.llama3 import Transformer
 
-    from torchtpu.train.hf_checkpoint import save_hf
+    from torchtpu.train.checkpoint.hf import save_hf
 
     with torch.device("meta"):
         m = Transformer(model_args)
@@ -349,7 +349,7 @@ _MEMORY_WORKER = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from torchtitan.models.llama3 import Transformer
     from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtpu.train.hf_checkpoint import load_hf_arrays
+    from torchtpu.train.checkpoint.hf import load_hf_arrays
     args = TransformerModelArgs(**json.loads(args_json))
     with torch.device("meta"):
         m = Transformer(args)

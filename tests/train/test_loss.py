@@ -231,7 +231,7 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
     step after step (training on, so gradients are compared through the updates)."""
     import os
 
-    from torchtpu.train.config_manager import load_config
+    from torchtpu.train.config.manager import load_config
     from torchtpu.train.trainer import Trainer
 
     toml = os.path.join(

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO, debug_argv
 
@@ -74,7 +74,7 @@ def test_tensor_parallel_only_job_computes_in_bf16(tmp_path):
 
 SINGLE_DEVICE = """
 import json, sys
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 from tests.train.test_mixed_precision import compiled_step_dots
 cfg = load_config(json.loads(sys.argv[1]))
 dots, t = compiled_step_dots(cfg)

@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from torchtpu.train.config_manager import load_config
-from torchtpu.train.dry_run import compile_step, unrolled
+from torchtpu.train.config.manager import load_config
+from torchtpu.train.dry_run.estimate import compile_step, unrolled
 from torchtpu.train.trainer import Trainer
 
 from .debug_run import DEBUG_TOML

@@ -91,8 +91,8 @@ def test_wide_types_counts_shapes_and_emulation_calls():
 
 
 def _compiled_step_text(tmp_path, *extra, n_layers=None):
-    from torchtpu.train.config_manager import load_config
-    from torchtpu.train.dry_run import compile_step
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--job.dump_folder", str(tmp_path), "--dry-run", "--tpu.topology", "v5p:2x2x1", *extra])

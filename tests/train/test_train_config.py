@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from torchtpu import cli
-from torchtpu.train import config_manager as C
-from torchtpu.train import config_schema as schema
-from torchtpu.train import job_config as S
 from torchtpu.train import parallel_dims as P
+from torchtpu.train.config import job_config as S
+from torchtpu.train.config import manager as C
+from torchtpu.train.config import schema
 from torchtpu.train.xla_env import xla_env_updates
 
 REPO = Path(__file__).resolve().parents[2]
@@ -224,7 +224,7 @@ def test_config_module_imports_only_the_standard_library():
     code = (
         "import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
         "sys.modules['c'] = pkg; "
-        "[importlib.import_module('c.' + m) for m in ('config_schema', 'job_config', 'config_manager', 'parallel_dims')]; "
+        "[importlib.import_module('c.' + m) for m in ('config.schema', 'config.job_config', 'config.manager', 'parallel_dims')]; "
         "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))"
     )
     out = subprocess.run(

@@ -20,7 +20,7 @@ import torch
 import torchtpu  # noqa: F401
 from torchtpu.backend.tensor import storage_of
 from torchtpu.cli import train_main
-from torchtpu.train.config_manager import load_config
+from torchtpu.train.config.manager import load_config
 
 from .debug_run import DEBUG_TOML, REPO, debug_argv
 from .reference import cpu_state, reference_losses
@@ -123,7 +123,7 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     """last_save_model_only + export_dtype: the final save of run A (step 6) holds only the weights, in
     bfloat16. A job in the same folder finds the run complete; one with more steps resumes from the newest
     full checkpoint (step 3); a new job starts from the final weights through initial_load_path."""
-    from torchtpu.train.checkpoint import CheckpointError, CheckpointManager, is_model_only
+    from torchtpu.train.checkpoint.manager import CheckpointError, CheckpointManager, is_model_only
     from torchtpu.train.trainer import Trainer
 
     folder = os.path.join(runs["dump"], "checkpoint")
@@ -161,7 +161,7 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     got = cpu_state(new.model)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     # asking for the whole state of a model-only save is a config error naming the fix
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
 
     bad = Trainer(
         load_config(

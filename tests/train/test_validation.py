@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu.train.config_manager import load_config
-from torchtpu.train.job_config import ConfigError
+from torchtpu.train.config.job_config import ConfigError
+from torchtpu.train.config.manager import load_config
 
 from .debug_run import debug_argv
 

@@ -70,8 +70,8 @@ def default_log_dir(cmd: list[str]) -> str:
     args = trainer_args(cmd)
     if args is None:
         return os.path.abspath("torchtpu_logs")
-    from torchtpu.train.config_manager import HelpRequested, load_config
-    from torchtpu.train.job_config import ConfigError
+    from torchtpu.train.config.job_config import ConfigError
+    from torchtpu.train.config.manager import HelpRequested, load_config
 
     try:
         cfg = load_config(args)

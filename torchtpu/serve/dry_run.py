@@ -257,7 +257,7 @@ def run(a) -> int:
 
     from torchtpu.distributed import init_device_mesh
     from torchtpu.distributed.topology import chip_of, depth_extrapolated_cost, topology_devices
-    from torchtpu.train.dry_run import COSTING_DEPTHS  # XLA's per-layer time has settled by 2 -> 4 layers
+    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS  # XLA's per-layer time has settled by 2 -> 4 layers
 
     from .sharding import AXIS
     from .steps import Buckets

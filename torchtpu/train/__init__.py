@@ -4,6 +4,6 @@ Only the configuration layer is imported here (it needs nothing beyond the stand
 the other modules are imported where they are used.
 """
 
-from .config_manager import load_config  # noqa: F401
-from .job_config import ConfigError, JobConfig  # noqa: F401
+from .config.job_config import ConfigError, JobConfig  # noqa: F401
+from .config.manager import load_config  # noqa: F401
 from .parallel_dims import ParallelDims, resolve_dims  # noqa: F401

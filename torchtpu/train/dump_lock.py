@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 
-from .job_config import ConfigError
+from .config.job_config import ConfigError
 
 __all__ = ["LOCK_NAME", "RUN_ID_ENV", "HEARTBEAT_SECONDS", "STALE_SECONDS", "DumpFolderLock", "hold_dump_folder"]
 

@@ -4,7 +4,7 @@ with the same micro-batch."""
 
 from __future__ import annotations
 
-from .job_config import ConfigError
+from .config.job_config import ConfigError
 
 __all__ = ["loader_states", "load_loader_state"]
 

@@ -25,7 +25,7 @@ import warnings
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from .job_config import JobConfig
+from .config.job_config import JobConfig
 
 DECAY_TYPES = ("linear", "sqrt", "cosine")
 

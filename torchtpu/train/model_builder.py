@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from .job_config import ConfigError, JobConfig
+from .config.job_config import ConfigError, JobConfig
 
 __all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac_settings", "torch_dtype"]
 

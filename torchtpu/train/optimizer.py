@@ -5,7 +5,7 @@ so a checkpoint can be restored into it in place.
 
 from __future__ import annotations
 
-from .job_config import JobConfig
+from .config.job_config import JobConfig
 
 __all__ = [
     "build_optimizer",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config_manager import check_fields, check_paths, check_relations, describe_keys
-from .job_config import ConfigError, JobConfig
+from .config.job_config import ConfigError, JobConfig
+from .config.manager import check_fields, check_paths, check_relations, describe_keys
 
 __all__ = ["ParallelDims", "resolve_dims", "job_devices", "check_expert_parallel"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .config.job_config import JobConfig
 from .console import log
-from .job_config import JobConfig
 
 __all__ = ["Profiler"]
 

@@ -1,6 +1,6 @@
 """The training loop behind `torchtpu-train`: one compiled XLA program per optimizer step.
 
-    status = main(cfg)          # cfg from torchtpu.train.config_manager.load_config; returns the exit status
+    status = main(cfg)          # cfg from torchtpu.train.config.manager.load_config; returns the exit status
 
 What a run does, in order:
 
@@ -47,10 +47,10 @@ import os
 import sys
 import time
 
-from .config_manager import save_resolved_config
+from .config.job_config import ConfigError, JobConfig
+from .config.manager import save_resolved_config
 from .console import log
 from .fault import Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
-from .job_config import ConfigError, JobConfig
 from .load_balance import balanced_moe_layers, update_expert_bias
 from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
@@ -104,7 +104,7 @@ def build_checkpointer(cfg: JobConfig):
     ck = cfg.checkpoint
     if not ck.enable:
         return None
-    from .checkpoint import CheckpointManager
+    from .checkpoint.manager import CheckpointManager
 
     return CheckpointManager(
         os.path.join(cfg.job.dump_folder, ck.folder),
@@ -358,7 +358,7 @@ class Trainer:
     # -- checkpoint state --------------------------------------------------------------------
 
     def state(self) -> dict:
-        from .checkpoint import model_state, optimizer_state
+        from .checkpoint.manager import model_state, optimizer_state
 
         return {
             "model": model_state(self.model),
@@ -375,7 +375,7 @@ class Trainer:
         if final and ck.last_save_model_only:
             import torch
 
-            from .checkpoint import model_only_state
+            from .checkpoint.manager import model_only_state
 
             return model_only_state(self.model, self.step, getattr(torch, ck.export_dtype))
         return self.state()
@@ -383,7 +383,7 @@ class Trainer:
     def _save(self, step: int, state: dict, force: bool) -> None:
         """Checkpoint `step` and say what was written: its size and time (an asynchronous save: the
         time to copy it off the devices; the files follow in the background)."""
-        from .checkpoint_files import describe_size, folder_size
+        from .checkpoint.files import describe_size, folder_size
 
         t0 = time.perf_counter()
         if not self.checkpointer.save(step, state, force=force):
@@ -400,7 +400,7 @@ class Trainer:
         (<checkpoint folder>/hf_step_N, in checkpoint.export_dtype), with the job's tokenizer."""
         import torch
 
-        from .hf_checkpoint import save_model_as_hf
+        from .checkpoint.hf import save_model_as_hf
 
         ck = self.cfg.checkpoint
         folder = os.path.join(self.cfg.job.dump_folder, ck.folder, f"hf_step_{step}")
@@ -414,14 +414,14 @@ class Trainer:
         log(f"final weights as a Hugging Face folder: {folder}")
 
     def maybe_resume(self) -> bool:
-        """Restore this run's newest checkpoint, or the initial one; see resume.py."""
-        from .resume import maybe_resume
+        """Restore this run's newest checkpoint, or the initial one; see checkpoint/resume.py."""
+        from .checkpoint.resume import maybe_resume
 
         return maybe_resume(self)
 
     def restore_full(self, ck, step: int) -> None:
         """Restore the whole training state of checkpoint `step` of `ck` in place."""
-        from .checkpoint import load_model_state, load_optimizer_state
+        from .checkpoint.manager import load_model_state, load_optimizer_state
 
         cfg = self.cfg.checkpoint
         init_optimizer_state(self.optimizer, self.mesh)
@@ -586,7 +586,7 @@ class Trainer:
 
     def dry_run(self) -> int:
         """Compile the step ahead of time without allocating arrays; report; 0 if it fits else 1."""
-        from .dry_run import dry_run
+        from .dry_run.estimate import dry_run
 
         return dry_run(self)
 
@@ -641,7 +641,7 @@ def main(cfg: JobConfig) -> int:
                 )
             watchdog = StepWatchdog(cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds)
         if cfg.tpu.dry_run:
-            from .dry_run import phase
+            from .dry_run.estimate import phase
 
             with phase("building the job (model on meta, parallelized)"):
                 trainer = Trainer(cfg)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 
-from .job_config import ConfigError
+from .config.job_config import ConfigError
 
 __all__ = ["Validator", "build_validator"]
 

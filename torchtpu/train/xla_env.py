@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .job_config import JobConfig
+from .config.job_config import JobConfig
 
 __all__ = ["xla_env_updates"]
 

@@ -236,7 +236,7 @@ def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
     from torchtpu.backend.tensor import TpuTensor
     from torchtpu.backend.views import array_of, write
 
-    from .checkpoint import canonical_name
+    from .manager import canonical_name
 
     own, seen = {}, set()
     for k, t in model.state_dict(keep_vars=True).items():
@@ -409,7 +409,7 @@ def save_model_as_hf(
     writes."""
     import jax
 
-    from .checkpoint import canonical_name
+    from .manager import canonical_name
 
     own = {canonical_name(k): t for k, t in model.state_dict(keep_vars=True).items()}
     entries = [(k, tuple(t.shape)) for k, t in own.items()]

@@ -22,8 +22,8 @@ import os
 import tomllib
 from typing import Any
 
-from .config_schema import TORCHTITAN_ONLY_KEYS, TORCHTITAN_ONLY_SECTIONS, Spec, fmt, section_name, section_specs, walk
 from .job_config import MODEL_FLAVORS, ConfigError, JobConfig
+from .schema import TORCHTITAN_ONLY_KEYS, TORCHTITAN_ONLY_SECTIONS, Spec, fmt, section_name, section_specs, walk
 
 __all__ = [
     "COMMAND_LINE",

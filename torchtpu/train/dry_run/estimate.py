@@ -112,7 +112,7 @@ def _step_report(trainer, dump: str | None = None, label: str = "the full progra
     from torchtpu.backend.aot import aot_compile
     from torchtpu.distributed.topology import compile_report, dump_compiles_to, largest_temporaries
 
-    from . import dry_run_cache
+    from . import cache as dry_run_cache
 
     with phase(f"lowering {label}"):
         lowered = trainer.step_fn.lower_for(_micro_batch(trainer))
@@ -215,7 +215,7 @@ def with_loop_warning(est: dict, costing_reports) -> dict:
 def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
     """The dry run's lines on model FLOPs and the estimated step (time, tokens/s, MFU) of
     `trainer`'s job, from `est` (step_estimate's per-micro-batch cost) and the chip's bf16 peak."""
-    from .model_builder import ac_settings
+    from ..model_builder import ac_settings
 
     dims = trainer.dims
     accum = dims.grad_accum_steps

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_schema import emit_toml, fmt
+from .schema import emit_toml, fmt
 
 __all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
 

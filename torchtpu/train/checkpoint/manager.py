@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.views import array_of, write
 
-from .checkpoint_files import (
+from .files import (
     ARRAYS,
     MANIFEST,
     STEP_PREFIX,
@@ -61,7 +61,7 @@ from .checkpoint_files import (
     save_error,
     split_step_path,
 )
-from .checkpoint_manifest import (
+from .manifest import (
     FORMAT_VERSION,
     MISSING,
     Encoder,
@@ -443,7 +443,7 @@ def load_model_state(module: torch.nn.Module, state: dict) -> None:
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """`optimizer.state_dict()`: its state tensors are the optimizer's own (restoring fills them in place).
     An optimizer over the layer scan's stacked slots gives it per parameter (optimizer.per_parameter_state)."""
-    from .optimizer import per_parameter_state
+    from ..optimizer import per_parameter_state
 
     return per_parameter_state(optimizer, optimizer.state_dict())
 
@@ -454,7 +454,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     State tensors that `restore` created (no target existed because the optimizer initialises
     its state lazily) are moved to the sharding of their parameter.
     """
-    from .optimizer import stacked_state
+    from ..optimizer import stacked_state
 
     optimizer.load_state_dict(stacked_state(optimizer, state))
     for group in optimizer.param_groups:

@@ -22,7 +22,7 @@ from torchtpu.backend.tensor import TpuTensor
 from torchtpu.backend.transfer import from_jax
 from torchtpu.backend.views import array_of, write
 
-from .checkpoint_files import CheckpointError
+from .files import CheckpointError
 
 __all__ = ["Encoder", "decode", "FORMAT_VERSION", "guess_key"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from .checkpoint_files import describe_size, folder_size
-from .console import log
-from .fault import attempt_number
-from .job_config import ConfigError
+from ..config.job_config import ConfigError
+from ..console import log
+from ..fault import attempt_number
+from .files import describe_size, folder_size
 
 __all__ = ["maybe_resume"]
 
@@ -29,7 +29,7 @@ def maybe_resume(trainer) -> bool:
         if cfg.initial_load_path and not trainer.dry:
             _initial_load(trainer)
         return False
-    from .checkpoint import CorruptCheckpointError, split_step_path
+    from .manager import CorruptCheckpointError, split_step_path
 
     for partial in ck.partial_saves:
         log(
@@ -61,7 +61,7 @@ def maybe_resume(trainer) -> bool:
 def _resume_at(trainer, ck, step: int) -> bool:
     """Resume from checkpoint `step` of this run's folder (or, when it holds only the final model
     weights, from the newest full checkpoint before it)."""
-    from .checkpoint import CheckpointError, is_model_only, load_model_weights
+    from .manager import CheckpointError, is_model_only, load_model_weights
 
     cfg = trainer.cfg.checkpoint
     if is_model_only(ck.manifest(step)):
@@ -104,12 +104,12 @@ def _resume_at(trainer, ck, step: int) -> bool:
 
 def _initial_load(trainer) -> None:
     """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state)."""
-    from .checkpoint import CheckpointManager, is_model_only, load_model_weights, split_step_path
+    from .manager import CheckpointManager, is_model_only, load_model_weights, split_step_path
 
     cfg = trainer.cfg.checkpoint
     where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
     if cfg.initial_load_in_hf:
-        from .hf_checkpoint import HFCheckpointError, load_hf_into_model
+        from .hf import HFCheckpointError, load_hf_into_model
 
         try:
             load_hf_into_model(cfg.initial_load_path, trainer.model, trainer.model_args)
