@@ -33,7 +33,13 @@ from ..distributed.expert_parallel import expert_axes, expert_parallel_ffn
 from ..distributed.mesh import DeviceMesh
 from ..distributed.params import apply_layout, set_layout
 
-__all__ = ["RaggedGroupedExperts", "use_ragged_experts", "apply_expert_parallel", "ExpertParallelMoE"]
+__all__ = [
+    "RaggedGroupedExperts",
+    "use_ragged_experts",
+    "apply_expert_parallel",
+    "ExpertParallelMoE",
+    "parallelize_without_tp",
+]
 
 
 class RaggedGroupedExperts(GroupedExperts):
@@ -137,3 +143,18 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
         module.__dict__["_torchtpu_ep"] = (root, dim)
         module.__class__ = ExpertParallelMoE
     return model
+
+
+def parallelize_without_tp(model: torch.nn.Module, mesh, family: str, **kw) -> torch.nn.Module:
+    """parallelize_llama's FSDP/HSDP and activation checkpointing for a MoE family with no tensor-
+    parallel plan: a tensor-parallel mesh is refused in one line naming `family`, and the blocks run
+    unrolled (they hold buffers, expert_bias and tokens_per_expert, that the layer scan does not carry)."""
+    from .llama3.parallelize import parallelize_llama
+
+    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
+        raise ValueError(
+            f"tensor parallel degree {mesh.size('tp')}: {family} trains with FSDP/HSDP only on tpu; "
+            "set parallelism.tensor_parallel_degree = 1"
+        )
+    kw["scan_layers"] = False
+    return parallelize_llama(model, mesh, **kw)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..llama3.parallelize import parallelize_llama
 from ..llama3.rope import apply_real_rotary_emb
-from ..moe import use_ragged_experts
+from ..moe import parallelize_without_tp, use_ragged_experts
 
 __all__ = ["RealRopeMLA", "parallelize_deepseek_v3", "prepare_deepseek_v3"]
 
@@ -105,11 +104,4 @@ def prepare_deepseek_v3(model: torch.nn.Module) -> torch.nn.Module:
 
 def parallelize_deepseek_v3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
     """Shard a torchtitan DeepSeekV3Model over `mesh`; the arguments are parallelize_llama's."""
-    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
-        raise ValueError(
-            f"tensor parallel degree {mesh.size('tp')}: DeepSeek-V3 trains with FSDP/HSDP only on tpu; "
-            "set parallelism.tensor_parallel_degree = 1"
-        )
-    # the MoE blocks hold buffers (expert_bias, tokens_per_expert) that the layer scan does not carry
-    kw["scan_layers"] = False
-    return parallelize_llama(model, mesh, **kw)
+    return parallelize_without_tp(model, mesh, "DeepSeek-V3", **kw)
