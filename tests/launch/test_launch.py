@@ -126,7 +126,9 @@ class Job:
         self._out.close()
 
 
-def launch(tmp: Path, name: str, hosts: int, devices: int, train_args: list[str], *launch_args: str, **env) -> Job:
+def launch(
+    tmp: Path, name: str, hosts: int, devices: int, train_args: list[str], *launch_args: str, train=TRAIN, **env
+) -> Job:
     return Job(
         [
             PY,
@@ -139,7 +141,7 @@ def launch(tmp: Path, name: str, hosts: int, devices: int, train_args: list[str]
             str(devices),
             *launch_args,
             "--",
-            *TRAIN,
+            *train,
             "--job.dump_folder",
             str(tmp / name),
             *train_args,
@@ -149,12 +151,13 @@ def launch(tmp: Path, name: str, hosts: int, devices: int, train_args: list[str]
     )
 
 
-def single(tmp: Path, name: str, devices: int, train_args: list[str]) -> Job:
+def single(tmp: Path, name: str, devices: int, train_args: list[str], train=TRAIN, **env) -> Job:
     return Job(
-        [PY, "-m", "torchtpu.train", *TRAIN[1:], "--job.dump_folder", str(tmp / name), *train_args],
+        [PY, "-m", "torchtpu.train", *train[1:], "--job.dump_folder", str(tmp / name), *train_args],
         tmp / f"{name}.console.log",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
+        **env,
     )
 
 
@@ -178,12 +181,12 @@ def validation_losses(folder: Path) -> dict[int, float]:
     return out
 
 
-def losses(folder: Path) -> dict[int, float]:
-    """step -> loss from process 0's metrics.jsonl (a re-run step keeps its newest value)."""
+def losses(folder: Path, key: str = "loss") -> dict:
+    """step -> loss (or another metric) from process 0's metrics.jsonl (a re-run step keeps its newest value)."""
     out = {}
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
+        out[rec["step"]] = rec[key]
     return out
 
 
@@ -346,6 +349,52 @@ def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
         r"--training.local_batch_size 2 .*exclude_from_loading dataloader",
         job.text(),
     ), job.text()[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism across hosts: Qwen3 MoE on 2 hosts x 4 devices against 1 process x 8
+# ---------------------------------------------------------------------------------------------
+
+# The Qwen3 MoE debug flavor made narrow as tests/train/test_families.py makes it (8 experts, 2 per
+# token; the TORCHTPU_TEST_MODEL_ARGS hook), 2 blocks, 32-token sequences
+MOE_TRAIN = [*TRAIN[:2], "train_configs/qwen3_debug.toml", "--model.flavor", "debugmodel_moe", *TRAIN[3:]]
+MOE_ARGS = json.dumps(
+    {
+        "dim": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "hidden_dim": 128,
+        "moe_inter_dim": 64,
+        "moe_args": {"num_experts": 8, "top_k": 2},
+    }
+)
+MOE_SHORT = ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2", *NO_VALIDATION]
+
+
+def test_two_hosts_with_expert_parallel_4_match_one_process_of_8_without_it(tmp_path):
+    # EP 4 x efsdp 2 over 2 processes: each layer's tokens reach the chips holding their experts by
+    # all-to-alls that cross the processes, and come back. Expert parallelism changes nothing but
+    # where each (token, expert) row is computed, so the losses and every step's tokens per expert
+    # are those of the EP 1 job in one process; the EP 4 checkpoint (written by both processes)
+    # resumes there at EP 1 and continues it.
+    ep4 = ["--parallelism.expert_parallel_degree", "4"]
+    run_to_end(single(tmp_path, "one_by_8", 8, MOE_SHORT, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS))
+    text = run_to_end(
+        launch(tmp_path, "two_by_4_ep4", 2, 4, MOE_SHORT + ep4, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS)
+    )
+    assert "[host 1] " in text
+    assert "(experts over ep 4 x efsdp 2)" in text, text[-3000:]
+    got, want = losses(tmp_path / "two_by_4_ep4"), losses(tmp_path / "one_by_8")
+    assert sorted(got) == [1, 2, 3]
+    assert_losses_close(got, want, [1, 2, 3], rtol=1e-5)
+    counts = losses(tmp_path / "two_by_4_ep4", "moe/tokens_per_expert")
+    assert counts == losses(tmp_path / "one_by_8", "moe/tokens_per_expert"), counts
+    assert all(sum(row) == 8 * 32 * 2 for step in counts.values() for row in step), counts
+    _resume_from(tmp_path, "two_by_4_ep4", "resume_1x8", 2)
+    text = run_to_end(single(tmp_path, "resume_1x8", 8, MOE_SHORT, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS))
+    assert re.search(r"resumed from \S+ \(step 2\)", text), text[-3000:]
+    assert_losses_close(losses(tmp_path / "resume_1x8"), want, [3], rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

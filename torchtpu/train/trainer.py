@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import os
 import sys
@@ -194,6 +195,11 @@ class Trainer:
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
         overrides = {**(model_overrides or {}), **({} if n_layers is None else {"n_layers": n_layers})}
         if overrides:
+            # a dict for a dataclass field (moe_args) replaces some of that dataclass's fields
+            overrides = {
+                k: dataclasses.replace(getattr(self.model_args, k), **v) if isinstance(v, dict) else v
+                for k, v in overrides.items()
+            }
             self.model_args = dataclasses.replace(self.model_args, **overrides)
         hf_opts = [o for o in ("initial_load_in_hf", "last_save_in_hf") if getattr(cfg.checkpoint, o)]
         if hf_opts and not get_family(cfg.model.name).has_hf_weights():
@@ -606,6 +612,7 @@ def _lock_dump_folder(cfg: JobConfig):
 
 
 TEST_N_LAYERS_ENV = "TORCHTPU_TEST_N_LAYERS"
+TEST_MODEL_ARGS_ENV = "TORCHTPU_TEST_MODEL_ARGS"
 
 
 def _test_n_layers() -> int | None:
@@ -617,6 +624,17 @@ def _test_n_layers() -> int | None:
         return None
     log(f"{TEST_N_LAYERS_ENV}={value}: the model has {int(value)} blocks (a test hook)")
     return int(value)
+
+
+def _test_model_args() -> dict | None:
+    """Test hook (TORCHTPU_TEST_MODEL_ARGS='{"dim": 64, "moe_args": {"num_experts": 8}}'): other fields of
+    the flavor's arguments, as `Trainer(model_overrides=...)` takes them, so that the multi-process tests
+    train the narrow models the single-process ones do. Announced on the console."""
+    value = os.environ.get(TEST_MODEL_ARGS_ENV)
+    if not value:
+        return None
+    log(f"{TEST_MODEL_ARGS_ENV}={value}: the flavor's arguments with these fields replaced (a test hook)")
+    return json.loads(value)
 
 
 def main(cfg: JobConfig) -> int:
@@ -646,7 +664,7 @@ def main(cfg: JobConfig) -> int:
             with phase("building the job (model on meta, parallelized)"):
                 trainer = Trainer(cfg)
             return trainer.dry_run()
-        trainer = Trainer(cfg, n_layers=_test_n_layers())
+        trainer = Trainer(cfg, n_layers=_test_n_layers(), model_overrides=_test_model_args())
         trainer.watchdog = watchdog
         t0 = time.perf_counter()
         try:
