@@ -327,6 +327,57 @@ def test_scanned_module_list_matches_cpu_gradients():
         torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-5, atol=1e-6)
 
 
+class _CountingBlock(_Block):
+    """A block with buffers as a MoE layer holds them: one it reads (`scale`, its own per block),
+    one its forward adds to in place (`count`, how many activations were positive)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), scale))
+        self.register_buffer("count", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.count.add_((x > 0).float().sum(0))
+        return super().forward(x * self.scale)
+
+
+class _DenseThenCounting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(h=32)] + [_CountingBlock(s) for s in (0.5, 1.5, 2.0)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_scan_carries_block_buffers_and_leaves_the_blocks_in_front_out():
+    """The scan runs blocks 1-3 (block 0 differs and runs as it is): each block reads its own
+    buffer and adds to another in place, once per step (the backward's recomputation adds
+    nothing); gradients and buffers equal eager PyTorch on the CPU's after two steps."""
+    torch.manual_seed(0)
+    ref = _DenseThenCounting()
+    model = _DenseThenCounting().to("tpu")
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        ref.zero_grad()
+        loss = ref(x)
+        loss.backward()
+    with pytest.raises(ValueError, match="block 1 differs from block 0"):
+        scan_layers(model.layers)
+    scan_layers(model.layers, start=1)
+    got_loss, grads = _compiled_grads(model, x.to("tpu"))
+    torch.testing.assert_close(got_loss.cpu(), loss.detach(), rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g.cpu(), p.grad, rtol=1e-5, atol=1e-6)
+    for block, ref_block in zip(model.layers[1:], ref.layers[1:]):
+        assert ref_block.count.sum() > 0
+        torch.testing.assert_close(block.count.cpu(), ref_block.count, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["between", "stop"])
 def test_loops_the_scan_cannot_stand_for_raise(kind):
     model = _Stack(3, between=kind == "between", stop=2 if kind == "stop" else None).to("tpu")

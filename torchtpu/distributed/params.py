@@ -51,6 +51,7 @@ class ModuleRecord:
     layout_hooks: bool = False  # tensor parallelism's use-through-layout hooks are installed
     in_use: list[str] = dataclasses.field(default_factory=list)  # put in use by those hooks, this forward
     scan_base: type | None = None  # the class scan_layers replaced
+    scan_start: int = 0  # the blocks before this one run as they are; the scan runs the rest
     # materialize() of scanned blocks: per parameter slot (its path in a block), the one storage
     # all blocks' parameters of that slot are views of, [n_blocks, *shape] (see _materialize_stacked)
     stacked: dict[str, TpuTensor] = dataclasses.field(default_factory=dict)
@@ -185,7 +186,7 @@ def _materialize_stacked(blocks: torch.nn.Module, rec: ModuleRecord) -> None:
     layer scan reads each slot's rows straight from one array, and the trainer's optimizer
     updates a slot's rows as one tensor (`scan.optimizer_parameters`), so the compiled step holds
     a few large updates instead of one per block and parameter."""
-    children = [m for m in blocks._modules.values() if m is not None]
+    children = scanned_children(blocks, rec)
     slots = [
         (path, name) for path, m in children[0].named_modules() for name, p in m._parameters.items() if p is not None
     ]
@@ -205,6 +206,11 @@ def _materialize_stacked(blocks: torch.nn.Module, rec: ModuleRecord) -> None:
         for i, o in enumerate(os_):
             o._parameters[name] = torch.nn.Parameter(base.select(0, i), requires_grad=o._parameters[name].requires_grad)
         rec.stacked[f"{path}.{name}" if path else name] = base
+
+
+def scanned_children(blocks: torch.nn.Module, rec: ModuleRecord) -> list:
+    """The blocks of `blocks` that its layer scan runs (those from `rec.scan_start` on)."""
+    return [m for m in blocks._modules.values() if m is not None][rec.scan_start :]
 
 
 def _lazy(shape, dtype, rec) -> TpuTensor:
@@ -265,6 +271,7 @@ __all__ = [
     "ParamLayout",
     "ModuleRecord",
     "module_record",
+    "scanned_children",
     "through_layout",
     "use_parameter",
     "release_parameter",

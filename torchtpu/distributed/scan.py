@@ -54,8 +54,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..backend import random as tpu_random
 from ..backend.state import is_tracing, tracing
 from ..backend.tensor import TpuTensor, new_base, storage_of
-from ..backend.views import array_of, row_index, storage_array
-from .params import get_layout, module_record
+from ..backend.views import array_of, row_index, storage_array, write
+from .params import get_layout, module_record, scanned_children
 
 __all__ = [
     "scan_layers",
@@ -75,20 +75,28 @@ class ScanError(RuntimeError):
 # ----------------------------------------------------------------------------- install
 
 
-def scan_layers(blocks: nn.Module) -> nn.Module:
+def scan_layers(blocks: nn.Module, start: int = 0) -> nn.Module:
     """Run the identical blocks of `blocks` (an nn.ModuleDict or nn.ModuleList) under one
     `jax.lax.scan` inside compiled programs. Returns `blocks` (changed in place: same object,
-    same children, same state_dict)."""
+    same children, same state_dict).
+
+    With `start`, the first `start` blocks (DeepSeek-V3's dense layers in front of its MoE blocks)
+    run as they are, one by one, and the scan runs the blocks from `start` on, which must be
+    identical."""
     if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
         raise TypeError(f"scan_layers takes an nn.ModuleDict or nn.ModuleList of blocks, got {type(blocks).__name__}")
     if is_scanned(blocks):
         return blocks
     children = [m for m in blocks._modules.values() if m is not None]
+    if not 0 <= start <= len(children):
+        raise ValueError(f"scan_layers: start {start} is not a block index of the {len(children)} blocks")
+    children = children[start:]
     if len(children) < 2:
         raise ValueError(f"scan_layers needs at least 2 blocks to scan, got {len(children)}")
-    _check_identical(children)
+    _check_identical(children, start)
     base = type(blocks)
-    module_record(blocks, create=True).scan_base = base
+    rec = module_record(blocks, create=True)
+    rec.scan_base, rec.scan_start = base, start
     blocks.__class__ = _scanned_class(base)
     return blocks
 
@@ -97,7 +105,7 @@ def unscan_layers(blocks: nn.Module) -> nn.Module:
     """Undo `scan_layers`: the blocks run one by one again."""
     record = module_record(blocks)
     if record is not None and record.scan_base is not None:
-        blocks.__class__, record.scan_base = record.scan_base, None
+        blocks.__class__, record.scan_base, record.scan_start = record.scan_base, None, 0
     return blocks
 
 
@@ -149,25 +157,19 @@ def _structure(block: nn.Module):
             out.append(("param", path, name, tuple(p.shape), p.dtype, p.requires_grad, layout))
         for name, b in m._buffers.items():
             if b is not None:
-                out.append(("buffer", path, name))
+                out.append(("buffer", path, name, tuple(b.shape), b.dtype))
     return out
 
 
-def _check_identical(children) -> None:
+def _check_identical(children, start: int = 0) -> None:
     first = _structure(children[0])
-    buffers = [x for x in first if x[0] == "buffer"]
-    if buffers:
-        raise ValueError(
-            f"scan_layers: the blocks hold buffers ({buffers[0][1] or type(children[0]).__name__}."
-            f"{buffers[0][2]}), which the layer scan does not carry; run these blocks unscanned"
-        )
-    for i, c in enumerate(children[1:], 1):
+    for i, c in enumerate(children[1:], start + 1):
         other = _structure(c)
         if other != first:
             diff = next((a, b) for a, b in zip(first + [None] * len(other), other + [None] * len(first)) if a != b)
             raise ValueError(
-                f"scan_layers: block {i} differs from block 0 ({diff[1]} vs {diff[0]}); only identical "
-                "blocks (same class, parameters, layouts and hooks) can be scanned"
+                f"scan_layers: block {i} differs from block {start} ({diff[1]} vs {diff[0]}); only identical "
+                "blocks (same class, parameters, buffers, layouts and hooks) can be scanned"
             )
 
 
@@ -193,7 +195,7 @@ def stacked_parameters(model: nn.Module) -> list[tuple[TpuTensor, list]]:
         rec = module_record(mod)
         if rec is None or not rec.stacked:
             continue
-        children = [m for m in mod._modules.values() if m is not None]
+        children = scanned_children(mod, rec)
         for slot, base in rec.stacked.items():
             path, _, name = slot.rpartition(".")
             views = [c.get_submodule(path)._parameters.get(name) for c in children]
@@ -275,12 +277,15 @@ class _Run:
     others check that they are called in order on its result and pass it on."""
 
     def __init__(self, blocks):
-        self.children = [m for m in blocks._modules.values() if m is not None]
+        rec = module_record(blocks)
+        self.before = [m for m in blocks._modules.values() if m is not None][: rec.scan_start]
+        self.children = scanned_children(blocks, rec)
         self.result = None
         self.args = None
         self.called = 0
 
     def callables(self):
+        yield from self.before  # the blocks in front of the scanned run, called as they are
         yield self._first
         for i in range(1, len(self.children)):
             yield _PassThrough(self, i)
@@ -344,6 +349,12 @@ def _param_slots(block: nn.Module):
     return [(m, n) for _, m in block.named_modules() for n, p in m._parameters.items() if p is not None]
 
 
+def _buffer_slots(block: nn.Module):
+    """(owner module, name) of each buffer of `block` (a MoE layer's expert_bias and
+    tokens_per_expert), in a fixed order."""
+    return [(m, n) for _, m in block.named_modules() for n, b in m._buffers.items() if b is not None]
+
+
 def _scan_blocks(run: _Run, h, args, kwargs):
     if not isinstance(h, TpuTensor):
         raise TypeError(f"scan_layers: the blocks' input must be a tpu tensor, got {type(h).__name__} on {h.device}")
@@ -358,6 +369,15 @@ def _scan_blocks(run: _Run, h, args, kwargs):
     slots = _param_slots(template)
     per_block = [[m._parameters[n] for m, n in _param_slots(c)] for c in run.children]
     params = [p for ps in per_block for p in ps]
+    buffers = [[m._buffers[n] for m, n in _buffer_slots(c)] for c in run.children]
+    for bs in buffers:
+        for b in bs:
+            if not isinstance(b, TpuTensor) or b.requires_grad:
+                raise NotImplementedError(
+                    f"scan_layers: a buffer of the scanned blocks is {_describe(b)} on {b.device}"
+                    f"{' requiring grad' if b.requires_grad else ''}; the layer scan carries tpu buffers without "
+                    "gradients only (turn it off: [tpu] scan_layers = false)"
+                )
     if tpu_random.TRACED is not None:
         key = tpu_random.TRACED.next()
     else:
@@ -372,6 +392,8 @@ def _scan_blocks(run: _Run, h, args, kwargs):
         key,
         storage_of(h).device_index,
         [p.dtype for p in per_block[0]],
+        _buffer_slots(template),
+        buffers,
     )
     return _ScanFunction.apply(job, h, *params)
 
@@ -389,17 +411,26 @@ class _Job:
     key: object  # key data the random ops in the blocks (dropout) draw from
     device_index: int
     param_dtypes: list  # dtypes of one block's parameters
+    buffer_slots: list  # (owner module, name) of each of the template's buffers
+    buffers: list  # per block, its buffers (the tensors the scan writes back)
 
     def extra_arrays(self):
         return [array_of(x) if isinstance(x, TpuTensor) else x for x in self.flat]
 
-    def call_block(self, h_t, param_ts, extra, index):
-        """Run the template block on tensors wrapping this iteration's values."""
+    def buffer_inputs(self):
+        """Per buffer slot, the blocks' values stacked [n, *shape]: what the loop hands block i."""
+        return [jnp.stack([array_of(bs[j]) for bs in self.buffers]) for j in range(len(self.buffer_slots))]
+
+    def call_block(self, h_t, param_ts, extra, index, buffer_arrays):
+        """Run the template block on tensors wrapping this iteration's values (parameters and
+        buffers); returns its output and the block's buffers' values after it ran (a block updates
+        them in place, as a MoE layer adds its token counts)."""
         flat = [
             new_base(a, self.device_index, x.dtype) if isinstance(x, TpuTensor) else x for a, x in zip(extra, self.flat)
         ]
         args, kwargs = tree_unflatten(flat, self.spec)
         saved = [m._parameters[n] for m, n in self.slots]
+        saved_buffers = [m._buffers[n] for m, n in self.buffer_slots]
         prev_keys = tpu_random.TRACED
         tpu_random.TRACED = tpu_random.TracedKeys(
             jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(self.key), index))
@@ -407,12 +438,17 @@ class _Job:
         try:
             for (m, n), t in zip(self.slots, param_ts):
                 m._parameters[n] = t
+            for (m, n), a, b in zip(self.buffer_slots, buffer_arrays, saved_buffers):
+                m._buffers[n] = new_base(a, self.device_index, b.dtype)
             with tracing():
-                return self.template(h_t, *args, **kwargs)
+                out = self.template(h_t, *args, **kwargs)
+            return out, [array_of(m._buffers[n]) for m, n in self.buffer_slots]
         finally:
             tpu_random.TRACED = prev_keys
             for (m, n), p in zip(self.slots, saved):
                 m._parameters[n] = p
+            for (m, n), b in zip(self.buffer_slots, saved_buffers):
+                m._buffers[n] = b
 
 
 def _wrap(a, device_index, dtype, requires_grad=False):
@@ -512,6 +548,7 @@ class _ScanFunction(torch.autograd.Function):
             by_xs = PARAMS_BY == "stack"
             weights = [jnp.stack([per_block[i][j] for i in range(job.n)]) for j in range(k)] if by_xs else per_block
         extra = job.extra_arrays()
+        buffers_in = job.buffer_inputs()
         h_dtype = h.dtype
 
         def params_at(index, xs_weights):
@@ -520,23 +557,32 @@ class _ScanFunction(torch.autograd.Function):
             return list(xs_weights) if by_xs else _layer_params(weights, index)
 
         def body(carry, xs):
-            index, xs_weights = xs
+            index, xs_weights, block_buffers = xs
             param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
             with torch.no_grad():
-                out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index)
+                out, buffers_out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index, block_buffers)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
                 raise ScanError(
                     f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
                     f"{h_dtype}, got {_describe(out)}"
                 )
             # the block's input is the only activation kept for the backward (full recomputation)
-            return array_of(out), carry
+            return array_of(out), (carry, buffers_out)
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
         xs_weights = weights if by_xs else []
-        out, inputs = jax.lax.scan(body, array_of(h), (indices, xs_weights), unroll=_unroll())
+        out, (inputs, buffers_out) = jax.lax.scan(
+            body, array_of(h), (indices, xs_weights, buffers_in), unroll=_unroll()
+        )
+        # each block's buffers as its forward left them, written back per block; the backward's
+        # recomputation starts from the values each block saw and its buffer writes are dropped,
+        # so a block's update happens once per step, as in an unrecomputed forward
+        with torch.no_grad():
+            for i, bs in enumerate(job.buffers):
+                for j, b in enumerate(bs):
+                    write(b, buffers_out[j][i])
         ctx.job = job
-        ctx.saved = (weights if by_xs else [], params_at, inputs, extra)
+        ctx.saved = (weights if by_xs else [], params_at, inputs, extra, buffers_in)
         ctx.h_dtype = h_dtype
         return _wrap(out, dev, h_dtype)
 
@@ -544,26 +590,28 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, g):
         job = ctx.job
         job.run.check_complete()
-        xs_weights, params_at, inputs, extra = ctx.saved
+        xs_weights, params_at, inputs, extra, buffers_in = ctx.saved
         dev = job.device_index
         h_dtype = ctx.h_dtype
         k = len(job.slots)
         g_arr = array_of(g) if g is not None else jnp.zeros(inputs.shape[1:], inputs.dtype)
 
         def body(g_carry, xs):
-            index, h_in, xs_weights = xs
+            index, h_in, xs_weights, block_buffers = xs
             layer_params = params_at(index, xs_weights)
             h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
             param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
             with torch.enable_grad():
-                out = job.call_block(h_t, param_ts, extra, index)
+                out, _ = job.call_block(h_t, param_ts, extra, index, block_buffers)
                 grads = torch.autograd.grad(out, [h_t] + param_ts, _wrap(g_carry, dev, h_dtype), allow_unused=True)
             g_h = array_of(grads[0]) if grads[0] is not None else jnp.zeros_like(h_in)
             g_params = [array_of(gp) if gp is not None else jnp.zeros_like(a) for gp, a in zip(grads[1:], layer_params)]
             return g_h, g_params
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
-        g_h, g_stacked = jax.lax.scan(body, g_arr, (indices, inputs, xs_weights), reverse=True, unroll=_unroll())
+        g_h, g_stacked = jax.lax.scan(
+            body, g_arr, (indices, inputs, xs_weights, buffers_in), reverse=True, unroll=_unroll()
+        )
         ctx.saved = None
         grads = [None] * (job.n * k)
         for j in range(k):

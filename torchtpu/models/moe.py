@@ -146,9 +146,8 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
 
 
 def parallelize_without_tp(model: torch.nn.Module, mesh, family: str, **kw) -> torch.nn.Module:
-    """parallelize_llama's FSDP/HSDP and activation checkpointing for a MoE family with no tensor-
-    parallel plan: a tensor-parallel mesh is refused in one line naming `family`, and the blocks run
-    unrolled (they hold buffers, expert_bias and tokens_per_expert, that the layer scan does not carry)."""
+    """parallelize_llama's FSDP/HSDP, activation checkpointing and layer scan for a MoE family with
+    no tensor-parallel plan: a tensor-parallel mesh is refused in one line naming `family`."""
     from .llama3.parallelize import parallelize_llama
 
     if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
@@ -156,5 +155,4 @@ def parallelize_without_tp(model: torch.nn.Module, mesh, family: str, **kw) -> t
             f"tensor parallel degree {mesh.size('tp')}: {family} trains with FSDP/HSDP only on tpu; "
             "set parallelism.tensor_parallel_degree = 1"
         )
-    kw["scan_layers"] = False
     return parallelize_llama(model, mesh, **kw)

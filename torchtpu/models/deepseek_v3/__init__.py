@@ -16,7 +16,8 @@ balancing (each MoE layer's `expert_bias`, moved before every optimizer step by 
 - the routed experts run as grouped matmuls on unpadded groups (torchtpu.models.moe).
 
 The plan is FSDP/HSDP per block with mixed precision and activation checkpointing (the Llama 3
-plan's data-parallel part). Refused with one line: tensor parallelism (the MoE blocks have no
+plan's data-parallel part), and the layer scan over the run of identical MoE blocks (the dense
+layers in front stay outside it). Refused with one line: tensor parallelism (the MoE blocks have no
 tensor-parallel plan on tpu), and attention through flex_attention (the 16B, 236B and 671B flavors'
 block-causal document masks), unless the job sets `[model] attn_type = "sdpa"`.
 """
@@ -103,5 +104,11 @@ def prepare_deepseek_v3(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def parallelize_deepseek_v3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
-    """Shard a torchtitan DeepSeekV3Model over `mesh`; the arguments are parallelize_llama's."""
+    """Shard a torchtitan DeepSeekV3Model over `mesh`; the arguments are parallelize_llama's. The
+    layer scan runs the MoE blocks; the dense layers in front of them stay outside it (each under
+    full activation checkpointing), and with fewer than 2 MoE blocks every block runs unrolled."""
+    n_dense = model.model_args.n_dense_layers
+    kw["scan_start"] = n_dense
+    if len(model.layers) - n_dense < 2:
+        kw["scan_layers"] = False
     return parallelize_without_tp(model, mesh, "DeepSeek-V3", **kw)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...backend.activation_checkpoint import apply_activation_checkpointing
+from ...backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module
 from ...distributed import (
     ColwiseParallel,
     MixedPrecisionPolicy,
@@ -92,6 +92,7 @@ def parallelize_llama(
     ac_mode: str = "none",
     ac_every: int = 1,
     scan_layers: bool = False,
+    scan_start: int = 0,
 ) -> torch.nn.Module:
     """Shard `model` (a torchtitan llama3 Transformer, on meta, CPU or tpu) over `mesh`.
 
@@ -100,7 +101,8 @@ def parallelize_llama(
 
     `scan_layers=True` runs the blocks under one layer scan in compiled programs; the scan
     recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
-    does) and applies no other checkpoint wrapper."""
+    does) and applies no other checkpoint wrapper. `scan_start` blocks in front (DeepSeek-V3's
+    dense layers) stay outside the scan, each under full activation checkpointing."""
     if scan_layers and ac_mode != "full":
         raise ValueError(
             f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
@@ -123,6 +125,9 @@ def parallelize_llama(
             parallelize_module(layer, tp, block)
     if ac_mode != "none" and not scan_layers:
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
+    elif scan_layers:
+        for name, layer in list(model.layers.named_children())[:scan_start]:
+            setattr(model.layers, name, checkpoint_module(layer))
     dp = [n for n in DATA_PARALLEL_DIMS if _has(mesh, n)]
     fsdp_applied = False
     if dp:
@@ -142,7 +147,7 @@ def parallelize_llama(
         apply_param_cast(model, param_dtype)
     if scan_layers:
         # last: the scan checks that the blocks' layouts and hooks are identical
-        scan_blocks(model.layers)
+        scan_blocks(model.layers, start=scan_start)
     return model
 
 

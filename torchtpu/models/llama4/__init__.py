@@ -71,5 +71,9 @@ def prepare_llama4(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def parallelize_llama4(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
-    """Shard a torchtitan Llama 4 Transformer over `mesh`; the arguments are parallelize_llama's."""
+    """Shard a torchtitan Llama 4 Transformer over `mesh`; the arguments are parallelize_llama's.
+    The blocks run unrolled, each under the activation checkpointing asked for: dense and MoE
+    blocks interleave, and blocks without rotary embedding (`use_rope`) differ from the others in
+    an attribute the layer scan's check of identical blocks does not see."""
+    kw["scan_layers"] = False
     return parallelize_without_tp(model, mesh, "Llama 4", **kw)

@@ -4,8 +4,7 @@ Qwen3's blocks use the module names Llama 3's do (attention.wq/wk/wv/wo, feed_fo
 attention_norm, ffn_norm; tok_embeddings, norm, output), and its per-head q/k norms act on whole
 heads, so the Llama 3 plan (torchtpu.models.llama3.parallelize) shards it: tensor parallelism
 over heads and the feed-forward, FSDP per block, mixed precision, activation checkpointing, the
-layer scan (dense flavors; the Mixture-of-Experts blocks run unrolled, as their load-statistics
-buffers are state the scan does not carry). Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE
+layer scan (the Mixture-of-Experts blocks too: the scan carries their load-statistics buffers). Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE
 swap is needed. The Mixture-of-Experts flavors take expert parallelism (torchtpu.models.moe:
 `apply_expert_parallel`) when the job's mesh has an "ep" dim. Refused with one line: tensor parallelism for a Mixture-of-Experts flavor, and
 for a flavor whose output projection is the embedding table (weight tying: the two layouts
@@ -47,7 +46,4 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
         # expert parallelism (a mesh split by [parallelism] expert_parallel_degree) first: FSDP then
         # leaves the experts' layout as it is
         apply_expert_parallel(model, mesh)
-        # the MoE blocks hold buffers (expert_bias, tokens_per_expert) that the layer scan does not
-        # carry: they run unrolled, each under the activation checkpointing asked for
-        kw["scan_layers"] = False
     return parallelize_llama(model, mesh, **kw)
