@@ -35,6 +35,14 @@ What stays as it was:
   kept from the forward. Use the scan where the blocks would be fully recomputed anyway.
 - Randomness. Each block draws from its own key (the step's key folded with the block index),
   and the backward's recomputation draws the same values as the forward.
+- Buffers (a MoE layer's expert_bias and tokens_per_expert). The loop hands block i its own
+  buffers (stacked per slot, one row per block); what the block writes into them in place is
+  written back to block i's buffers after the forward loop. The backward's recomputation starts
+  from the values block i saw and its writes are dropped, so a block's update happens once per
+  forward, as in a block that is not recomputed.
+
+`scan_layers(blocks, start=k)` leaves the first k blocks (DeepSeek-V3's dense layers) outside the
+scan: the loop calls them as they are, then the scan runs the identical blocks from k on.
 
 The loop must feed each block's output straight to the next block with the same other
 arguments. Anything else (work between blocks, a loop that stops early, other arguments per
@@ -313,9 +321,10 @@ class _PassThrough:
 
     def __call__(self, h, *args, **kwargs):
         run = self.run
+        i = len(run.before) + self.index  # the block's index among all the blocks
         if h is not run.result or run.called != self.index:
             raise ScanError(
-                f"scan_layers: block {self.index} was not called on block {self.index - 1}'s output; a scanned loop "
+                f"scan_layers: block {i} was not called on block {i - 1}'s output; a scanned loop "
                 "must feed each block's output straight to the next block (turn the layer scan off, "
                 "[tpu] scan_layers = false, for models that do work between blocks)"
             )
@@ -327,7 +336,7 @@ class _PassThrough:
             or any(kwargs[k] is not k0[k] for k in k0)
         ):
             raise ScanError(
-                f"scan_layers: block {self.index} got other arguments than block 0; scanned blocks must all "
+                f"scan_layers: block {i} got other arguments than block {len(run.before)}; scanned blocks must all "
                 "get the same extra arguments (turn the layer scan off, [tpu] scan_layers = false)"
             )
         run.called += 1
