@@ -347,6 +347,25 @@ def test_hf_config_mismatch_and_missing_adapter_are_one_line_errors(round_trip, 
     assert "\n" not in str(e.value) and "rope_theta" in str(e.value)
     with pytest.raises(HFLayoutError, match="has no Hugging Face state-dict adapter"):
         HFLayout(args, family=dataclasses.replace(get_family(CASES[round_trip["case"]][0]), hf_adapter=None))
+    if round_trip["case"] == "deepseek_v3":
+        # DeepSeek's checkpoints append a multi-token-prediction layer: left out (as transformers does)
+        # when config.json declares it, a tensor with no place otherwise
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        mtp = tmp_path / "mtp"
+        shutil.copytree(folder, mtp)
+        tensors = load_file(str(mtp / "model.safetensors"))
+        tensors["model.layers.2.self_attn.o_proj.weight"] = torch.zeros(64, 64)
+        save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
+        base.max_seq_len = 32
+        config = json.load(open(mtp / "config.json"))
+        assert config["num_nextn_predict_layers"] == 1  # transformers' default
+        assert load_hf_arrays(str(mtp), {}, base) == {}
+        json.dump({**config, "num_nextn_predict_layers": 0}, open(mtp / "config.json", "w"))
+        with pytest.raises(HFCheckpointError, match="1 tensor.s. this model has no place for"):
+            load_hf_arrays(str(mtp), {}, base)
 
 
 def test_convert_cli_wrong_flavor_or_family_is_one_line(tmp_path, capsys):

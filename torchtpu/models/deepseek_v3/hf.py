@@ -8,6 +8,7 @@ config.json that goes with them.
     hf_config(model_args, "bfloat16")     # config.json for transformers' DeepseekV3ForCausalLM
     check_hf_config(config, model_args)   # a difference that changes the maths -> ValueError (one line)
     seq_len_dependent(model_args)         # why config.json needs the training length (torchtpu-convert)
+    ignored_hf_tensors(config)            # the multi-token-prediction layers a loader leaves out
 
 What transformers' DeepSeek-V3 computes, against torchtitan's `DeepSeekV3Model`:
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["FLOAT32_TENSORS", "hf_config", "check_hf_config", "seq_len_dependent"]
+__all__ = ["FLOAT32_TENSORS", "hf_config", "check_hf_config", "ignored_hf_tensors", "seq_len_dependent"]
 
 # Hugging Face tensors written in float32 whatever the export's dtype: transformers keeps the expert
 # bias in float32 (it moves the choice of experts by small steps that bfloat16 would round away)
@@ -55,6 +56,13 @@ def seq_len_dependent(model_args) -> str | None:
         f"DeepSeek-V3's RoPE is plain up to original_seq_len = {a.original_seq_len} positions and YaRN "
         f"(factor {a.rope_factor}) above"
     )
+
+
+def ignored_hf_tensors(config: dict) -> tuple[str, ...]:
+    """Name prefixes of the tensors a loader leaves out: the multi-token-prediction layers DeepSeek's
+    checkpoints append after the last layer (num_nextn_predict_layers; transformers skips them too)."""
+    n, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers") or 0
+    return tuple(f"model.layers.{i}." for i in range(n, n + extra)) if n is not None else ()
 
 
 def _groups(m) -> tuple[int, int]:

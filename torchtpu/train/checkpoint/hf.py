@@ -153,7 +153,12 @@ def _match(hf: HFFolder, layout: HFLayout, targets) -> None:
             f"{' ...' if len(missing) > 3 else ''} (config.json says num_hidden_layers = "
             f"{layers}); use the [model] flavor these weights were made for"
         )
-    extra = [h for h in hf.names() if h not in layout.hf_shapes and layout.unknown(h, hf.info(h)[0])]
+    skip = tuple(getattr(layout._config_module(), "ignored_hf_tensors", lambda config: ())(hf.config))
+    extra = [
+        h
+        for h in hf.names()
+        if h not in layout.hf_shapes and not (skip and h.startswith(skip)) and layout.unknown(h, hf.info(h)[0])
+    ]
     if extra:
         raise HFCheckpointError(
             f"{where} holds {len(extra)} tensor(s) this model has no place for: {', '.join(extra[:3])}"
