@@ -288,14 +288,10 @@ def _model_args(model: str | None, flavor: str):
         raise ConvertError(f"--model/--flavor: {e}") from None
 
 
-def _set_seq_len(candidates, seq_len, src, src_format, to):
-    """max_seq_len of the candidates' arguments: --seq-len, else a Hugging Face source's
-    max_position_embeddings. A family whose config.json depends on it (its `torchtpu.models.<name>.hf`
-    has `seq_len_dependent(args)`) cannot be written to Hugging Face from other weights without it."""
-    import importlib
+def _set_seq_len(candidates, seq_len, src, src_format):
+    """Set max_seq_len of the candidates' arguments to --seq-len, else to a Hugging Face source's
+    max_position_embeddings; returns the length set (None: the flavors' own)."""
     import json
-
-    from torchtpu.models.hf_adapter import family_for_args
 
     if seq_len is None and src_format == "hf":
         with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
@@ -303,17 +299,24 @@ def _set_seq_len(candidates, seq_len, src, src_format, to):
     for args in candidates:
         if seq_len is not None:
             args.max_seq_len = int(seq_len)
-        elif to == "hf":
-            family = family_for_args(args).name
-            try:
-                dependent = importlib.import_module(f"torchtpu.models.{family}.hf").seq_len_dependent
-            except (ModuleNotFoundError, AttributeError):
-                continue
-            why = dependent(args)
-            if why:
-                raise ConvertError(
-                    f"--seq-len: {why}; pass the training.seq_len these {family} weights were trained at"
-                )
+    return seq_len
+
+
+def _check_seq_len_known(model_args):
+    """A family whose config.json depends on the training length (its `torchtpu.models.<name>.hf`
+    has `seq_len_dependent(args)`) is not written to Hugging Face without it."""
+    import importlib
+
+    from torchtpu.models.hf_adapter import family_for_args
+
+    family = family_for_args(model_args).name
+    try:
+        dependent = importlib.import_module(f"torchtpu.models.{family}.hf").seq_len_dependent
+    except (ModuleNotFoundError, AttributeError):
+        return
+    why = dependent(model_args)
+    if why:
+        raise ConvertError(f"--seq-len: {why}; pass the training.seq_len these {family} weights were trained at")
 
 
 def _open_fitting(path, fmt, candidates, step):
@@ -401,8 +404,10 @@ def main(argv=None) -> int:
     try:
         src_format = a.src_format or detect_format(a.src)
         candidates = _model_args(a.model, a.flavor)
-        _set_seq_len(candidates, a.seq_len, a.src, src_format, a.to)
+        seq_len = _set_seq_len(candidates, a.seq_len, a.src, src_format)
         src, args = _open_fitting(a.src, src_format, candidates, a.step if src_format == "torchtpu" else None)
+        if a.to == "hf" and seq_len is None:
+            _check_seq_len_known(args)
         tok = output_tokenizer(a.tokenizer, a.src, src_format, args) if a.to == "hf" else None
         out = write_output(
             src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size, tokenizer=tok

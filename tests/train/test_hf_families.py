@@ -369,21 +369,48 @@ def test_hf_config_mismatch_and_missing_adapter_are_one_line_errors(round_trip, 
 
 
 def test_convert_cli_wrong_flavor_or_family_is_one_line(tmp_path, capsys):
-    """A Qwen3 folder that fits no family's --flavor, or an unknown --model, is one line; so is a
-    DeepSeek-V3 Hugging Face output from weights of unknown training length (its RoPE depends on it)."""
+    """A Qwen3 folder that fits no family's --flavor, or an unknown --model, is one line."""
     from torchtpu.convert import main
 
     _hf_model("debugmodel").save_pretrained(tmp_path / "hf")  # narrow: fits no shipped flavor
     assert main([str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "dcp", "--flavor", "debugmodel"]) == 2
     assert main([str(tmp_path / "hf"), str(tmp_path / "x"), "--to", "dcp", "--flavor", "8B", "--model", "mixtral"]) == 2
-    dsv3 = ["--to", "hf", "--from", "dcp", "--model", "deepseek_v3", "--flavor", "debugmodel"]
-    assert main([str(tmp_path / "hf"), str(tmp_path / "x"), *dsv3]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("torchtpu-convert:")]
     print("\n".join(err))
-    assert len(err) == 3
+    assert len(err) == 2
     assert "[2048, 64]" in err[0] and "[2048, 256]" in err[0] and "--model" in err[0]
     assert "no model family 'mixtral'" in err[1] and "qwen3" in err[1]
-    assert "--seq-len" in err[2] and "4096" in err[2]
+
+
+def test_convert_deepseek_v3_to_hf_needs_the_training_length(tmp_path, capsys):
+    """DeepSeek-V3 weights from a torch.save file (the debugmodel's shapes) written to Hugging Face:
+    without --seq-len one line asks for it (the RoPE depends on it); with it, the debugmodel's softmax
+    router is one line naming what transformers' DeepSeek-V3 cannot compute."""
+    from torchtpu.convert import main
+    from torchtpu.models.registry import get_family
+
+    family = get_family("deepseek_v3")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in family.torchtitan_model(family.model_args("debugmodel")).state_dict().items()}
+    torch.save({k: torch.zeros(s) for k, s in shapes.items()}, tmp_path / "sd.pt")
+    argv = [
+        str(tmp_path / "sd.pt"),
+        str(tmp_path / "hf"),
+        "--to",
+        "hf",
+        "--model",
+        "deepseek_v3",
+        "--flavor",
+        "debugmodel",
+    ]
+    assert main(argv) == 2
+    assert main([*argv, "--seq-len", "4096"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("torchtpu-convert:")]
+    print("\n".join(err))
+    assert len(err) == 2
+    assert "--seq-len" in err[0] and "original_seq_len = 4096" in err[0]
+    assert "score_func = 'softmax'" in err[1]
+    assert not os.path.exists(tmp_path / "hf")
 
 
 def test_family_without_hf_weights_is_a_one_line_config_error(tmp_path):
