@@ -1,6 +1,7 @@
 """`torchtpu-convert`: model weights between torchtpu, Hugging Face, torchtitan DCP and torch.save.
 
     torchtpu-convert SRC DST --to hf       --flavor 8B [--model llama3] [--dtype bfloat16] [--tokenizer PATH]
+    torchtpu-convert SRC DST --to hf       --flavor 671B --model deepseek_v3 --seq-len 4096
     torchtpu-convert SRC DST --to torchtpu --flavor 8B [--step 0]
     torchtpu-convert SRC DST --to dcp      --flavor 8B
     torchtpu-convert SRC DST --to torch    --flavor 8B
@@ -25,7 +26,10 @@ to it; a tied output projection is written once to Hugging Face and under both n
 Face output is written tensor by tensor in files of at most --max-shard-size, with a tokenizer
 (--tokenizer, as the trainer's [model] hf_assets_path; by default a Hugging Face source's own, else
 torchtpu's bundled one) and its BOS/EOS/pad ids, so transformers and vLLM load the folder as it
-is. DCP, torch.save and torchtpu outputs are written from one in-memory copy. Runs on the CPU; no
+is. DeepSeek-V3's config.json depends on the length the model was trained at (YaRN only above its
+original_seq_len): --seq-len names it, a Hugging Face source's max_position_embeddings stands for it,
+and a Hugging Face output from other weights without it is refused. DCP, torch.save and torchtpu
+outputs are written from one in-memory copy. Runs on the CPU; no
 TPU is needed.
 """
 
@@ -284,6 +288,37 @@ def _model_args(model: str | None, flavor: str):
         raise ConvertError(f"--model/--flavor: {e}") from None
 
 
+def _set_seq_len(candidates, seq_len, src, src_format):
+    """Set max_seq_len of the candidates' arguments to --seq-len, else to a Hugging Face source's
+    max_position_embeddings; returns the length set (None: the flavors' own)."""
+    import json
+
+    if seq_len is None and src_format == "hf":
+        with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+            seq_len = json.load(f).get("max_position_embeddings")
+    for args in candidates:
+        if seq_len is not None:
+            args.max_seq_len = int(seq_len)
+    return seq_len
+
+
+def _check_seq_len_known(model_args):
+    """A family whose config.json depends on the training length (its `torchtpu.models.<name>.hf`
+    has `seq_len_dependent(args)`) is not written to Hugging Face without it."""
+    import importlib
+
+    from torchtpu.models.hf_adapter import family_for_args
+
+    family = family_for_args(model_args).name
+    try:
+        dependent = importlib.import_module(f"torchtpu.models.{family}.hf").seq_len_dependent
+    except (ModuleNotFoundError, AttributeError):
+        return
+    why = dependent(model_args)
+    if why:
+        raise ConvertError(f"--seq-len: {why}; pass the training.seq_len these {family} weights were trained at")
+
+
 def _open_fitting(path, fmt, candidates, step):
     """(source, model arguments) of the first candidate whose model the source's tensors fit; the
     first candidate's error when none does."""
@@ -349,6 +384,15 @@ def main(argv=None) -> int:
         help="Hugging Face output: largest safetensors file (default 5 GiB)",
     )
     p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the training.seq_len the weights were trained at, for a family whose Hugging Face config.json "
+        "depends on it (DeepSeek-V3: YaRN above original_seq_len); default: a Hugging Face source's "
+        "max_position_embeddings",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="PATH",
@@ -360,7 +404,10 @@ def main(argv=None) -> int:
     try:
         src_format = a.src_format or detect_format(a.src)
         candidates = _model_args(a.model, a.flavor)
+        seq_len = _set_seq_len(candidates, a.seq_len, a.src, src_format)
         src, args = _open_fitting(a.src, src_format, candidates, a.step if src_format == "torchtpu" else None)
+        if a.to == "hf" and seq_len is None:
+            _check_seq_len_known(args)
         tok = output_tokenizer(a.tokenizer, a.src, src_format, args) if a.to == "hf" else None
         out = write_output(
             src, a.dst, a.to, args, _DTYPES[a.dtype], step=a.step or 0, max_shard_bytes=a.max_shard_size, tokenizer=tok

@@ -209,6 +209,13 @@ class Trainer:
                 f"[checkpoint] {hf_opts[0]}: model family {cfg.model.name!r} has no Hugging Face weights in torchtpu; "
                 f"families with them: {', '.join(n for n, f in FAMILIES.items() if f.has_hf_weights())}"
             )
+        if cfg.checkpoint.last_save_in_hf:  # a model transformers cannot compute stops here, not after training
+            from torchtpu.models.hf_adapter import HFLayout, HFLayoutError
+
+            try:
+                HFLayout(self.model_args).hf_config("float32")
+            except (ValueError, HFLayoutError) as e:
+                raise ConfigError(f"[checkpoint] last_save_in_hf: {e}") from None
         check_expert_parallel(cfg, dims, self.model_args)
 
         # -- seed

@@ -153,7 +153,12 @@ def _match(hf: HFFolder, layout: HFLayout, targets) -> None:
             f"{' ...' if len(missing) > 3 else ''} (config.json says num_hidden_layers = "
             f"{layers}); use the [model] flavor these weights were made for"
         )
-    extra = [h for h in hf.names() if h not in layout.hf_shapes and layout.unknown(h, hf.info(h)[0])]
+    skip = tuple(getattr(layout._config_module(), "ignored_hf_tensors", lambda config: ())(hf.config))
+    extra = [
+        h
+        for h in hf.names()
+        if h not in layout.hf_shapes and not (skip and h.startswith(skip)) and layout.unknown(h, hf.info(h)[0])
+    ]
     if extra:
         raise HFCheckpointError(
             f"{where} holds {len(extra)} tensor(s) this model has no place for: {', '.join(extra[:3])}"
@@ -246,7 +251,20 @@ def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
     for k, t in own.items():
         if not isinstance(t, TpuTensor):
             raise TypeError(f"load_hf_into_model: {k} is on {t.device}; move the model to 'tpu' first")
-    targets = {k: (tuple(t.shape), t.dtype, array_of(t).sharding) for k, t in own.items()}
+    import jax
+
+    arrays = {k: array_of(t) for k, t in own.items()}
+    mesh = next((a.sharding.mesh for a in arrays.values() if isinstance(a.sharding, jax.sharding.NamedSharding)), None)
+
+    def sharding(a):
+        if mesh is not None and not getattr(a, "_committed", True):
+            # a buffer init_weights made with no layout (DeepSeek-V3's expert_bias) is uncommitted on one
+            # device; read there it would be committed to it and refused beside the mesh's arrays, so
+            # it is read replicated over the mesh (as a checkpoint restore does)
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return a.sharding
+
+    targets = {k: (tuple(t.shape), t.dtype, sharding(arrays[k])) for k, t in own.items()}
     arrays = load_hf_arrays(folder, targets, model_args)
     with torch.no_grad():
         for k, a in arrays.items():
@@ -280,7 +298,7 @@ def save_hf(
 
     entries: [(torchtitan name, shape)], the model's tensors; fetch(name) -> the full tensor (CPU)
     (called on every process: it may be a collective gather); floating tensors are cast to
-    `dtype`. A tied tensor is written once (as the adapter does); a tensor the Hugging Face layout
+    `dtype` (but those transformers keeps in float32, the family module's FLOAT32_TENSORS). A tied tensor is written once (as the adapter does); a tensor the Hugging Face layout
     has no place for must be zero (else HFCheckpointError: the export would compute differently).
     Only a process with `write` set writes. Written into a temporary folder that replaces `folder`
     when complete. With `tokenizer` (torchtpu.train.tokenizer), its files and special-token ids
@@ -328,11 +346,14 @@ def save_hf(
                 "the exported model would compute differently"
             )
         del t
+    # tensors transformers keeps in float32 whatever the dtype (DeepSeek-V3's e_score_correction_bias)
+    keep = tuple(getattr(layout._config_module(), "FLOAT32_TENSORS", ()))
     for tts, hfs in layout.units:
         try:
-            out = layout.to_hf({n: cast(fetch(n)) for n in tts})
+            out = layout.to_hf({n: fetch(n) for n in tts})
         except HFLayoutError as e:
             raise HFCheckpointError(str(e)) from None
+        out = {h: v if h.endswith(keep) and keep else cast(v) for h, v in out.items()}
         if list(out) != list(hfs):
             raise HFCheckpointError(
                 f"{type(layout.adapter).__name__} wrote {list(out)[:3]} for {tts[0]}, not {list(hfs)[:3]}"
