@@ -5,8 +5,8 @@ XLA CPU device each, gloo on CPU as the oracle:
   CPU tensors on the default group (and "cpu:gloo,tpu:tpu"); MPMD; a lone collective and a lone
   recv time out naming the op, mismatched collectives raise naming both, a dead peer makes the
   next collective time out; DDP with no_sync, find_unused_parameters and comm hooks; PyTorch's
-  DeviceMesh over the group (DTensor) and torchtpu's global mesh (fully_shard, distribute_tensor)
-  after init_process_group (c10d_worker.py, which also runs GPipe and 1F1B pipelines over 2 and 4
+  DeviceMesh over the group (DTensor; PyTorch's FSDP2 against FSDP2 over gloo on CPU) and
+  torchtpu's global mesh (fully_shard, distribute_tensor) after init_process_group (c10d_worker.py, which also runs GPipe and 1F1B pipelines over 2 and 4
   stages against one process: c10d_pipeline.py);
 - PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py).
 
@@ -76,6 +76,7 @@ EVERY_RANK = [
     "torch DeviceMesh over the tpu group: full_tensor",
     "torch DeviceMesh over the tpu group: sum of a sharded dim",
     "torch DeviceMesh over the tpu group: redistribute to Replicate",
+    "torch FSDP2 over the tpu group mesh = FSDP2 over gloo on CPU",
 ]
 DDP = (
     ["DDP with no_sync, several buckets"]

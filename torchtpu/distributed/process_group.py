@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -371,7 +372,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=None):
         if self._cpu(list(inputs) + [o for lst in output_lists for o in lst]):
-            return self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
+            return self._gloo.allgather(output_lists, inputs, opts or _c10d.AllgatherOptions())
         outs = []
         for lst, t in zip(output_lists, inputs):
             if len(lst) != self._size:
@@ -384,7 +385,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         if self._cpu([output, input]):
-            return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+            return self._gloo._allgather_base(output, input, opts or _c10d.AllgatherOptions())
         if output.numel() != input.numel() * self._size:
             raise ValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements, needs {self._size} x {input.numel()}"
@@ -615,10 +616,11 @@ def register() -> None:
     """Make "tpu" a torch.distributed backend, and the default one for tpu tensors."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    from . import ddp, pg_functional
+    from . import ddp, pg_functional, torch_fsdp
 
     ddp.install()
     pg_functional.install()
+    torch_fsdp.install()
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=[BACKEND_NAME])
 
 
