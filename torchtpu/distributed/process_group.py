@@ -91,16 +91,31 @@ def _one_at_a_time():
 # ----------------------------------------------------------------------------- programs
 
 
-def _local_flat(t: torch.Tensor, device):
-    """`t`'s values as a flat array on `device`."""
+def _local(t: torch.Tensor, device, flat: bool = False):
+    """`t`'s values as an array on `device`, in `t`'s shape (a 0-d tensor as one element), or
+    flat. Keeping the shape saves XLA two copies of the tensor (a reshape is one on the way in
+    and one on the way out) in the elementwise collectives."""
     a = array_of(t) if isinstance(t, TpuTensor) else jnp.asarray(t.detach().cpu().numpy())
-    return jax.device_put(a.reshape(-1), device)
+    if flat or a.ndim == 0:
+        a = a.reshape(-1)
+    return jax.device_put(a, device)
+
+
+def _local_flat(t: torch.Tensor, device):
+    return _local(t, device, flat=True)
 
 
 def _global(mesh: Mesh, local, n: int):
-    """The (n * local.size,) array whose piece on this process's device is `local`."""
+    """The array of the members' blocks stacked along dim 0 (n * local.shape[0], ...), whose block
+    on this process's device is `local`."""
     sharding = NamedSharding(mesh, P(_AXIS))
-    return jax.make_array_from_single_device_arrays((n * local.shape[0],), sharding, [local])
+    shape = (n * local.shape[0], *local.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, [local])
+
+
+def _shaped(out, shape):
+    """`out` in `shape` (no copy when it already has it)."""
+    return out if out.shape == tuple(shape) else out.reshape(shape)
 
 
 def _mine(out):
@@ -109,7 +124,8 @@ def _mine(out):
 
 @functools.cache
 def _program(mesh: Mesh, kind: str, static):
-    """A jitted shard_map over `mesh` for one op; each device's block is its rank's flat tensor."""
+    """A jitted shard_map over `mesh` for one op; each device's block is its rank's tensor (flat,
+    or in its shape for the elementwise ops and the all_gathers into a tensor)."""
 
     def body(x):
         if kind == "all_reduce":
@@ -120,8 +136,8 @@ def _program(mesh: Mesh, kind: str, static):
             if x.dtype == jnp.bool_:
                 return lax.psum(jnp.where(keep, x, False).astype(jnp.int32), _AXIS) > 0
             return lax.psum(jnp.where(keep, x, jnp.zeros_like(x)), _AXIS)
-        if kind == "all_gather":
-            return lax.all_gather(x, _AXIS, tiled=True)
+        if kind == "all_gather":  # static: stack (a new dim 0) rather than concatenate
+            return lax.all_gather(x, _AXIS, tiled=not static)
         if kind == "reduce_scatter":
             op, n = static
             if op in ("sum", "avg"):
@@ -347,8 +363,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             if op == "avg" and not t.is_floating_point():
                 raise ValueError(f"all_reduce with ReduceOp.AVG needs a floating-point tensor, got {t.dtype}")
             self._meet("all_reduce", [op, list(t.shape), str(t.dtype)])
-            out = self._run("all_reduce", op, _local_flat(t, self._device))
-            write(t, out.reshape(t.shape))
+            out = self._run("all_reduce", op, _local(t, self._device))
+            write(t, _shaped(out, t.shape))
             outs.append(out)
         return _Work(outs, tensors)
 
@@ -361,14 +377,25 @@ class TpuProcessGroup(dist.ProcessGroup):
         outs = []
         for t in tensors:
             self._meet("broadcast", [opts.rootRank, list(t.shape), str(t.dtype)])
-            out = self._run("broadcast", opts.rootRank, _local_flat(t, self._device))
-            write(t, out.reshape(t.shape))
+            out = self._run("broadcast", opts.rootRank, _local(t, self._device))
+            write(t, _shaped(out, t.shape))
             outs.append(out)
         return _Work(outs, tensors)
 
-    def _gather_flat(self, t, op="all_gather"):
-        self._meet(op, [list(t.shape), str(t.dtype)])
-        return self._run("all_gather", None, _local_flat(t, self._device))  # (size * numel,)
+    def _gather_flat(self, t, op="all_gather", shape=None):
+        """Every member's `t`, concatenated: flat (size * numel,), or in `shape`. The program gives
+        a concatenation along dim 0 and a stack along a new dim 0 in their shape as they are."""
+        n = self._size
+        if shape is not None and tuple(shape) == (n, *t.shape):
+            how = "stack"
+        elif shape is not None and t.dim() > 0 and tuple(shape) == (n * t.shape[0], *t.shape[1:]):
+            how = "dim 0"
+        else:
+            how = "flat"
+        # the members run one program: how they gather is part of what they compare
+        self._meet(op, [list(t.shape), str(t.dtype), how])
+        out = self._run("all_gather", how == "stack", _local(t, self._device, flat=how == "flat"))
+        return out if shape is None else _shaped(out, shape)
 
     def allgather(self, output_lists, inputs, opts=None):
         if self._cpu(list(inputs) + [o for lst in output_lists for o in lst]):
@@ -390,8 +417,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             raise ValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements, needs {self._size} x {input.numel()}"
             )
-        every = self._gather_flat(input, "all_gather_into_tensor")
-        write(output, every.reshape(output.shape))
+        every = self._gather_flat(input, "all_gather_into_tensor", tuple(output.shape))
+        write(output, every)
         return _Work([every], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
