@@ -236,6 +236,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         generation = (store.add("instances", 1) - 1) // size
         store = dist.PrefixStore(f"{generation}/", store)
         self._store = store
+        self._inner_store = store  # the TCPStore (or other) under the prefixes: its timeout
+        while isinstance(self._inner_store, dist.PrefixStore):
+            self._inner_store = self._inner_store.underlying_store
         self._rank = rank
         self._size = size
         self._timeout = timeout
@@ -294,7 +297,13 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._store.set(f"op/{seq}/{self._rank}", mine)
         keys = [f"op/{seq}/{r}" for r in range(self._size)]
         try:
-            self._store.wait(keys, self._timeout)
+            if self._inner_store.timeout == self._timeout:
+                # multi_get waits for the keys itself, under the store's timeout: one round trip
+                # to the store less on every op when that is the group's
+                values = self._store.multi_get(keys)
+            else:
+                self._store.wait(keys, self._timeout)
+                values = self._store.multi_get(keys)
         except Exception as e:  # the store's own timeout error says nothing about the op
             head = f"torch.distributed {op} on the tpu backend"
             where = f"(group {self._group_name!r}, collective #{seq})"
@@ -308,7 +317,7 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{head} timed out after {self._timeout.total_seconds():.0f} s {where}: "
                 f"ranks {missing} of the group never called it"
             ) from e
-        seen = [json.loads(v) for v in self._store.multi_get(keys)]
+        seen = [json.loads(v) for v in values]
         for r, (o, s, _) in enumerate(seen):
             if [o, s] != [op, json.loads(json.dumps(signature))]:
                 raise RuntimeError(
