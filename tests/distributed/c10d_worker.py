@@ -474,20 +474,22 @@ def run_dead_peer():
 def run_global_mesh():
     """After init_process_group("tpu"), torchtpu's global mesh spans every rank's device: FSDP's
     fully_shard and distribute_tensor over it give the single-device results."""
+    import jax
     from torch.distributed.tensor import Shard
 
     from torchtpu.distributed import distribute_tensor, fully_shard, init_device_mesh
 
-    mesh = init_device_mesh("tpu", (world,), mesh_dim_names=("dp_shard",))
-    x = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3)
+    devices = jax.device_count()  # every device of every rank (a rank may own several)
+    mesh = init_device_mesh("tpu", (devices,), mesh_dim_names=("dp_shard",))
+    x = torch.arange(devices * 6, dtype=torch.float32).reshape(devices * 2, 3)
     d = distribute_tensor(x, mesh, [Shard(0)])
     check("distribute_tensor over the process-group mesh", (d * 2).sum(0), (x * 2).sum(0))
     torch.manual_seed(0)
-    lin = torch.nn.Linear(3 * world, 4)
-    ref = torch.nn.Linear(3 * world, 4)
+    lin = torch.nn.Linear(3 * devices, 4)
+    ref = torch.nn.Linear(3 * devices, 4)
     ref.load_state_dict(lin.state_dict())
     fully_shard(lin, mesh=mesh)
-    inp = torch.randn(8, 3 * world, generator=torch.Generator().manual_seed(3))
+    inp = torch.randn(8, 3 * devices, generator=torch.Generator().manual_seed(3))
     lin(distribute_tensor(inp, mesh, [Shard(0)])).square().sum().backward()
     ref(inp).square().sum().backward()
     for p, q in zip(lin.parameters(), ref.parameters()):
@@ -495,7 +497,24 @@ def run_global_mesh():
     checks.append("fully_shard over the process-group mesh = one device")
 
 
+def check_devices_of_ranks():
+    """A rank that owns several local devices (XLA_FLAGS' host device count) runs its collectives
+    on its first: the group's mesh holds each rank's first device, in rank order."""
+    import jax
+
+    local = jax.local_devices()
+    assert DEFAULT._device == local[0], (DEFAULT._device, local)
+    firsts = [
+        d for d in jax.devices() if d.id == min(e.id for e in jax.devices() if e.process_index == d.process_index)
+    ]
+    assert list(DEFAULT._mesh.devices) == firsts, (DEFAULT._mesh.devices, firsts)
+    checks.append(
+        f"a rank with {len(local)} local device{'s' if len(local) > 1 else ''} runs the collectives on its first"
+    )
+
+
 if part in ("all", "collectives"):
+    check_devices_of_ranks()
     run_collectives()
 if part in ("all", "ddp") and world == 2:
     run_ddp()

@@ -1,5 +1,5 @@
-"""torch.distributed on tpu (the "tpu" c10d backend), in real jobs of 2 and 4 processes with one
-XLA CPU device each, gloo on CPU as the oracle:
+"""torch.distributed on tpu (the "tpu" c10d backend), in real jobs of 2 processes with two XLA CPU
+devices each (a rank runs on its first) and of 4 processes with one each, gloo on CPU as the oracle:
 
 - every collective, sync and async, float32 / bfloat16 / int64, views; point to point; subgroups;
   CPU tensors on the default group (and "cpu:gloo,tpu:tpu"); MPMD; a lone collective and a lone
@@ -89,8 +89,10 @@ DDP = (
 
 
 def test_every_collective_on_2_processes_ddp_and_pipelines():
-    done = _checked(_workers(2, "all"))
+    # each rank owns 2 XLA CPU devices and runs on its first
+    done = _checked(_workers(2, "all", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     for names in done:
+        assert "a rank with 2 local devices runs the collectives on its first" in names
         assert set(EVERY_RANK + DDP) <= names, set(EVERY_RANK + DDP) - names
         assert "all_reduce in a subgroup" in names and "send/recv in a subgroup (global ranks)" in names
         assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (default)" in names
@@ -106,6 +108,7 @@ def test_every_collective_on_4_processes_pipelines_and_a_dead_peer():
     done = _checked(_workers(4, "all", C10D_INIT="cpu:gloo,tpu:tpu"))
     for r, names in enumerate(done):
         assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
+        assert "a rank with 1 local device runs the collectives on its first" in names
         assert ("all_reduce in a subgroup" in names) == (r in (0, 2))
         assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (cpu:gloo,tpu:tpu)" in names
         dead = "a dead peer: the next all_reduce times out naming it"
