@@ -4,7 +4,8 @@
     dist.init_process_group("tpu")            # or init_process_group(), or "cpu:gloo,tpu:tpu"
     dist.all_reduce(torch.ones(4, device="tpu"))
 
-Each process is one rank and owns its first local JAX device. The processes join one
+Each process is one rank and runs on one local JAX device: the current tpu device when the group
+is made (the first, unless set), whatever number of devices it owns. The processes join one
 `jax.distributed` job when the default group is made (the coordinator's port is agreed through
 the env:// store), and a group's collectives are XLA programs over a one-axis mesh with one device
 per member: `jax.shard_map` with psum / all_gather / psum_scatter / all_to_all / ppermute. Point to
