@@ -471,6 +471,23 @@ def run_dead_peer():
         raise AssertionError("an all_reduce with a dead peer returned")
 
 
+def run_dead_rank_0():
+    """Rank 0 (the host of the store and of JAX's coordination service) exits; the others' next
+    collective must not wait: the process ends (JAX aborts it) or the op raises."""
+    dist.barrier()
+    if rank == 0:
+        print("rank 0 exits", flush=True)
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        dist.all_reduce(torch.ones(2, device="tpu"))
+    except RuntimeError as e:
+        print("raised:", e, flush=True)
+        os._exit(3)
+    print("an all_reduce with rank 0 gone returned", flush=True)
+    os._exit(0)
+
+
 def run_global_mesh():
     """After init_process_group("tpu"), torchtpu's global mesh spans every rank's device: FSDP's
     fully_shard and distribute_tensor over it give the single-device results."""
@@ -527,6 +544,8 @@ if part in ("all", "pipeline"):
 if part in ("all", "mesh"):
     run_pg_mesh()
     run_global_mesh()  # late: the global mesh makes every eager op wait for its result
+if part == "dead rank 0":
+    run_dead_rank_0()
 if part in ("all", "dead") and world > 2:
     run_dead_peer()  # last: a rank leaves
 for c in checks:
