@@ -3,6 +3,7 @@ same processes, float32 tensors of 1 MiB to 256 MiB, side by side.
 
     python -m bench.collectives --procs 2                 # starts 2 local processes, 1 XLA CPU device each
     python -m bench.collectives --procs 2 --max-mib 64    # a shorter run
+    python -m bench.collectives --procs 2 --dims 2        # 2-d tensors (rows of 256 floats)
 
 Bus bandwidth follows nccl-tests: all_reduce moves 2(n-1)/n of the tensor per rank, all_gather
 (n-1)/n of the gathered output. Each figure is the median of --steps timed calls after a warm-up
@@ -21,7 +22,7 @@ import sys
 import time
 
 
-def _rank_main(sizes_mib: list[int], steps: int) -> None:
+def _rank_main(sizes_mib: list[int], steps: int, dims: int) -> None:
     import statistics
 
     import torch
@@ -40,11 +41,11 @@ def _rank_main(sizes_mib: list[int], steps: int) -> None:
             for backend in ("tpu", "xla", "gloo"):
                 device, group = ("cpu", gloo) if backend == "gloo" else ("tpu", None)
                 if op == "all_reduce":
-                    x = torch.ones(numel, device=device)
+                    x = torch.ones(_shape(numel, dims), device=device)
                     out = None
                 else:
-                    x = torch.ones(numel // n, device=device)
-                    out = torch.empty(numel // n * n, device=device)
+                    x = torch.ones(_shape(numel // n, dims), device=device)
+                    out = torch.empty(_shape(numel // n * n, dims), device=device)
                 call = _call(op, x, out, group) if backend != "xla" else _bare_program(op, x)
                 _sync(call())
                 times = []
@@ -63,6 +64,10 @@ def _rank_main(sizes_mib: list[int], steps: int) -> None:
         for op, mib, tpu, xla, gl in rows:
             print(f"{op:<11} {mib:>5} {tpu:>9.3f} {xla:>10.3f} {gl:>10.3f} {tpu / gl:>8.2f}x", flush=True)
     dist.destroy_process_group()
+
+
+def _shape(numel: int, dims: int) -> tuple:
+    return (numel,) if dims == 1 else (numel // 256, 256)
 
 
 def _call(op, x, out, group):
@@ -88,7 +93,7 @@ def _bare_program(op, x):
     group = dist.distributed_c10d._get_default_group()
     kind = "all_reduce" if op == "all_reduce" else "all_gather"
     program = pg._program(group._mesh, kind, "sum" if op == "all_reduce" else None)
-    glob = pg._global(group._mesh, pg._local_flat(x, group._device), group.size())
+    glob = pg._global(group._mesh, pg._local(x, group._device), group.size())
 
     def call():
         out = program(glob)
@@ -111,6 +116,7 @@ def main() -> None:
     p.add_argument("--min-mib", type=int, default=1)
     p.add_argument("--max-mib", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dims", type=int, choices=(1, 2), default=1, help="tensors of 1 or 2 dims")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     sizes, s = [], a.min_mib
@@ -118,12 +124,12 @@ def main() -> None:
         sizes.append(s)
         s *= 4
     if a.rank is not None:
-        _rank_main(sizes, a.steps)
+        _rank_main(sizes, a.steps, a.dims)
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    print(f"{a.procs} processes x 1 XLA CPU device, float32, median of {a.steps}", flush=True)
+    print(f"{a.procs} processes x 1 XLA CPU device, float32, {a.dims}-d, median of {a.steps}", flush=True)
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",

@@ -244,6 +244,29 @@ def test_unsupported_op_error_names_overload_and_fallback_works():
         fallback.WARNED.clear()
 
 
+def test_library_op_with_a_privateuse1_kernel_runs_it_and_foreach_copy():
+    # FSDP2's copy-in/copy-out ops are such ops: their PrivateUse1 kernel is made of torch ops
+    lib = torch.library.Library("torchtpu_test_pu1", "DEF")
+    lib.define("scaled_copy(Tensor src, Tensor(a!) out) -> ()")
+
+    def scaled_copy(src, out):
+        out.copy_(src * 3)
+
+    lib.impl("scaled_copy", scaled_copy, "PrivateUse1")
+    out = torch.zeros(4, device="tpu")
+    torch.ops.torchtpu_test_pu1.scaled_copy(torch.arange(4.0).to("tpu"), out)
+    torch.testing.assert_close(out.cpu(), torch.arange(4.0) * 3)
+    # _foreach_copy_ into views of one buffer (FSDP2's all-gather input), against CPU
+    srcs = [torch.arange(3.0), torch.arange(5.0, dtype=torch.bfloat16)]
+    for device in ("tpu", "cpu"):
+        buf = torch.zeros(10, device=device)
+        torch._foreach_copy_(list(torch.split(buf[1:9], [3, 5])), [t.to(device) for t in srcs])
+        if device == "tpu":
+            got = buf.cpu()
+        else:
+            torch.testing.assert_close(got, buf, rtol=0, atol=0)
+
+
 def test_platform_and_no_libtpu_noise_on_cpu_host():
     assert torchtpu.platform() == "cpu"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TORCHTPU_PLATFORM")}

@@ -416,6 +416,40 @@ def run_pg_mesh():
     check("torch DeviceMesh over the tpu group: sum of a sharded dim", (d * 2).sum(0).full_tensor(), (x * 2).sum(0))
     r = d.redistribute(mesh, [Replicate()]).to_local()
     check("torch DeviceMesh over the tpu group: redistribute to Replicate", r, x)
+    run_torch_fsdp2(mesh)
+
+
+def run_torch_fsdp2(mesh):
+    """PyTorch's own FSDP2 on the tpu process-group mesh against the same script on CPU tensors
+    over a gloo mesh: losses and final weights equal (5 output rows: padded shards on 2 and 4 ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    results = {}
+    for device, m in (("tpu", mesh), ("cpu", DeviceMesh.from_group(GLOO, "cpu"))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5)).to(device)
+        for layer in (model[0], model[2], model):
+            torch_fully_shard(layer, mesh=m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for step in range(3):
+            x = data((4, 6), torch.float32, 40 + step).to(device) / 3
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        if device == "tpu":  # resharded after backward: the all-gather buffers' arrays are dropped
+            param = model[2]._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+            assert param.all_gather_outputs[0]._st.array is None
+        results[device] = (torch.stack(losses), [p.full_tensor() for p in model.parameters()])
+    (lt, wt), (lc, wc) = results["tpu"], results["cpu"]
+    assert lt.device.type == "tpu" and wt[0].device.type == "tpu"
+    torch.testing.assert_close(lt.cpu(), lc, rtol=1e-6, atol=1e-6)
+    for a, b in zip(wt, wc):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-6)
+    checks.append("torch FSDP2 over the tpu group mesh = FSDP2 over gloo on CPU")
 
 
 def run_dead_peer():
@@ -437,23 +471,42 @@ def run_dead_peer():
         raise AssertionError("an all_reduce with a dead peer returned")
 
 
+def run_dead_rank_0():
+    """Rank 0 (the host of the store and of JAX's coordination service) exits; the others' next
+    collective must not wait: the process ends (JAX aborts it) or the op raises."""
+    dist.barrier()
+    if rank == 0:
+        print("rank 0 exits", flush=True)
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        dist.all_reduce(torch.ones(2, device="tpu"))
+    except RuntimeError as e:
+        print("raised:", e, flush=True)
+        os._exit(3)
+    print("an all_reduce with rank 0 gone returned", flush=True)
+    os._exit(0)
+
+
 def run_global_mesh():
     """After init_process_group("tpu"), torchtpu's global mesh spans every rank's device: FSDP's
     fully_shard and distribute_tensor over it give the single-device results."""
+    import jax
     from torch.distributed.tensor import Shard
 
     from torchtpu.distributed import distribute_tensor, fully_shard, init_device_mesh
 
-    mesh = init_device_mesh("tpu", (world,), mesh_dim_names=("dp_shard",))
-    x = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3)
+    devices = jax.device_count()  # every device of every rank (a rank may own several)
+    mesh = init_device_mesh("tpu", (devices,), mesh_dim_names=("dp_shard",))
+    x = torch.arange(devices * 6, dtype=torch.float32).reshape(devices * 2, 3)
     d = distribute_tensor(x, mesh, [Shard(0)])
     check("distribute_tensor over the process-group mesh", (d * 2).sum(0), (x * 2).sum(0))
     torch.manual_seed(0)
-    lin = torch.nn.Linear(3 * world, 4)
-    ref = torch.nn.Linear(3 * world, 4)
+    lin = torch.nn.Linear(3 * devices, 4)
+    ref = torch.nn.Linear(3 * devices, 4)
     ref.load_state_dict(lin.state_dict())
     fully_shard(lin, mesh=mesh)
-    inp = torch.randn(8, 3 * world, generator=torch.Generator().manual_seed(3))
+    inp = torch.randn(8, 3 * devices, generator=torch.Generator().manual_seed(3))
     lin(distribute_tensor(inp, mesh, [Shard(0)])).square().sum().backward()
     ref(inp).square().sum().backward()
     for p, q in zip(lin.parameters(), ref.parameters()):
@@ -461,7 +514,24 @@ def run_global_mesh():
     checks.append("fully_shard over the process-group mesh = one device")
 
 
+def check_devices_of_ranks():
+    """A rank that owns several local devices (XLA_FLAGS' host device count) runs its collectives
+    on its first: the group's mesh holds each rank's first device, in rank order."""
+    import jax
+
+    local = jax.local_devices()
+    assert DEFAULT._device == local[0], (DEFAULT._device, local)
+    firsts = [
+        d for d in jax.devices() if d.id == min(e.id for e in jax.devices() if e.process_index == d.process_index)
+    ]
+    assert list(DEFAULT._mesh.devices) == firsts, (DEFAULT._mesh.devices, firsts)
+    checks.append(
+        f"a rank with {len(local)} local device{'s' if len(local) > 1 else ''} runs the collectives on its first"
+    )
+
+
 if part in ("all", "collectives"):
+    check_devices_of_ranks()
     run_collectives()
 if part in ("all", "ddp") and world == 2:
     run_ddp()
@@ -474,6 +544,8 @@ if part in ("all", "pipeline"):
 if part in ("all", "mesh"):
     run_pg_mesh()
     run_global_mesh()  # late: the global mesh makes every eager op wait for its result
+if part == "dead rank 0":
+    run_dead_rank_0()
 if part in ("all", "dead") and world > 2:
     run_dead_peer()  # last: a rank leaves
 for c in checks:

@@ -1,16 +1,17 @@
-"""torch.distributed on tpu (the "tpu" c10d backend), in real jobs of 2 and 4 processes with one
-XLA CPU device each, gloo on CPU as the oracle:
+"""torch.distributed on tpu (the "tpu" c10d backend), in real jobs of 2 processes with two XLA CPU
+devices each (a rank runs on its first) and of 4 processes with one each, gloo on CPU as the oracle:
 
 - every collective, sync and async, float32 / bfloat16 / int64, views; point to point; subgroups;
   CPU tensors on the default group (and "cpu:gloo,tpu:tpu"); MPMD; a lone collective and a lone
   recv time out naming the op, mismatched collectives raise naming both, a dead peer makes the
   next collective time out; DDP with no_sync, find_unused_parameters and comm hooks; PyTorch's
-  DeviceMesh over the group (DTensor) and torchtpu's global mesh (fully_shard, distribute_tensor)
-  after init_process_group (c10d_worker.py, which also runs GPipe and 1F1B pipelines over 2 and 4
+  DeviceMesh over the group (DTensor; PyTorch's FSDP2 against FSDP2 over gloo on CPU) and
+  torchtpu's global mesh (fully_shard, distribute_tensor) after init_process_group (c10d_worker.py, which also runs GPipe and 1F1B pipelines over 2 and 4
   stages against one process: c10d_pipeline.py);
-- PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py).
+- PyTorch's DDP tutorial under torchrun and under torchtpu-launch local (ddp_tutorial.py);
+- a dead rank 0 (the host of the store and of JAX's coordination service) ends its peer's process.
 
-Each launch checks many things: a process launch costs seconds, so there are four."""
+Each launch checks many things: a process launch costs seconds, so there are five."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ EVERY_RANK = [
     "torch DeviceMesh over the tpu group: full_tensor",
     "torch DeviceMesh over the tpu group: sum of a sharded dim",
     "torch DeviceMesh over the tpu group: redistribute to Replicate",
+    "torch FSDP2 over the tpu group mesh = FSDP2 over gloo on CPU",
 ]
 DDP = (
     ["DDP with no_sync, several buckets"]
@@ -88,8 +90,10 @@ DDP = (
 
 
 def test_every_collective_on_2_processes_ddp_and_pipelines():
-    done = _checked(_workers(2, "all"))
+    # each rank owns 2 XLA CPU devices and runs on its first
+    done = _checked(_workers(2, "all", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     for names in done:
+        assert "a rank with 2 local devices runs the collectives on its first" in names
         assert set(EVERY_RANK + DDP) <= names, set(EVERY_RANK + DDP) - names
         assert "all_reduce in a subgroup" in names and "send/recv in a subgroup (global ranks)" in names
         assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (default)" in names
@@ -105,6 +109,7 @@ def test_every_collective_on_4_processes_pipelines_and_a_dead_peer():
     done = _checked(_workers(4, "all", C10D_INIT="cpu:gloo,tpu:tpu"))
     for r, names in enumerate(done):
         assert set(EVERY_RANK) <= names, set(EVERY_RANK) - names
+        assert "a rank with 1 local device runs the collectives on its first" in names
         assert ("all_reduce in a subgroup" in names) == (r in (0, 2))
         assert "cpu tensor -> gloo, tpu tensor -> tpu on the default group (cpu:gloo,tpu:tpu)" in names
         dead = "a dead peer: the next all_reduce times out naming it"
@@ -112,6 +117,25 @@ def test_every_collective_on_4_processes_pipelines_and_a_dead_peer():
     assert "lone all_reduce times out" in done[0]
     assert "lone recv times out" in done[1]
     assert {f"{s} over 4 stages, 4 micro-batches = one process" for s in ("GPipe", "1F1B")} <= done[3]
+
+
+def test_a_dead_rank_0_ends_its_peers():
+    # rank 0 hosts the store and JAX's coordination service: when it exits, the other rank's next
+    # collective neither returns nor waits out the timeout; its process ends
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    cmds = [["env", f"RANK={i}", sys.executable, str(WORKER), "dead rank 0"] for i in range(2)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 0 and "rank 0 exits" in outs[0], outs[0][-3000:]
+    assert procs[1].returncode != 0, outs[1][-3000:]
+    assert "returned" not in outs[1], outs[1][-3000:]
+    assert "JAX distributed service detected fatal errors" in outs[1] or "store is unreachable" in outs[1], outs[1][
+        -3000:
+    ]
 
 
 _LINE = r"^(?:\[[^\]]*\]:? ?)?(basic|checkpoint) (tpu|cpu) rank (\d+) "  # after a launcher's prefix

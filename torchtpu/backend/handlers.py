@@ -126,8 +126,11 @@ _BACKEND = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 
 
 def _has_own_kernel(func) -> bool:
-    return func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), "CompositeExplicitAutograd"
+    # CompositeExplicitAutograd: one implementation for every device; PrivateUse1: the library's
+    # own kernel for out-of-tree devices (FSDP2's copy-in and copy-out ops), in torch ops
+    return func.namespace not in ("aten", "prims") and any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), k)
+        for k in ("CompositeExplicitAutograd", "PrivateUse1")
     )
 
 

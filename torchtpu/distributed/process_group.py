@@ -4,7 +4,8 @@
     dist.init_process_group("tpu")            # or init_process_group(), or "cpu:gloo,tpu:tpu"
     dist.all_reduce(torch.ones(4, device="tpu"))
 
-Each process is one rank and owns its first local JAX device. The processes join one
+Each process is one rank and runs on one local JAX device: the current tpu device when the group
+is made (the first, unless set), whatever number of devices it owns. The processes join one
 `jax.distributed` job when the default group is made (the coordinator's port is agreed through
 the env:// store), and a group's collectives are XLA programs over a one-axis mesh with one device
 per member: `jax.shard_map` with psum / all_gather / psum_scatter / all_to_all / ppermute. Point to
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -90,16 +92,31 @@ def _one_at_a_time():
 # ----------------------------------------------------------------------------- programs
 
 
-def _local_flat(t: torch.Tensor, device):
-    """`t`'s values as a flat array on `device`."""
+def _local(t: torch.Tensor, device, flat: bool = False):
+    """`t`'s values as an array on `device`, in `t`'s shape (a 0-d tensor as one element), or
+    flat. Keeping the shape saves XLA two copies of the tensor (a reshape is one on the way in
+    and one on the way out) in the elementwise collectives."""
     a = array_of(t) if isinstance(t, TpuTensor) else jnp.asarray(t.detach().cpu().numpy())
-    return jax.device_put(a.reshape(-1), device)
+    if flat or a.ndim == 0:
+        a = a.reshape(-1)
+    return jax.device_put(a, device)
+
+
+def _local_flat(t: torch.Tensor, device):
+    return _local(t, device, flat=True)
 
 
 def _global(mesh: Mesh, local, n: int):
-    """The (n * local.size,) array whose piece on this process's device is `local`."""
+    """The array of the members' blocks stacked along dim 0 (n * local.shape[0], ...), whose block
+    on this process's device is `local`."""
     sharding = NamedSharding(mesh, P(_AXIS))
-    return jax.make_array_from_single_device_arrays((n * local.shape[0],), sharding, [local])
+    shape = (n * local.shape[0], *local.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, [local])
+
+
+def _shaped(out, shape):
+    """`out` in `shape` (no copy when it already has it)."""
+    return out if out.shape == tuple(shape) else out.reshape(shape)
 
 
 def _mine(out):
@@ -108,7 +125,8 @@ def _mine(out):
 
 @functools.cache
 def _program(mesh: Mesh, kind: str, static):
-    """A jitted shard_map over `mesh` for one op; each device's block is its rank's flat tensor."""
+    """A jitted shard_map over `mesh` for one op; each device's block is its rank's tensor (flat,
+    or in its shape for the elementwise ops and the all_gathers into a tensor)."""
 
     def body(x):
         if kind == "all_reduce":
@@ -119,8 +137,8 @@ def _program(mesh: Mesh, kind: str, static):
             if x.dtype == jnp.bool_:
                 return lax.psum(jnp.where(keep, x, False).astype(jnp.int32), _AXIS) > 0
             return lax.psum(jnp.where(keep, x, jnp.zeros_like(x)), _AXIS)
-        if kind == "all_gather":
-            return lax.all_gather(x, _AXIS, tiled=True)
+        if kind == "all_gather":  # static: stack (a new dim 0) rather than concatenate
+            return lax.all_gather(x, _AXIS, tiled=not static)
         if kind == "reduce_scatter":
             op, n = static
             if op in ("sum", "avg"):
@@ -219,6 +237,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         generation = (store.add("instances", 1) - 1) // size
         store = dist.PrefixStore(f"{generation}/", store)
         self._store = store
+        self._inner_store = store  # the TCPStore (or other) under the prefixes: its timeout
+        while isinstance(self._inner_store, dist.PrefixStore):
+            self._inner_store = self._inner_store.underlying_store
         self._rank = rank
         self._size = size
         self._timeout = timeout
@@ -277,7 +298,13 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._store.set(f"op/{seq}/{self._rank}", mine)
         keys = [f"op/{seq}/{r}" for r in range(self._size)]
         try:
-            self._store.wait(keys, self._timeout)
+            if self._inner_store.timeout == self._timeout:
+                # multi_get waits for the keys itself, under the store's timeout: one round trip
+                # to the store less on every op when that is the group's
+                values = self._store.multi_get(keys)
+            else:
+                self._store.wait(keys, self._timeout)
+                values = self._store.multi_get(keys)
         except Exception as e:  # the store's own timeout error says nothing about the op
             head = f"torch.distributed {op} on the tpu backend"
             where = f"(group {self._group_name!r}, collective #{seq})"
@@ -291,7 +318,7 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{head} timed out after {self._timeout.total_seconds():.0f} s {where}: "
                 f"ranks {missing} of the group never called it"
             ) from e
-        seen = [json.loads(v) for v in self._store.multi_get(keys)]
+        seen = [json.loads(v) for v in values]
         for r, (o, s, _) in enumerate(seen):
             if [o, s] != [op, json.loads(json.dumps(signature))]:
                 raise RuntimeError(
@@ -346,8 +373,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             if op == "avg" and not t.is_floating_point():
                 raise ValueError(f"all_reduce with ReduceOp.AVG needs a floating-point tensor, got {t.dtype}")
             self._meet("all_reduce", [op, list(t.shape), str(t.dtype)])
-            out = self._run("all_reduce", op, _local_flat(t, self._device))
-            write(t, out.reshape(t.shape))
+            out = self._run("all_reduce", op, _local(t, self._device))
+            write(t, _shaped(out, t.shape))
             outs.append(out)
         return _Work(outs, tensors)
 
@@ -360,18 +387,29 @@ class TpuProcessGroup(dist.ProcessGroup):
         outs = []
         for t in tensors:
             self._meet("broadcast", [opts.rootRank, list(t.shape), str(t.dtype)])
-            out = self._run("broadcast", opts.rootRank, _local_flat(t, self._device))
-            write(t, out.reshape(t.shape))
+            out = self._run("broadcast", opts.rootRank, _local(t, self._device))
+            write(t, _shaped(out, t.shape))
             outs.append(out)
         return _Work(outs, tensors)
 
-    def _gather_flat(self, t, op="all_gather"):
-        self._meet(op, [list(t.shape), str(t.dtype)])
-        return self._run("all_gather", None, _local_flat(t, self._device))  # (size * numel,)
+    def _gather_flat(self, t, op="all_gather", shape=None):
+        """Every member's `t`, concatenated: flat (size * numel,), or in `shape`. The program gives
+        a concatenation along dim 0 and a stack along a new dim 0 in their shape as they are."""
+        n = self._size
+        if shape is not None and tuple(shape) == (n, *t.shape):
+            how = "stack"
+        elif shape is not None and t.dim() > 0 and tuple(shape) == (n * t.shape[0], *t.shape[1:]):
+            how = "dim 0"
+        else:
+            how = "flat"
+        # the members run one program: how they gather is part of what they compare
+        self._meet(op, [list(t.shape), str(t.dtype), how])
+        out = self._run("all_gather", how == "stack", _local(t, self._device, flat=how == "flat"))
+        return out if shape is None else _shaped(out, shape)
 
     def allgather(self, output_lists, inputs, opts=None):
         if self._cpu(list(inputs) + [o for lst in output_lists for o in lst]):
-            return self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
+            return self._gloo.allgather(output_lists, inputs, opts or _c10d.AllgatherOptions())
         outs = []
         for lst, t in zip(output_lists, inputs):
             if len(lst) != self._size:
@@ -384,13 +422,13 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         if self._cpu([output, input]):
-            return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+            return self._gloo._allgather_base(output, input, opts or _c10d.AllgatherOptions())
         if output.numel() != input.numel() * self._size:
             raise ValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements, needs {self._size} x {input.numel()}"
             )
-        every = self._gather_flat(input, "all_gather_into_tensor")
-        write(output, every.reshape(output.shape))
+        every = self._gather_flat(input, "all_gather_into_tensor", tuple(output.shape))
+        write(output, every)
         return _Work([every], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -615,10 +653,11 @@ def register() -> None:
     """Make "tpu" a torch.distributed backend, and the default one for tpu tensors."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    from . import ddp, pg_functional
+    from . import ddp, pg_functional, torch_fsdp
 
     ddp.install()
     pg_functional.install()
+    torch_fsdp.install()
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=[BACKEND_NAME])
 
 

@@ -399,6 +399,12 @@ def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
 
 
+@lower(aten._foreach_copy.default)
+def foreach_copy(self, src, non_blocking=False):
+    """The functional _foreach_copy_ (FSDP2's copy into its all-gather buffer)."""
+    return [copy(d, s) for d, s in zip(self, src)]
+
+
 # ----------------------------------------------------------------------------- bincount
 
 
