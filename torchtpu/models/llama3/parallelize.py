@@ -92,6 +92,7 @@ def parallelize_llama(
     ac_mode: str = "none",
     ac_every: int = 1,
     scan_layers: bool = False,
+    block_plan=None,
 ) -> torch.nn.Module:
     """Shard `model` (a torchtitan llama3 Transformer, on meta, CPU or tpu) over `mesh`.
 
@@ -100,7 +101,10 @@ def parallelize_llama(
 
     `scan_layers=True` runs the blocks under one layer scan in compiled programs; the scan
     recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
-    does) and applies no other checkpoint wrapper."""
+    does) and applies no other checkpoint wrapper.
+
+    `block_plan(block, plan)`, if given, returns the tensor-parallel plan for one block from the
+    Llama 3 block plan `plan` (another family's attention or Mixture-of-Experts layers)."""
     if scan_layers and ac_mode != "full":
         raise ValueError(
             f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
@@ -120,7 +124,7 @@ def parallelize_llama(
         top, block = tp_plan(sequence_parallel, loss_parallel)
         parallelize_module(model, tp, top)
         for layer in model.layers.values():
-            parallelize_module(layer, tp, block)
+            parallelize_module(layer, tp, block if block_plan is None else block_plan(layer, block))
     if ac_mode != "none" and not scan_layers:
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
     dp = [n for n in DATA_PARALLEL_DIMS if _has(mesh, n)]
