@@ -177,6 +177,12 @@ def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
     shape = {"dp_replicate": 1, "efsdp": 2, "ep": 2, "tp": 2} if family == "deepseek_v3" else {"ep": 4, "tp": 1}
     assert shape.items() <= dict(t4.mesh.jax_mesh.shape).items()
     assert type(t4.model.layers["1"].moe).__name__ == "ExpertParallelMoE"
+    if family == "deepseek_v3":  # the latent's up-projection colwise, its down-projection replicated over tp
+        from torchtpu.backend.views import array_of
+
+        attention = t4.model.layers["0"].attention
+        assert "tp" in str(array_of(attention.wkv_b.weight).sharding.spec[0])
+        assert "tp" not in str(array_of(attention.wkv_a.weight).sharding.spec)
     got4 = [h["loss"] for h in t4.train()]
     print(f"EP 4 {got4}\nEP 1 {got[:3]}")
     assert _max_diff(got4, got[:3]) <= 1e-5
