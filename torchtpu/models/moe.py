@@ -20,6 +20,16 @@ writes it, then sends each (token, expert) row to the chip holding its expert an
 all-to-alls (torchtpu.distributed.expert_parallel), where torchtitan's same grouped matmul computes
 it. The combine (the scores' weighting, the sum over the top-k, the shared experts) is torchtitan's
 arithmetic on the same rows, so a step under expert parallelism computes what it computes without.
+With tensor parallelism the mesh dim "ep" spans the "tp" axis too (torchtitan's
+expert_tensor_parallel_degree 1, distributed.mesh.expert_parallel_mesh), and each chip of a
+tensor-parallel group dispatches its own part of the rows.
+
+Tensor parallelism (`apply_moe_tp(model, mesh)`, torchtitan's plan for the MoE layers): the layer's
+input gathered from its sequence split and its sum split again, the router's gate replicated, the
+shared experts colwise / rowwise, and the routed experts split on their hidden dim without expert
+parallelism, whole with it. `moe_block_plan` fits the Llama 3 block plan to a family's MoE blocks
+(and, for DeepSeek-V3, to its attention), and `parallelize_moe_family` puts the pieces together
+with FSDP and activation checkpointing.
 """
 
 from __future__ import annotations
