@@ -141,12 +141,15 @@ def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
     so their forward and token counts run again in backward) under FSDP 8: 10 losses = plain
     PyTorch's with torchtitan's optimizer, whose pre-step hook moves each MoE layer's expert bias;
     the trainer's update inside the compiled step leaves the same biases, and the counts zeroed as
-    torchtitan does."""
+    torchtitan does. Under expert parallelism (with tensor parallelism for DeepSeek-V3) the first 3
+    losses are the same within 1e-5."""
     import torch
+
+    from torchtpu.train.trainer import Trainer
 
     overrides = _narrow_deepseek_v3() if family == "deepseek_v3" else _narrow_llama4()
     extra = ("--activation_checkpoint.mode", "full") if family == "llama4" else ()
-    t, _, ref_model = _train_and_reference(tmp_path, "debugmodel", overrides, family, extra)
+    t, got, ref_model = _train_and_reference(tmp_path, "debugmodel", overrides, family, extra)
     assert [recomputed for _, recomputed in t.balanced_moe] == [family == "llama4"]
     moe = t.model.layers["1"].moe
     assert not hasattr(t.model.layers["0"], "moe")  # the dense first layer
@@ -162,6 +165,27 @@ def test_load_balanced_moe_fsdp8_matches_pytorch(tmp_path, family):
     for rec in _metric_records(t):
         (counts,) = rec["moe/tokens_per_expert"]
         assert sum(counts) == 8 * 32 * top_k, counts
+    # expert parallelism 4 (each rank 2 of the 8 routed experts, tokens by all-to-all): Llama 4 under EP 4 x
+    # FSDP 2; DeepSeek-V3 under EP 4 x TP 2 (MLA's tensor-parallel plan; EP takes both TP ranks and 2 of
+    # the 4 FSDP shards, the experts sharded over the other 2): the first 3 losses of the FSDP 8 run
+    par = ["--parallelism.expert_parallel_degree", "4"]
+    if family == "deepseek_v3":
+        par += ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2"]
+    t4 = Trainer(
+        load_config(_argv(tmp_path / "ep", "debugmodel", 3, *extra, *par, family=family)), model_overrides=overrides
+    )
+    shape = {"dp_replicate": 1, "efsdp": 2, "ep": 2, "tp": 2} if family == "deepseek_v3" else {"ep": 4, "tp": 1}
+    assert shape.items() <= dict(t4.mesh.jax_mesh.shape).items()
+    assert type(t4.model.layers["1"].moe).__name__ == "ExpertParallelMoE"
+    if family == "deepseek_v3":  # the latent's up-projection colwise, its down-projection replicated over tp
+        from torchtpu.backend.views import array_of
+
+        attention = t4.model.layers["0"].attention
+        assert "tp" in str(array_of(attention.wkv_b.weight).sharding.spec[0])
+        assert "tp" not in str(array_of(attention.wkv_a.weight).sharding.spec)
+    got4 = [h["loss"] for h in t4.train()]
+    print(f"EP 4 {got4}\nEP 1 {got[:3]}")
+    assert _max_diff(got4, got[:3]) <= 1e-5
 
 
 def _metric_records(t):
@@ -374,9 +398,44 @@ def test_deepseek_v3_layer_scan_runs_the_moe_blocks_and_keeps_the_dense_layer_ou
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_tensor_parallel_gives_the_ep1_losses(tmp_path, moe_fsdp8, ep):
+    """torchtitan's tensor-parallel plan for the Qwen3 MoE, TP 2 x FSDP 4 (the same 8 sequences per step):
+    without expert parallelism the routed experts split on their hidden dim (w1, w3 on dim 1, w2 on
+    dim 2); under EP 2 x TP 2 (expert_tensor_parallel_degree 1) expert parallelism takes the two TP
+    ranks, each expert whole on its ep rank and sharded over the 4 FSDP shards (efsdp), and each TP
+    rank dispatches its own half of the tokens. The router's gate is not split over tp. Both give the
+    EP 1 / FSDP 8 run's first 3 losses within 1e-5."""
+    from jax.sharding import PartitionSpec as P
+
+    from torchtpu.backend.views import array_of
+    from torchtpu.train.trainer import Trainer
+
+    _, ep1 = moe_fsdp8
+    par = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", str(ep))
+    t = Trainer(
+        load_config(_argv(tmp_path, "debugmodel_moe", 3, "--training.local_batch_size", "2", *par)),
+        model_overrides=_narrow_moe(),
+    )
+    moe = t.model.layers["0"].moe
+    specs = [array_of(w).sharding.spec for w in (moe.experts.w1, moe.experts.w2)]
+    if ep == 1:
+        assert t.mesh.jax_mesh.shape == {"dp_replicate": 1, "dp_shard": 4, "tp": 2}
+        assert specs == [P("dp_shard", "tp", None), P("dp_shard", None, "tp")], specs
+    else:
+        assert t.mesh.jax_mesh.shape == {"dp_replicate": 1, "efsdp": 4, "ep": 1, "tp": 2}
+        assert type(moe).__name__ == "ExpertParallelMoE"
+        assert specs == [P(("ep", "tp", "efsdp"), None, None)] * 2, specs
+    assert "tp" not in str(array_of(moe.router.gate.weight).sharding.spec)
+    got = [h["loss"] for h in t.train()]
+    print(f"TP 2 x EP {ep} {got}\nEP 1 {ep1[:3]}")
+    assert _max_diff(got, ep1[:3]) <= 1e-5
+
+
 def test_expert_parallel_config_errors(tmp_path):
     """One line naming the keys and the fix: a degree that does not divide the FSDP shards or the
-    experts, expert parallelism on a dense model or with tensor parallelism, and ETP other than 1."""
+    experts, or (with tensor parallelism) is not the TP ranks times a divisor of them, expert
+    parallelism on a dense model, and ETP other than 1."""
     from torchtpu.models.registry import get_family
     from torchtpu.train.config.job_config import ConfigError
     from torchtpu.train.parallel_dims import check_expert_parallel, resolve_dims
@@ -386,19 +445,10 @@ def test_expert_parallel_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match=r"expert_parallel_degree = 3.*must divide 8; choose one of 1, 2, 4, 8"):
         resolve_dims(cfg("debugmodel_moe", "--parallelism.expert_parallel_degree", "3"), 8)
-    with pytest.raises(
-        ConfigError, match="together with tensor parallelism is not supported.*tensor_parallel_degree = 1"
-    ):
-        resolve_dims(
-            cfg(
-                "debugmodel_moe",
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-            ),
-            8,
-        )
+    # with TP 2 (4 FSDP shards) expert parallelism takes both TP ranks: 2, 4 or 8
+    with pytest.raises(ConfigError, match=r"every one of the 2 tensor-parallel ranks.*choose one of 2, 4, 8$"):
+        tp = ("--parallelism.tensor_parallel_degree", "2")
+        resolve_dims(cfg("debugmodel_moe", *tp, "--parallelism.expert_parallel_degree", "3"), 8)
     with pytest.raises(ConfigError, match="expert_tensor_parallel_degree = 2.*allowed: 1"):
         cfg("debugmodel_moe", "--parallelism.expert_tensor_parallel_degree", "2")
     dense = cfg("debugmodel", "--parallelism.expert_parallel_degree", "2")
@@ -407,7 +457,9 @@ def test_expert_parallel_config_errors(tmp_path):
     # 64 experts, 12 FSDP shards: 12 divides the shards but not the experts
     moe = cfg("debugmodel_moe", "--parallelism.expert_parallel_degree", "12")
     args = get_family("qwen3").model_args("debugmodel_moe")
-    with pytest.raises(ConfigError, match="has 64 experts per layer, which 12 ranks cannot split evenly"):
+    with pytest.raises(
+        ConfigError, match="has 64 experts per layer, which 12 ranks cannot split evenly; choose one of 1, 2, 4$"
+    ):
         check_expert_parallel(moe, resolve_dims(moe, 12), args)
 
 

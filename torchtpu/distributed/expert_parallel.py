@@ -3,10 +3,13 @@
     out = expert_parallel_ffn(rows, expert_ids, [w1, w2, w3], run_experts, mesh, num_experts=E)
 
 `rows` (tokens x dim, one row per (token, chosen expert) pair) and `expert_ids` (which of the E
-experts each row goes to) are global tensors split over the data-parallel axes of the job mesh,
-as the batch is; each weight is (E, ...) and split on its expert dim over the mesh dim "ep" (its
-other layout, e.g. FSDP's over "efsdp", is gathered by XLA at the boundary). `out[i]` is row i
-through expert expert_ids[i]. Everything between runs per chip, under one `jax.shard_map`:
+experts each row goes to) are global tensors, split inside over the data-parallel axes of the job
+mesh, as the batch is, and over the axes of "ep" that are not data-parallel ones (with tensor
+parallelism, "ep" spans the "tp" axis too: the rows a tensor-parallel group holds alike are divided
+among its chips, as torchtitan's ReordererSequenceParallel does); each weight is (E, ...) and split
+on its expert dim over the mesh dim "ep" (its other layout, e.g. FSDP's over "efsdp", is gathered by
+XLA at the boundary). `out[i]` is row i through expert expert_ids[i]. Everything between runs per
+chip, under one `jax.shard_map`:
 
 1. the chip sorts its rows by expert (stable) and writes them into one bucket per "ep" rank: the
    rows for the experts rank r holds, in expert order, then zeros;
@@ -79,12 +82,17 @@ def expert_parallel_ffn(
     n_ep = math.prod(root.jax_mesh.shape[a] for a in ep_axes)
     if num_experts % n_ep:
         raise ValueError(f"expert_parallel_ffn: {num_experts} experts do not split over {n_ep} expert-parallel ranks")
+    # the rows are split over the data-parallel axes, as the batch is, and over the expert-parallel axes
+    # that are not data-parallel ones (tensor parallelism's, which expert parallelism borrows): each chip
+    # dispatches its own part of the rows, as torchtitan's ReordererSequenceParallel splits the tokens
+    # over the tensor-parallel ranks
     data = data_parallel_axes(root)
+    data = data + tuple(a for a in ep_axes if a not in data)
     n_data = math.prod(root.jax_mesh.shape[a] for a in data)
     if rows.shape[0] % n_data:
         raise ValueError(
-            f"expert_parallel_ffn: {rows.shape[0]} rows do not split over the {n_data} data-parallel chips; "
-            "the batch must split evenly over the data-parallel degree"
+            f"expert_parallel_ffn: {rows.shape[0]} rows do not split over the {n_data} chips of the data- and "
+            "expert-parallel axes; the batch (times the sequence length, with tensor parallelism) must split evenly"
         )
     for w in weights:
         if w.shape[0] != num_experts:

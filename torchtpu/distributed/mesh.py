@@ -27,6 +27,7 @@ __all__ = [
     "DeviceMesh",
     "init_device_mesh",
     "split_dim",
+    "expert_parallel_mesh",
     "current_mesh",
     "set_mesh",
     "initialize",
@@ -390,4 +391,27 @@ def split_dim(mesh: DeviceMesh, name: str, parts: Sequence[tuple[str, int]]) -> 
     for n in names:
         out._flattened[n] = (n,)
     set_mesh(out)
+    return out
+
+
+def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The job's root mesh (dims dp_replicate, dp_shard, tp) with torchtitan's expert-parallel dims
+    for expert_tensor_parallel_degree 1: the dim "ep" of `ep` ranks takes every rank of "tp" and the
+    inner ep / tp ranks of "dp_shard", which splits into the JAX axes `efsdp` x `ep` (`split_dim`);
+    the dim "efsdp" is the rest of dp_shard, over which each expert is sharded. Without tensor
+    parallelism "ep" is the JAX axis `ep` alone; with it, the axes `ep` and `tp` (tp inner), and the
+    axis `ep` may have one rank (ep = tp). Becomes the current mesh."""
+    if mesh.root() is not mesh:
+        raise ValueError(f"expert_parallel_mesh takes the root mesh, not the view {mesh}")
+    tp = mesh.size("tp") if "tp" in mesh.mesh_dim_names else 1
+    shard = mesh.size("dp_shard")
+    if ep < 1 or ep % tp or shard % (ep // tp):
+        raise ValueError(
+            f"expert_parallel_mesh: {ep} expert-parallel ranks must be the {tp} tensor-parallel ranks times a "
+            f"divisor of the {shard} FSDP shards"
+        )
+    inner = ep // tp
+    out = split_dim(mesh, "dp_shard", (("efsdp", shard // inner), ("ep", inner)))
+    if tp > 1:
+        out._flattened["ep"] = ("ep",) + out.dims[out._index("tp")]
     return out

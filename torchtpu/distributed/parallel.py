@@ -12,7 +12,10 @@ they are, and read for what they say:
   module wants it, `output_layouts` how the output should leave. Each becomes a sharding
   constraint (`torchtpu::shard`) on the global activation, whose backward lays the gradient
   out as the input was, so XLA emits the same collectives DTensor would: all-gather before a
-  colwise layer in sequence parallelism, reduce-scatter or all-reduce after a rowwise one.
+  colwise layer in sequence parallelism, reduce-scatter or all-reduce after a rowwise one. A
+  `Partial` output layout (a rowwise layer whose sum a later layout settles, as in torchtitan's
+  MoE shared experts) gets no constraint: the value is the sum already, and its reader's layout
+  decides how XLA reduces it.
 
 Tensors stay global: `use_local_output` has nothing to convert (see dtensor.py), and model
 code that reshapes with -1 for the head count works unchanged. The batch dim (dim 0) of
@@ -42,7 +45,7 @@ from .params import (
     use_parameter,
 )
 
-__all__ = ["parallelize_module"]
+__all__ = ["parallelize_module", "split_parameter"]
 
 _ACT = (0,)  # activation dims left to XLA: the batch dim
 
@@ -94,9 +97,18 @@ def _match(module, path: str):
 def _tp_axes(mesh: DeviceMesh, style) -> tuple[str, ...]:
     if mesh.ndim != 1:
         raise ValueError(
-            f"{type(style).__name__} needs a 1-D tensor-parallel mesh, got {mesh} (select it with mesh['tp'])"
+            f"{type(style).__name__ if style is not None else 'split_parameter'} needs a 1-D tensor-parallel mesh, "
+            f"got {mesh} (select it with mesh['tp'])"
         )
     return mesh.dims[0]
+
+
+def split_parameter(module: nn.Module, name: str, mesh: DeviceMesh, dim: int) -> None:
+    """Split parameter `name` of `module` on `dim` over the 1-D tensor-parallel mesh `mesh` (on top of
+    any layout it has), for a parameter no parallel style knows (e.g. the routed experts' (E, ...)
+    weights); each forward of `module` then uses it through a constraint to that layout."""
+    _tp_axes(mesh, None)
+    _split_param(module, name, mesh, dim)
 
 
 def _split_param(module, name, mesh, dim):
@@ -235,7 +247,9 @@ def _io_hooks(module, mesh, input_layouts, desired_inputs, output_layouts, natur
     natural = natural_outputs[0]
 
     def post(mod, args, out):
-        if out_layout is None:
+        # a Partial output is the reduced value already (tensors are global): its layout is left to
+        # what reads it, so XLA may reduce-scatter it into a sequence-split sum rather than all-reduce
+        if out_layout is None or isinstance(out_layout, Partial):
             return out
         # the gradient goes back in the output's natural layout (Replicate for a Partial one)
         return _layout(out, mesh, out_layout, natural)

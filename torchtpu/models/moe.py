@@ -20,6 +20,16 @@ writes it, then sends each (token, expert) row to the chip holding its expert an
 all-to-alls (torchtpu.distributed.expert_parallel), where torchtitan's same grouped matmul computes
 it. The combine (the scores' weighting, the sum over the top-k, the shared experts) is torchtitan's
 arithmetic on the same rows, so a step under expert parallelism computes what it computes without.
+With tensor parallelism the mesh dim "ep" spans the "tp" axis too (torchtitan's
+expert_tensor_parallel_degree 1, distributed.mesh.expert_parallel_mesh), and each chip of a
+tensor-parallel group dispatches its own part of the rows.
+
+Tensor parallelism (`apply_moe_tp(model, mesh)`, torchtitan's plan for the MoE layers): the layer's
+input gathered from its sequence split and its sum split again, the router's gate replicated, the
+shared experts colwise / rowwise, and the routed experts split on their hidden dim without expert
+parallelism, whole with it. `moe_block_plan` fits the Llama 3 block plan to a family's MoE blocks
+(and, for DeepSeek-V3, to its attention), and `parallelize_moe_family` puts the pieces together
+with FSDP and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -27,10 +37,18 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
 from torchtitan.models.moe.moe import GroupedExperts, MoE, _run_experts_grouped_mm
 
+from ..distributed import parallelize_module
 from ..distributed.expert_parallel import expert_axes, expert_parallel_ffn
 from ..distributed.mesh import DeviceMesh
+from ..distributed.parallel import split_parameter
 from ..distributed.params import apply_layout, set_layout
 
 __all__ = [
@@ -38,7 +56,9 @@ __all__ = [
     "use_ragged_experts",
     "apply_expert_parallel",
     "ExpertParallelMoE",
-    "parallelize_without_tp",
+    "apply_moe_tp",
+    "moe_block_plan",
+    "parallelize_moe_family",
 ]
 
 
@@ -145,14 +165,68 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
     return model
 
 
-def parallelize_without_tp(model: torch.nn.Module, mesh, family: str, **kw) -> torch.nn.Module:
-    """parallelize_llama's FSDP/HSDP, activation checkpointing and layer scan for a MoE family with
-    no tensor-parallel plan: a tensor-parallel mesh is refused in one line naming `family`."""
+def apply_moe_tp(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True) -> torch.nn.Module:
+    """torchtitan's tensor-parallel plan for every torchtitan `MoE` layer in `model` (in place; returns
+    `model`; a mesh without a "tp" dim of more than one rank leaves it unchanged): the layer gathers
+    its sequence-split input and leaves its sum sequence-split again (all-gather in, reduce-scatter
+    out); the router's gate is replicated (its computation repeats on each tensor-parallel rank); the
+    shared experts are split colwise (w1, w3) and rowwise (w2); the routed experts, without expert
+    parallelism, are split on their hidden dim (w1, w3 on dim 1, w2 on dim 2: torchtitan's
+    `TensorParallel`), and with it (`apply_expert_parallel` first) are left whole, expert parallelism
+    taking the tensor-parallel ranks (torchtitan's expert_tensor_parallel_degree 1: each rank
+    dispatches its part of the tokens). Call it before `fully_shard`."""
+    if "tp" not in mesh.mesh_dim_names or mesh.size("tp") == 1:
+        return model
+    tp = mesh["tp"]
+    act = Shard(1) if sequence_parallel else Replicate()
+    layer_io = PrepareModuleInputOutput(
+        input_layouts=(act,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Partial(),),
+        desired_output_layouts=(act,),
+    )
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        parallelize_module(module, tp, layer_io)
+        if module.shared_experts is not None:
+            shared = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Partial()), "w3": ColwiseParallel()}
+            parallelize_module(module.shared_experts, tp, shared)
+        if not isinstance(module, ExpertParallelMoE):
+            for name, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+                split_parameter(module.experts, name, tp, dim)
+    return model
+
+
+def moe_block_plan(attention_plan=None):
+    """parallelize_llama's `block_plan` for a Mixture-of-Experts family: a MoE block keeps the Llama 3
+    block plan but its feed-forward entries (its MoE layer is `apply_moe_tp`'s); `attention_plan(block)`,
+    if given, replaces the plan's q/k/v projections (the output projection's entry stays)."""
+
+    def plan(layer, block):
+        qkv = ("attention.wq", "attention.wk", "attention.wv")
+        out = {
+            k: v
+            for k, v in block.items()
+            if not (getattr(layer, "moe_enabled", False) and k.startswith("feed_forward"))
+            and not (attention_plan is not None and k in qkv)
+        }
+        if attention_plan is not None:
+            out.update(attention_plan(layer))
+        return out
+
+    return plan
+
+
+def parallelize_moe_family(model: torch.nn.Module, mesh, attention_plan=None, **kw) -> torch.nn.Module:
+    """parallelize_llama for a torchtitan Mixture-of-Experts family (DeepSeek-V3, Llama 4): expert
+    parallelism when the mesh has an "ep" dim (`apply_expert_parallel`), torchtitan's tensor-parallel
+    plan for the MoE layers (`apply_moe_tp`) and the Llama 3 one for the rest (`moe_block_plan`), FSDP/
+    HSDP, activation checkpointing and the layer scan (which carries the blocks' buffers, expert_bias
+    and tokens_per_expert); a family whose blocks differ sets `scan_layers=False` itself."""
     from .llama3.parallelize import parallelize_llama
 
-    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
-        raise ValueError(
-            f"tensor parallel degree {mesh.size('tp')}: {family} trains with FSDP/HSDP only on tpu; "
-            "set parallelism.tensor_parallel_degree = 1"
-        )
-    return parallelize_llama(model, mesh, **kw)
+    apply_expert_parallel(model, mesh)
+    apply_moe_tp(model, mesh, kw.get("sequence_parallel", True))
+    return parallelize_llama(model, mesh, block_plan=moe_block_plan(attention_plan), **kw)

@@ -23,9 +23,10 @@ class ParallelDims:
     """Resolved parallelism for a device count (what resolve_dims returns).
 
     Mesh axes, outermost first: dp_replicate, dp_shard, tp (pp and cp are always 1 in torchtpu).
-    Expert parallelism (`ep` > 1) takes its ranks from dp_shard, as torchtitan's does with
-    tensor parallelism off: dp_shard splits into `efsdp` x `ep` (ep inner), the routed experts are
-    split over ep and sharded over efsdp, everything else stays as it is.
+    Expert parallelism (`ep` > 1) borrows its ranks as torchtitan's does with
+    expert_tensor_parallel_degree 1: every tp rank and the inner ep / tp ranks of dp_shard, which
+    splits into `efsdp` x ep / tp; the routed experts are split over ep and sharded over efsdp
+    (dp_shard x tp / ep ranks), everything else stays as it is.
     """
 
     world_size: int
@@ -70,9 +71,14 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def ep_shards(self) -> int:
+        """The FSDP shards expert parallelism borrows (ep / tp: it takes every tp rank)."""
+        return self.ep // self.tp if self.ep > 1 else 1
+
+    @property
     def efsdp(self) -> int:
-        """Ranks each routed expert is sharded over under expert parallelism (dp_shard / ep)."""
-        return self.dp_shard // self.ep
+        """Ranks each routed expert is sharded over under expert parallelism (dp_shard x tp / ep)."""
+        return self.dp_shard // self.ep_shards
 
     @property
     def mesh_axis_names(self) -> tuple[str, ...]:
@@ -151,14 +157,15 @@ def resolve_dims(cfg: JobConfig, num_devices: int) -> ParallelDims:
             )
     ep = par.expert_parallel_degree
     if ep > 1:
-        if tp > 1:
+        if tp > 1 and (ep % tp or shard % (ep // tp)):
             raise ConfigError(
-                f"{describe_keys(cfg, sec, ['expert_parallel_degree', 'tensor_parallel_degree'])}: expert "
-                "parallelism together with tensor parallelism is not supported by torchtpu yet; set "
-                "tensor_parallel_degree = 1 (expert parallelism then takes its ranks from "
-                "data_parallel_shard_degree)"
+                f"{describe_keys(cfg, sec, ['expert_parallel_degree', 'tensor_parallel_degree', 'data_parallel_shard_degree'])}: "
+                f"with tensor parallelism, expert parallelism takes every one of the {tp} tensor-parallel ranks and "
+                f"part of the {shard} FSDP shards (torchtitan's expert_tensor_parallel_degree = 1), so "
+                f"expert_parallel_degree must be {tp} times a divisor of {shard}; choose one of "
+                f"{', '.join(str(tp * d) for d in range(1, shard + 1) if shard % d == 0)}"
             )
-        if shard % ep:
+        if tp == 1 and shard % ep:
             raise ConfigError(
                 f"{describe_keys(cfg, sec, ['expert_parallel_degree', 'data_parallel_shard_degree'])}: "
                 f"expert parallelism takes its ranks from the {shard} FSDP shards (as in torchtitan), so "
@@ -224,9 +231,13 @@ def check_expert_parallel(cfg: JobConfig, dims: ParallelDims, model_args) -> Non
     if n % dims.ep:
         raise ConfigError(
             f"{keys}: {cfg.model.name} {cfg.model.flavor} has {n} experts per layer, which {dims.ep} ranks cannot "
-            f"split evenly; choose an expert_parallel_degree that divides both {n} and data_parallel_shard_degree "
-            f"= {dims.dp_shard}"
+            f"split evenly; choose one of {', '.join(str(d) for d in _ep_choices(dims) if n % d == 0)}"
         )
+
+
+def _ep_choices(dims: ParallelDims) -> list[int]:
+    """The expert-parallel degrees the mesh allows: 1, or the tp ranks times a divisor of dp_shard."""
+    return sorted({1} | {dims.tp * d for d in range(1, dims.dp_shard + 1) if dims.dp_shard % d == 0})
 
 
 def job_devices(cfg: JobConfig) -> list:

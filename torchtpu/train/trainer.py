@@ -181,10 +181,11 @@ class Trainer:
             kwargs["dcn_mesh_shape"] = dims.dcn_mesh_shape
         self.mesh = init_device_mesh("tpu", dims.mesh_shape, mesh_dim_names=dims.mesh_axis_names, **kwargs)
         if dims.ep_enabled:
-            from torchtpu.distributed.mesh import split_dim
+            from torchtpu.distributed.mesh import expert_parallel_mesh
 
-            # expert parallelism takes the inner ranks of the FSDP dim (torchtitan's efsdp x ep)
-            self.mesh = split_dim(self.mesh, "dp_shard", (("efsdp", dims.efsdp), ("ep", dims.ep)))
+            # expert parallelism takes every tp rank and the inner ranks of the FSDP dim (torchtitan's
+            # efsdp x ep with expert_tensor_parallel_degree 1)
+            self.mesh = expert_parallel_mesh(self.mesh, dims.ep)
 
         # -- tokenizer and model arguments
         try:

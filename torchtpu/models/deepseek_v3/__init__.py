@@ -15,21 +15,28 @@ balancing (each MoE layer's `expert_bias`, moved before every optimizer step by 
   rotary part of the queries and the shared rotary key in real arithmetic;
 - the routed experts run as grouped matmuls on unpadded groups (torchtpu.models.moe).
 
-The plan is FSDP/HSDP per block with mixed precision and activation checkpointing (the Llama 3
-plan's data-parallel part), and the layer scan over the run of identical MoE blocks (the dense
-layers in front stay outside it). Refused with one line: tensor parallelism (the MoE blocks have no
-tensor-parallel plan on tpu), and attention through flex_attention (the 16B, 236B and 671B flavors'
-block-causal document masks), unless the job sets `[model] attn_type = "sdpa"`.
+The plan (torchtpu.models.moe.parallelize_moe_family) is torchtitan's: tensor parallelism with
+its MLA plan (`mla_tp_plan`: the query projection `wq`, or `wq_b` after the low-rank `wq_a`, and the
+latent's up-projection `wkv_b` colwise, so each rank holds whole heads; the latent's down-projection
+`wkv_a` and the norms replicated; the attention kernel's q, k, v split on heads; `wo` rowwise), the
+Llama 3 plan for the dense feed-forward and embeddings, torchtitan's plan for the MoE layers
+(expert parallelism, tensor parallelism of the router and shared and routed experts), FSDP/HSDP per
+block with mixed precision, activation checkpointing, and the layer scan over the run of identical
+MoE blocks (the dense layers in front stay outside it). Refused with one line: attention through
+flex_attention (the 16B, 236B and 671B flavors' block-causal document masks), unless the job sets
+`[model] attn_type = "sdpa"`.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
 from ..llama3.rope import apply_real_rotary_emb
-from ..moe import parallelize_without_tp, use_ragged_experts
+from ..moe import parallelize_moe_family, use_ragged_experts
 
-__all__ = ["RealRopeMLA", "parallelize_deepseek_v3", "prepare_deepseek_v3"]
+__all__ = ["RealRopeMLA", "mla_tp_plan", "parallelize_deepseek_v3", "prepare_deepseek_v3"]
 
 
 def _model_module():
@@ -111,4 +118,17 @@ def parallelize_deepseek_v3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Modu
     kw["scan_start"] = n_dense
     if len(model.layers) - n_dense < 2:
         kw["scan_layers"] = False
-    return parallelize_without_tp(model, mesh, "DeepSeek-V3", **kw)
+    return parallelize_moe_family(model, mesh, attention_plan=mla_tp_plan, **kw)
+
+
+def mla_tp_plan(block: torch.nn.Module) -> dict:
+    """torchtitan's tensor-parallel plan for one block's multi-head latent attention, but its input
+    and `wo` (the Llama 3 block plan's): the query and key/value up-projections colwise (whole heads
+    per rank), the kernel's q, k, v split on heads; `wq_a`, `wkv_a` and the norms stay replicated."""
+    q = "attention.wq" if block.attention.q_lora_rank == 0 else "attention.wq_b"
+    heads = (Shard(1),) * 3
+    return {
+        q: ColwiseParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.inner_attention": PrepareModuleInput(input_layouts=heads, desired_input_layouts=heads),
+    }

@@ -93,6 +93,7 @@ def parallelize_llama(
     ac_every: int = 1,
     scan_layers: bool = False,
     scan_start: int = 0,
+    block_plan=None,
 ) -> torch.nn.Module:
     """Shard `model` (a torchtitan llama3 Transformer, on meta, CPU or tpu) over `mesh`.
 
@@ -102,7 +103,10 @@ def parallelize_llama(
     `scan_layers=True` runs the blocks under one layer scan in compiled programs; the scan
     recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
     does) and applies no other checkpoint wrapper. `scan_start` blocks in front (DeepSeek-V3's
-    dense layers) stay outside the scan, each under full activation checkpointing."""
+    dense layers) stay outside the scan, each under full activation checkpointing.
+
+    `block_plan(block, plan)`, if given, returns the tensor-parallel plan for one block from the
+    Llama 3 block plan `plan` (another family's attention or Mixture-of-Experts layers)."""
     if scan_layers and ac_mode != "full":
         raise ValueError(
             f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
@@ -122,7 +126,7 @@ def parallelize_llama(
         top, block = tp_plan(sequence_parallel, loss_parallel)
         parallelize_module(model, tp, top)
         for layer in model.layers.values():
-            parallelize_module(layer, tp, block)
+            parallelize_module(layer, tp, block if block_plan is None else block_plan(layer, block))
     if ac_mode != "none" and not scan_layers:
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
     elif scan_layers:

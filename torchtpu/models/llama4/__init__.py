@@ -12,10 +12,12 @@ real (torchtpu.models.llama3.rope, as for Llama 3) and each `Attention` a `RealR
 the NoPE layers as torchtitan's does; the routed experts run as grouped matmuls on unpadded groups
 (torchtpu.models.moe).
 
-The plan is FSDP/HSDP per block with mixed precision and activation checkpointing (the Llama 3
-plan's data-parallel part). Refused with one line: tensor parallelism (the MoE blocks have no
-tensor-parallel plan on tpu), and the iRoPE flavors (NoPE layers plus chunked attention, whose
-fixed-block masks torchtitan builds for flex_attention).
+The plan (torchtpu.models.moe.parallelize_moe_family) is torchtitan's: the Llama 3 plan for the
+attention, the dense feed-forward and the embeddings (tensor parallelism with sequence parallelism),
+torchtitan's plan for the MoE layers (expert parallelism, tensor parallelism of the router and the
+shared and routed experts), FSDP/HSDP per block with mixed precision, and activation checkpointing.
+Refused with one line: the iRoPE flavors (NoPE layers plus chunked attention, whose fixed-block
+masks torchtitan builds for flex_attention).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..llama3.rope import apply_real_rotary_emb, use_real_rope
-from ..moe import parallelize_without_tp, use_ragged_experts
+from ..moe import parallelize_moe_family, use_ragged_experts
 
 __all__ = ["RealRopeLlama4Attention", "parallelize_llama4", "prepare_llama4"]
 
@@ -76,4 +78,4 @@ def parallelize_llama4(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
     blocks interleave, and blocks without rotary embedding (`use_rope`) differ from the others in
     an attribute the layer scan's check of identical blocks does not see."""
     kw["scan_layers"] = False
-    return parallelize_without_tp(model, mesh, "Llama 4", **kw)
+    return parallelize_moe_family(model, mesh, **kw)

@@ -4,11 +4,15 @@ Qwen3's blocks use the module names Llama 3's do (attention.wq/wk/wv/wo, feed_fo
 attention_norm, ffn_norm; tok_embeddings, norm, output), and its per-head q/k norms act on whole
 heads, so the Llama 3 plan (torchtpu.models.llama3.parallelize) shards it: tensor parallelism
 over heads and the feed-forward, FSDP per block, mixed precision, activation checkpointing, the
-layer scan (the Mixture-of-Experts blocks too: the scan carries their load-statistics buffers). Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE
-swap is needed. The Mixture-of-Experts flavors take expert parallelism (torchtpu.models.moe:
-`apply_expert_parallel`) when the job's mesh has an "ep" dim. Refused with one line: tensor parallelism for a Mixture-of-Experts flavor, and
-for a flavor whose output projection is the embedding table (weight tying: the two layouts
-conflict).
+layer scan (the Mixture-of-Experts blocks too: the scan carries their load-statistics buffers).
+Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE swap is needed.
+
+The Mixture-of-Experts flavors take torchtitan's plan for their MoE layers (torchtpu.models.moe):
+expert parallelism (`apply_expert_parallel`) when the job's mesh has an "ep" dim, and tensor
+parallelism (`apply_moe_tp`): the router replicated, the routed experts split on their hidden dim
+without expert parallelism, and with it whole, expert parallelism taking the tensor-parallel ranks
+(expert_tensor_parallel_degree 1). Refused with one line: tensor parallelism for a flavor whose
+output projection is the embedding table (weight tying: the two layouts conflict).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..llama3.parallelize import parallelize_llama
-from ..moe import apply_expert_parallel, use_ragged_experts
+from ..moe import apply_expert_parallel, apply_moe_tp, moe_block_plan, use_ragged_experts
 
 __all__ = ["parallelize_qwen3", "prepare_qwen3"]
 
@@ -31,11 +35,6 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
     """Shard a torchtitan Qwen3Model over `mesh`; the arguments are parallelize_llama's."""
     args = model.model_args
     if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
-        if args.moe_enabled:
-            raise ValueError(
-                f"tensor parallel degree {mesh.size('tp')}: the Qwen3 Mixture-of-Experts flavors train "
-                "with FSDP/HSDP only on tpu; set parallelism.tensor_parallel_degree = 1"
-            )
         if args.enable_weight_tying:
             raise ValueError(
                 f"tensor parallel degree {mesh.size('tp')}: this Qwen3 flavor ties its output projection to "
@@ -46,4 +45,7 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
         # expert parallelism (a mesh split by [parallelism] expert_parallel_degree) first: FSDP then
         # leaves the experts' layout as it is
         apply_expert_parallel(model, mesh)
+        # torchtitan's tensor-parallel plan for the MoE layers; the Llama 3 one for the rest
+        apply_moe_tp(model, mesh, kw.get("sequence_parallel", True))
+        kw["block_plan"] = moe_block_plan()
     return parallelize_llama(model, mesh, **kw)

@@ -352,14 +352,16 @@ class Parallelism:
     expert_parallel_degree: int = _opt(
         1,
         "Ranks the routed experts of a Mixture-of-Experts model are split over (expert parallelism), "
-        "taken from the FSDP shards as in torchtitan: it divides data_parallel_shard_degree, and "
-        "each expert is sharded over the remaining data_parallel_shard_degree / expert_parallel_degree "
-        "ranks. 1 disables it.",
+        "borrowed as in torchtitan with expert_tensor_parallel_degree = 1: every tensor-parallel rank and "
+        "part of the FSDP shards, so it is tensor_parallel_degree times a divisor of "
+        "data_parallel_shard_degree, and each expert is sharded over the remaining "
+        "data_parallel_shard_degree x tensor_parallel_degree / expert_parallel_degree ranks. 1 disables it.",
         check=_positive,
     )
     expert_tensor_parallel_degree: int = _opt(
         1,
-        "Ranks each routed expert is split over (tensor parallelism inside expert parallelism). Must be 1 in torchtpu.",
+        "Ranks each routed expert is split over (tensor parallelism inside expert parallelism). Must be 1 in "
+        "torchtpu: with tensor parallelism, expert parallelism takes the tensor-parallel ranks (torchtitan's etp = 1).",
         check=_only_one("expert tensor parallelism"),
     )
     num_slices: int = _opt(
