@@ -9,6 +9,8 @@ extrapolating to the model's depth (XLA costs a loop body once, so the scanned p
 costed as it is). This prints only the second half: the same estimate lines, from the same two
 costing compiles, in a third of the dry run's time. Use it to compare code or config changes on
 the step estimate; use the dry run for memory. Other arguments go to the trainer's config.
+`--dump <folder>` keeps XLA's dump of the two costing compiles, for `bench.hlo_breakdown`
+(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--topology", required=True)
+    ap.add_argument("--dump", help="a folder for XLA's dump of the costing compiles (bench.hlo_breakdown reads it)")
     args, rest = ap.parse_known_args()
+    import contextlib
 
+    from torchtpu.backend.aot import dump_compiles_to
     from torchtpu.distributed.topology import chip_spec
     from torchtpu.train.config.manager import load_config
     from torchtpu.train.dry_run.estimate import estimate_lines, step_estimate
@@ -34,7 +39,8 @@ def main() -> None:
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])
     trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
-    est = step_estimate(trainer, {})
+    with dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext():
+        est = step_estimate(trainer, {})
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))

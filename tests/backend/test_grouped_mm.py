@@ -167,6 +167,31 @@ def test_megablox_kernels_equal_pytorch_cpu_grouped_mm():
     assert torch.count_nonzero(wt.grad[1].cpu()) == 0  # the empty group's expert
 
 
+def test_megablox_forward_differentiated_by_jax_gives_pytorch_gradients():
+    """Expert dispatch under `jax.vjp` (distributed.expert_parallel) differentiates the megablox
+    forward with JAX's autodiff: its rule (gmm against the transposed weights, tgmm) gives PyTorch's
+    CPU kernel's output and gradients, rows past the last group zero (Pallas interpret mode)."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
+
+    torch.manual_seed(5)
+    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(MB_ENDS), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
+    grad[MB_ENDS[-1] :] = 0
+    want = _pytorch_grouped_mm_and_grads(x, w, MB_ENDS, grad)
+    as_jax = lambda t: jnp.asarray(t.float().numpy(), jnp.bfloat16)  # noqa: E731
+    ends = jnp.asarray(MB_ENDS, jnp.int32)
+    with attention_tpu.interpret_kernels():
+        out, vjp = jax.vjp(
+            lambda a, b: grouped_mm_tpu.forward_gmm(a, jnp.swapaxes(b, 1, 2), ends, jnp.bfloat16), as_jax(x), as_jax(w)
+        )
+        gx, gw = vjp(as_jax(grad))
+    to_torch = lambda a: torch.from_numpy(jax.device_get(a.astype(jnp.float32)).copy()).to("tpu")  # noqa: E731
+    _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_ENDS[-1], rtol=1e-2, atol=1e-2)
+
+
 def test_megablox_kernels_per_shard_in_a_sharded_program():
     """In a compiled program over 4 CPU devices the kernels run per shard of the routed rows
     (group boundaries cross shards; each shard counts its own rows of each group, the weight
@@ -277,6 +302,10 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
     report = topo.compile_report(compiled, mesh.jax_mesh)
     # no masked dense product: nothing in the program spans all experts x all routed rows
     assert not re.search(rf"\[{experts},{rows * 4}[,\]]|\[{experts},{rows}[,\]]", hlo)
+    # each chip dispatches its own routed rows (models.moe.use_local_dispatch): no collective
+    # carries the routed rows of the whole batch (torchtitan's global reordering, partitioned by
+    # XLA, all-gathers them onto every chip)
+    assert not re.search(rf"= \w+\[{rows * 4},{dim}\]\S* (all-gather|all-reduce)(-start)?\(", hlo)
     assert report["estimated_step_seconds"], report
     assert not any(report["wide_types"].values()), report["wide_types"]
 

@@ -193,3 +193,17 @@ def test_an_estimate_from_costing_programs_with_loops_is_withdrawn():
     warned = with_loop_warning(est, [{"while_loops": []}, {"while_loops": [loop, loop]}])
     assert warned["estimated_step_seconds"] is None and warned["flops_per_device"] == 1e12
     assert "2 in the 4-layer program" in warned["method"] and "costs once" in warned["method"]
+
+
+def test_costing_depths_keep_every_leading_dense_block():
+    """A model whose first blocks are dense and the rest MoE (DeepSeek-V3) is costed from copies
+    holding all its dense blocks and 2 and 4 MoE blocks; a model of one repeating pattern (Qwen3
+    MoE, Llama 4, Llama 3) from 2 and 4 layers."""
+    from torchtpu.models.registry import get_family
+    from torchtpu.train.dry_run.estimate import costing_depths
+
+    assert costing_depths(get_family("deepseek_v3").model_args("671B")) == (5, 7)  # 3 dense blocks first
+    assert costing_depths(get_family("deepseek_v3").model_args("16B")) == (3, 5)  # 1 dense block first
+    assert costing_depths(get_family("qwen3").model_args("30B-A3B")) == (2, 4)
+    assert costing_depths(get_family("llama4").model_args("17bx16e")) == (2, 4)
+    assert costing_depths(get_family("llama3").model_args("8B")) == (2, 4)

@@ -30,6 +30,13 @@ shared experts colwise / rowwise, and the routed experts split on their hidden d
 parallelism, whole with it. `moe_block_plan` fits the Llama 3 block plan to a family's MoE blocks
 (and, for DeepSeek-V3, to its attention), and `parallelize_moe_family` puts the pieces together
 with FSDP and activation checkpointing.
+
+Without expert parallelism or tensor parallelism, on more than one data-parallel chip
+(`use_local_dispatch(model, mesh)`, applied by `apply_expert_parallel`), the layer runs the same way with no all-to-all: each
+chip sorts its own rows by expert and runs the whole experts on them. torchtitan's reordering sorts
+and gathers over the whole batch, which XLA partitions into all-gathers of every chip's routed rows
+(2 GiB per layer for Qwen3 30B-A3B on 16 chips, forward and backward); the rows each expert
+computes, and so the numbers, are the same.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.models.moe.moe import GroupedExperts, MoE, _run_experts_grouped_mm
 
 from ..distributed import parallelize_module
+from ..distributed.batch import data_parallel_axes
 from ..distributed.expert_parallel import expert_axes, expert_parallel_ffn
 from ..distributed.mesh import DeviceMesh
 from ..distributed.parallel import split_parameter
@@ -59,6 +67,7 @@ __all__ = [
     "apply_moe_tp",
     "moe_block_plan",
     "parallelize_moe_family",
+    "use_local_dispatch",
 ]
 
 
@@ -86,8 +95,9 @@ def _grouped_experts(weights, x, tokens_per_expert):
 
 
 class ExpertParallelMoE(MoE):
-    """torchtitan's MoE whose routed experts are split over an expert-parallel mesh dim (same
-    parameters, buffers, names and state_dict); made by `apply_expert_parallel`."""
+    """torchtitan's MoE whose routed experts are split over an expert-parallel mesh dim, or whose
+    data-parallel chips each dispatch their own rows (dim None; same parameters, buffers, names and
+    state_dict); made by `apply_expert_parallel` and `use_local_dispatch`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh, dim = self.__dict__["_torchtpu_ep"]
@@ -129,11 +139,14 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
     combines its tokens with all-to-alls. Call it before `fully_shard` (which then leaves the experts'
     layout alone and casts them for mixed precision as the rest of the block) on the job's mesh
     split by `distributed.mesh.split_dim` (the trainer does this for
-    `[parallelism] expert_parallel_degree`). A mesh without `dim`, or with one rank on it, leaves
-    the model unchanged."""
+    `[parallelism] expert_parallel_degree`). On a mesh without `dim`, or with one rank on it, each
+    data-parallel chip dispatches its own rows (`use_local_dispatch`), except under tensor parallelism."""
     ep_axes = expert_axes(mesh, dim)
     if not ep_axes:
-        return model
+        # without expert parallelism each data-parallel chip dispatches its own rows, unless tensor
+        # parallelism splits the experts on their hidden dim (apply_moe_tp: torchtitan's layer)
+        tp = "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1
+        return model if tp else use_local_dispatch(model, mesh)
     root = mesh.root()
     n_ep = math.prod(root.jax_mesh.shape[a] for a in ep_axes)
     shard_dim = "dp_shard" if "dp_shard" in root.mesh_dim_names else None
@@ -230,3 +243,19 @@ def parallelize_moe_family(model: torch.nn.Module, mesh, attention_plan=None, **
     apply_expert_parallel(model, mesh)
     apply_moe_tp(model, mesh, kw.get("sequence_parallel", True))
     return parallelize_llama(model, mesh, block_plan=moe_block_plan(attention_plan), **kw)
+
+
+def use_local_dispatch(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Without expert parallelism, on a mesh of more than one data-parallel chip: every torchtitan
+    `MoE` layer of `model` routes as torchtitan writes it, and each chip then sorts its own (token,
+    expert) rows by expert, runs torchtitan's grouped matmul on them and puts them back
+    (expert_parallel_ffn with dim None), instead of torchtitan's reordering over the whole batch,
+    which XLA partitions into all-gathers of every chip's rows. In place; returns `model`."""
+    root = mesh.root()
+    if math.prod(root.jax_mesh.shape[a] for a in data_parallel_axes(root)) <= 1:
+        return model
+    for module in model.modules():
+        if type(module) is MoE:
+            module.__dict__["_torchtpu_ep"] = (root, None)
+            module.__class__ = ExpertParallelMoE
+    return model

@@ -165,6 +165,35 @@ def shards_of(*arrays) -> int:
     return math.prod(dict(mesh.shape)[a] for a in axes) if axes else 1
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _differentiable_gmm(x, w, sizes, tile, interpret):
+    """megablox's `gmm` in float32 for JAX's own autodiff (a step that differentiates a program
+    holding the experts with `jax.vjp`, as expert_parallel's dispatch does; PyTorch's autograd never
+    reaches this rule). The gradients are the ones PyTorch's `_grouped_mm` backward computes: the
+    input's by `gmm` against the transposed weights, the weights' by `tgmm`, from the output
+    gradient rounded to the operands' dtype; rows past the last group get zero."""
+    with jax.enable_x64(False), costable_metadata():
+        return _gmm(x, w, sizes, jnp.float32, tile, interpret=interpret)
+
+
+def _differentiable_gmm_fwd(x, w, sizes, tile, interpret):
+    return _differentiable_gmm(x, w, sizes, tile, interpret), (x, w, sizes)
+
+
+def _differentiable_gmm_bwd(tile, interpret, res, g):
+    x, w, sizes = res
+    g = g.astype(x.dtype)
+    (m, k), (groups, _, n) = x.shape, w.shape
+    with jax.enable_x64(False), costable_metadata():
+        dx = _gmm(g, w, sizes, jnp.float32, tiling(m, n, k, groups), transpose_rhs=True, interpret=interpret)
+        dw = _tgmm(x.T, g, sizes, jnp.float32, tile, num_actual_groups=groups, interpret=interpret)
+    valid = jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
+    return jnp.where(valid, dx, 0.0).astype(x.dtype), dw.astype(w.dtype), None
+
+
+_differentiable_gmm.defvjp(_differentiable_gmm_fwd, _differentiable_gmm_bwd)
+
+
 def forward_gmm(x, w, ends, out_dtype):
     """(M, K) x (G, K, N) -> (M, N) in `out_dtype`: rows ends[g-1]:ends[g] times w[g]; rows past
     the last end are zero. `ends` int32 (G,)."""
@@ -180,8 +209,7 @@ def forward_gmm(x, w, ends, out_dtype):
     def kernel(x, w, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False), costable_metadata():  # Mosaic index maps are 32-bit
-            out = _gmm(x, w, sizes, jnp.float32, tile, interpret=interpret)
+        out = _differentiable_gmm(x, w, sizes, tile, interpret)  # Mosaic index maps are 32-bit (x64 off)
         # rows past the last group belong to no group: the kernel leaves them unwritten
         valid = jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
         return jnp.where(valid, out, 0.0).astype(out_dtype)

@@ -12,7 +12,10 @@ compile-only devices when `[tpu] topology` names one) and prints:
   under `lax.scan` looks n_layers times cheaper) and a kernel without a declared cost as
   nothing. So the step is also compiled unrolled with 2 and with 4 layers, where no loop over
   layers is left to miscount, and XLA's figures for those two are extrapolated linearly to the
-  model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). When XLA gives no time estimate at all, a
+  model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
+  model whose first blocks are dense and the rest Mixture-of-Experts (DeepSeek-V3) keeps all its
+  dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
+  MoE block's. When XLA gives no time estimate at all, a
   compute-bound bound is printed instead, and it is never called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
@@ -33,7 +36,16 @@ import tempfile
 import threading
 import time
 
-__all__ = ["compile_step", "dry_run", "estimate_lines", "recompute_factor", "step_estimate", "unrolled"]
+__all__ = [
+    "compile_step",
+    "costing_depths",
+    "dry_run",
+    "estimate_lines",
+    "leading_dense_layers",
+    "recompute_factor",
+    "step_estimate",
+    "unrolled",
+]
 
 
 HEARTBEAT_SECONDS = 20.0
@@ -148,17 +160,34 @@ def unrolled(cfg):
     return out
 
 
+def leading_dense_layers(model_args) -> int:
+    """How many dense blocks come first in a model whose other blocks are Mixture-of-Experts ones
+    (DeepSeek-V3's `n_dense_layers`); 0 when its blocks repeat one pattern from the first."""
+    lead = int(getattr(model_args, "n_dense_layers", 0) or 0)
+    return lead if 0 < lead < model_args.n_layers else 0
+
+
+def costing_depths(model_args) -> tuple[int, int]:
+    """The depths of the two costing copies: COSTING_DEPTHS layers of the repeating blocks, after
+    all of a model's leading dense blocks (DeepSeek-V3 671B: 3 dense + 2 and 3 dense + 4 MoE
+    blocks), so that the slope between them is one repeating block's cost and the leading blocks
+    are costed as they are, not as repeating ones."""
+    lead = leading_dense_layers(model_args)
+    return (lead + COSTING_DEPTHS[0], lead + COSTING_DEPTHS[1])
+
+
 def step_estimate(trainer, report: dict) -> dict:
     """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
 
-    Compiles the same job unrolled at COSTING_DEPTHS layers (programs whose cost XLA counts
+    Compiles the same job unrolled at `costing_depths` layers (programs whose cost XLA counts
     fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
     If that fails, the full program's own XLA figures are used, flagged when it has loops."""
     from torchtpu.distributed.topology import costing_compiles, depth_extrapolated_cost
 
     depth = trainer.model_args.n_layers
+    depths = costing_depths(trainer.model_args)
     loops = report.get("while_loops") or []
-    if depth <= COSTING_DEPTHS[1] and not loops:
+    if depth <= depths[1] and not loops:
         return {
             "method": "XLA cost model on the whole program (no loops)",
             **{
@@ -169,7 +198,7 @@ def step_estimate(trainer, report: dict) -> dict:
     try:
         small, cached = [], []
         cfg = unrolled(trainer.cfg)
-        for n in COSTING_DEPTHS:
+        for n in depths:
             with phase(f"building the {n}-layer costing copy"):
                 t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
             with costing_compiles(t.mesh.jax_mesh):
@@ -178,7 +207,10 @@ def step_estimate(trainer, report: dict) -> dict:
             if when:
                 cached.append(f"{n}-layer from {when}")
             del t
-        est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *COSTING_DEPTHS, depth), small)
+        est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *depths, depth), small, depths)
+        lead = leading_dense_layers(trainer.model_args)
+        if lead:
+            est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
         if cached:
             est["method"] += f" (costing programs' figures from the dry-run cache: {', '.join(cached)})"
         return est
@@ -197,10 +229,10 @@ def step_estimate(trainer, report: dict) -> dict:
         }
 
 
-def with_loop_warning(est: dict, costing_reports) -> dict:
+def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
     """`est` with its method saying so when a costing program still holds while loops (XLA costs a
     loop's body once, so the estimate is then too low), and its time estimate withdrawn."""
-    loops = [(n, len(r.get("while_loops") or [])) for n, r in zip(COSTING_DEPTHS, costing_reports)]
+    loops = [(n, len(r.get("while_loops") or [])) for n, r in zip(depths, costing_reports)]
     if not any(k for _, k in loops):
         return est
     held = ", ".join(f"{k} in the {n}-layer program" for n, k in loops if k)
