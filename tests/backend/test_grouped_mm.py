@@ -144,6 +144,18 @@ def _assert_grouped(out, gx, gw, want, end, **tol):
     assert torch.count_nonzero(out[end:].cpu()) == 0 and torch.count_nonzero(gx[end:].cpu()) == 0
 
 
+def _megablox_case(seed):
+    """bfloat16 tokens, experts' weights and an output gradient of the megablox shapes (rows past the
+    last group zero in the gradient), with PyTorch's CPU kernel's output and gradients for them."""
+    torch.manual_seed(seed)
+    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(MB_ENDS), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
+    grad[MB_ENDS[-1] :] = 0
+    want = _pytorch_grouped_mm_and_grads(x, w, MB_ENDS, grad)
+    return x, w, grad, want
+
+
 def test_megablox_kernels_equal_pytorch_cpu_grouped_mm():
     """On TPU `_grouped_mm` runs megablox's gmm (experts, input gradient) and tgmm (weight
     gradient); here they run in Pallas interpret mode on the CPU and give PyTorch's CPU kernel's
@@ -152,12 +164,7 @@ def test_megablox_kernels_equal_pytorch_cpu_grouped_mm():
 
     assert grouped_mm_tpu.unsupported_reason((MB_M, MB_K), (4, MB_K, MB_N), "bfloat16", "bfloat16") is None
     assert grouped_mm_tpu.unsupported_reason((MB_K, MB_M), (MB_M, MB_N), "bfloat16", "bfloat16") is None
-    torch.manual_seed(4)
-    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
-    w = torch.randn(len(MB_ENDS), MB_N, MB_K, dtype=torch.bfloat16)
-    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
-    grad[MB_ENDS[-1] :] = 0
-    want = _pytorch_grouped_mm_and_grads(x, w, MB_ENDS, grad)
+    x, w, grad, want = _megablox_case(seed=4)
     xt, wt = (t.to("tpu").requires_grad_() for t in (x, w))
     with attention_tpu.interpret_kernels():
         out = torch._grouped_mm(xt, wt.transpose(-2, -1), offs=torch.tensor(MB_ENDS, dtype=torch.int32).to("tpu"))
@@ -175,12 +182,7 @@ def test_megablox_forward_differentiated_by_jax_gives_pytorch_gradients():
 
     from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
 
-    torch.manual_seed(5)
-    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
-    w = torch.randn(len(MB_ENDS), MB_N, MB_K, dtype=torch.bfloat16)
-    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
-    grad[MB_ENDS[-1] :] = 0
-    want = _pytorch_grouped_mm_and_grads(x, w, MB_ENDS, grad)
+    x, w, grad, want = _megablox_case(seed=5)
     as_jax = lambda t: jnp.asarray(t.float().numpy(), jnp.bfloat16)  # noqa: E731
     ends = jnp.asarray(MB_ENDS, jnp.int32)
     with attention_tpu.interpret_kernels():
