@@ -233,7 +233,7 @@ def moe_block_plan(attention_plan=None):
 
 
 def parallelize_moe_family(model: torch.nn.Module, mesh, attention_plan=None, **kw) -> torch.nn.Module:
-    """parallelize_llama for a torchtitan Mixture-of-Experts family (DeepSeek-V3, Llama 4): expert
+    """parallelize_llama for a torchtitan Mixture-of-Experts family (Qwen3 MoE, DeepSeek-V3, Llama 4): expert
     parallelism when the mesh has an "ep" dim (`apply_expert_parallel`), torchtitan's tensor-parallel
     plan for the MoE layers (`apply_moe_tp`) and the Llama 3 one for the rest (`moe_block_plan`), FSDP/
     HSDP, activation checkpointing and the layer scan (which carries the blocks' buffers, expert_bias

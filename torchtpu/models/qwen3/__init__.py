@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..llama3.parallelize import parallelize_llama
-from ..moe import apply_expert_parallel, apply_moe_tp, moe_block_plan, use_ragged_experts
+from ..moe import parallelize_moe_family, use_ragged_experts
 
 __all__ = ["parallelize_qwen3", "prepare_qwen3"]
 
@@ -42,10 +42,7 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
                 "parallelism.tensor_parallel_degree = 1 or use a flavor of 8B or more"
             )
     if args.moe_enabled:
-        # expert parallelism (a mesh split by [parallelism] expert_parallel_degree) first: FSDP then
-        # leaves the experts' layout as it is
-        apply_expert_parallel(model, mesh)
-        # torchtitan's tensor-parallel plan for the MoE layers; the Llama 3 one for the rest
-        apply_moe_tp(model, mesh, kw.get("sequence_parallel", True))
-        kw["block_plan"] = moe_block_plan()
+        # expert parallelism, torchtitan's tensor-parallel plan for the MoE layers, the Llama 3 plan
+        # for the rest: the plan every MoE family shares
+        return parallelize_moe_family(model, mesh, **kw)
     return parallelize_llama(model, mesh, **kw)
