@@ -165,3 +165,68 @@ def test_copies_taken_before_training_survive_donation():
     for s in snapshots:
         torch.testing.assert_close(s.cpu(), snapshots[2])  # readable and unchanged
     assert not torch.equal(w.detach().cpu(), snapshots[2])  # the parameter itself trained
+
+
+def _step_setting_grads_to_none(model, opt):
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def test_abstract_warmup_runs_the_program_from_the_first_call_and_matches_cpu():
+    """warmup="abstract" with Adam's state created up front (what its first step would create:
+    step 0, zero moments): every call, the first included, runs the one compiled program, and
+    the losses and weights are PyTorch's on CPU."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = _step_setting_grads_to_none(model, opt)
+    cpu_losses = [step(x, y).item() for x, y in _batches(4)]
+
+    model = _mlp().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=True)
+    for p in model.parameters():
+        opt.state[p] = {
+            "step": torch.tensor(0.0, device="tpu"),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    step = torchtpu.compile(_step_setting_grads_to_none(model, opt), warmup="abstract")
+    losses = [step(x.to("tpu"), y.to("tpu")).item() for x, y in _batches(4)]
+    assert step.stats.traces == 1 and step.stats.executions == 4
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-5, atol=1e-7)
+    cpu_params = [p.detach() for p in _cpu_after(4)]
+    for c, e in zip([p.detach().cpu() for p in model.parameters()], cpu_params):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-6)
+    assert opt.state[next(iter(model.parameters()))]["step"].item() == 4
+
+
+def _cpu_after(n):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = _step_setting_grads_to_none(model, opt)
+    for x, y in _batches(n):
+        step(x, y)
+    return list(model.parameters())
+
+
+def test_abstract_warmup_refuses_state_the_first_call_creates():
+    """Adam's moments made lazily in the first call have no value to start a program from
+    (zeros would be wrong for other optimizers): refused, naming the fix; nothing ran."""
+    model = _mlp().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    step = torchtpu.compile(_step_setting_grads_to_none(model, opt), warmup="abstract")
+    x, y = _batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"creates \d+ tensor\(s\) on its first call.*warmup='eager'"):
+        step(x.to("tpu"), y.to("tpu"))
+    for b, p in zip(before, model.parameters()):
+        assert torch.equal(b, p.detach().cpu())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="choose 'eager' or 'abstract'"):
+        torchtpu.compile(lambda: None, warmup="lazy")

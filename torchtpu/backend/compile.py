@@ -4,7 +4,9 @@
 How it works:
 1. The first call runs eagerly. It creates lazily built state (optimizer moments, .grad) and
    records every tpu storage the step reads. Those that are still alive afterwards are the
-   step's state: parameters, gradients, optimizer state, buffers.
+   step's state: parameters, gradients, optimizer state, buffers. With `warmup="abstract"` the
+   first call finds them on shapes only (compile_capture.abstract_warmup) and goes on to step 2;
+   a storage that call would create and keep is refused (it has no value to start from).
 2. The next call traces the function under `jax.jit`. The state storages hold tracers instead
    of arrays, so they become explicit inputs rather than baked-in constants; the positional
    tensor arguments are inputs too. What the function writes to the state, and the storages it
@@ -213,9 +215,12 @@ class _CallInputs:
 
 
 class CompiledFunction:
-    def __init__(self, fn, donate: bool = True):
+    def __init__(self, fn, donate: bool = True, warmup: str = "eager"):
+        if warmup not in ("eager", "abstract"):
+            raise ValueError(f"torchtpu.compile: warmup={warmup!r}; choose 'eager' or 'abstract'")
         self.fn = fn
         self.donate = donate
+        self.warmup = warmup
         self.state: list[Storage] | None = None
         self.entries: dict = {}
         self.stats = CompileStats()
@@ -274,8 +279,11 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
+            if self.warmup == "eager":
+                with BUILDS.building():
+                    return self._warmup(args, kwargs, flat)
             with BUILDS.building():
-                return self._warmup(args, kwargs, flat)
+                self._abstract_warmup(args, kwargs, flat)
         while True:
             inputs = self._call_inputs()
             key = (tree, self._signature(flat), inputs.guard, function_numbers(self.fn))
@@ -339,6 +347,27 @@ class CompiledFunction:
         self.host = self.host + [r for r in host.values() if r() is not None and id(r()) not in known_host]
         self.state = state
         return out
+
+    def _abstract_warmup(self, args, kwargs, flat):
+        """warmup='abstract': find the step's state by running it on shapes only, so that the first
+        call already runs the compiled program. Only for steps whose state all exists before the
+        first call: a storage the step creates and keeps (lazily made optimizer moments, a .grad
+        kept between calls) has no value to start the program from, and guessing one (zeros) would
+        be wrong for some optimizers (SGD's momentum starts as the first gradient)."""
+        created = abstract_warmup(self, args, kwargs, flat)
+        if created:
+            shapes = ", ".join(str(tuple(st.shape)) for st in created[:4])
+            _forget_created(self.optimizers, {id(st) for st in created})
+            self.state = None
+            self.optimizers = []
+            raise RuntimeError(
+                f"torchtpu.compile(warmup='abstract'): the step creates {len(created)} tensor(s) on its first "
+                f"call and keeps them (shapes {shapes}{', ...' if len(created) > 4 else ''}: optimizer state "
+                "made lazily, or a .grad kept between calls); create them before the first call (for Adam(W), "
+                "torchtpu.train.optimizer.init_optimizer_state; zero_grad(set_to_none=True) in the step) or "
+                "use warmup='eager'"
+            )
+        self.state.extend(move_optimizer_host_state([r for r in self.optimizers if r() is not None]))
 
     # -- 2. trace + compile
     def _trace(self, flat, tree, inputs: _CallInputs):
@@ -571,7 +600,23 @@ class CompiledFunction:
         return self.last.executable.as_text() if optimized else self.last.lowered_text
 
 
-def compile(fn=None, *, donate: bool = True):
+def _forget_created(optimizer_refs, created: set) -> None:
+    """Undo what a refused abstract warm-up left behind: optimizer state entries and .grad
+    tensors made of storages it created (they hold no values)."""
+    for ref in optimizer_refs:
+        opt = ref()
+        if opt is None:
+            continue
+        for p, st in list(opt.state.items()):
+            if any(isinstance(v, TpuTensor) and id(storage_of(v)) in created for v in st.values()):
+                del opt.state[p]
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if isinstance(p.grad, TpuTensor) and id(storage_of(p.grad)) in created:
+                    p.grad = None
+
+
+def compile(fn=None, *, donate: bool = True, warmup: str = "eager"):
     """Compile a whole training/inference step over tpu tensors into one XLA program.
 
         step = torchtpu.compile(train_step)
@@ -579,7 +624,12 @@ def compile(fn=None, *, donate: bool = True):
 
     Parameters, gradients and optimizer state that the step updates are updated in place,
     with their buffers donated (`donate=True`).
+
+    `warmup="abstract"`: the first call finds the step's state on shapes only and already runs
+    the compiled program (no op-by-op first call). For steps whose state all exists before the
+    first call (optimizer state created up front, gradients set to None at the end of the step);
+    a step that creates and keeps a tensor in its first call is refused with an error naming it.
     """
     if fn is None:
-        return lambda f: CompiledFunction(f, donate=donate)
-    return CompiledFunction(fn, donate=donate)
+        return lambda f: CompiledFunction(f, donate=donate, warmup=warmup)
+    return CompiledFunction(fn, donate=donate, warmup=warmup)

@@ -261,7 +261,7 @@ def abstract_warmup(step, args, kwargs, flat):
     jax.eval_shape): records the state (`step.state`) and optimizers (`step.optimizers`) the
     step reads and creates, then puts every touched storage back as it was. Created
     state (optimizer moments) is left unfilled, with the layout of the tensor it was
-    made like."""
+    made like. Returns the created storages that outlive the step (they are in `step.state`)."""
     recorder = StorageRecorder()
     before: dict[int, tuple] = {}
     created: list[weakref.ref] = []
@@ -308,3 +308,5 @@ def abstract_warmup(step, args, kwargs, flat):
         st = None
     arg_ids = {id(storage_of(x)) for x in flat if isinstance(x, TpuTensor)}
     step.state = [st for sid, ref in recorder.seen.items() if (st := ref()) is not None and sid not in arg_ids]
+    kept = {id(st) for st in step.state}
+    return [st for ref in created if (st := ref()) is not None and id(st) in kept]

@@ -74,7 +74,7 @@ class TpuModelRunner(CPUModelRunner):
         self.mesh = mesh
         self.block_size = self.cache_config.block_size  # the KV cache's, once allocated
         self.buckets = self._buckets()
-        self.step = torchtpu.compile(self._step)
+        self.step = torchtpu.compile(self._step, warmup="abstract")  # compiled from the first call
         self.compiled_buckets: set = set()
         self.layer_names: list[str] = []
         self._logits_indices = None

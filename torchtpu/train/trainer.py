@@ -19,7 +19,8 @@ What a run does, in order:
 4. The step. Forward and backward over the gradient-accumulation micro-batches, gradient
    clipping, the MoE expert-bias update of the families that balance load that way
    (load_balance.py), the optimizer update and zeroing the gradients run as ONE `torchtpu.compile`
-   program (the first call runs eagerly and discovers the state, the second compiles). The loss
+   program from the first step on (`warmup="abstract"`: the state is found on shapes, the optimizer's
+   is created up front; no op-by-op first step). The loss
    and the gradient norm stay on the devices; the host reads them only at logging steps.
 5. Data: each host reads its own shard of the token stream; batches are laid out over the
    data-parallel mesh axes.
@@ -270,10 +271,14 @@ class Trainer:
             track_stacked_state(self.optimizer, list(model.parameters()), self.stacked)
         self.lr_scheduler = None if self.dry else build_schedule(self.optimizer, cfg)
 
-        # -- the step
+        # -- the step: compiled from its first call. The optimizer's state exists before it (zeros and
+        # step 0, what Adam would create in its first step) and the step sets the gradients to None,
+        # so the abstract warm-up finds all the state on shapes, with no op-by-op first step.
         import torchtpu as _tt
 
-        self.step_fn = _tt.compile(self._train_step)
+        if not self.dry:
+            init_optimizer_state(self.optimizer, self.mesh)
+        self.step_fn = _tt.compile(self._train_step, warmup="abstract")
 
         # -- data
         self.dataloader = None

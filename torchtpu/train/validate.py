@@ -62,7 +62,7 @@ class Validator:
         self.process_count = process_count
         self._loader()  # fail now, at start-up, on a bad dataset rather than at the first evaluation
         self.num_batches = self._count_batches() if self.steps == -1 else self.steps
-        self.eval_fn = torchtpu.compile(self._eval_step)
+        self.eval_fn = torchtpu.compile(self._eval_step, warmup="abstract")  # compiled from the first call
 
     def _loader(self):
         from .data import build_global_batch_loader
