@@ -25,7 +25,18 @@ SEQ, STEPS = 32, 3
 
 
 def argv(dump, *extra):
-    return debug_argv(dump, STEPS, "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", *extra, seq_len=SEQ)
+    # no held-out evaluation (the debug config's [validation] runs at step 1): these jobs are about weights
+    return debug_argv(
+        dump,
+        STEPS,
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--validation.no-enable",
+        *extra,
+        seq_len=SEQ,
+    )
 
 
 # the trainer sets the process's current device mesh
