@@ -11,10 +11,10 @@ pytestmark = pytest.mark.xdist_group("dry_run_cache")
 
 ARGV = ["--config", "train_configs/debug_model.toml", "--dry-run", "--training.steps", "2"]
 
-# The debug model with 3 blocks, costed from 1- and 2-block copies (instead of 6 from 2 and 4): still a
-# full program and two costing copies, each with its own record, at half the layers to lower and
-# compile. What is checked is the cache of their reports, not the estimate (tests/train/test_dry_run.py).
-N_LAYERS, COSTING_DEPTHS = 3, (1, 2)
+# The debug model with 2 blocks, costed from 0- and 1-block copies (instead of 6 from 2 and 4): still a
+# full program and two costing copies, each with its own record, at a quarter of the layers to lower
+# and compile. What is checked is the cache of their reports, not the estimate (test_dry_run.py).
+N_LAYERS, COSTING_DEPTHS = 2, (0, 1)
 
 
 def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
@@ -63,7 +63,7 @@ def test_a_repeated_dry_run_prints_the_same_report_from_the_cache(tmp_path, caps
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "cache"))
 
     first, n_first = _dry_run(tmp_path, capsys, monkeypatch)
-    assert n_first == 3  # the step, and its 1- and 2-layer costing copies (3 layers: extrapolated)
+    assert n_first == 3  # the step, and its 0- and 1-layer costing copies (2 layers: extrapolated)
     assert not any("dry-run cache" in line for line in first)
     records = sorted((tmp_path / "cache" / "dry_run").glob("*.json"))
     assert len(records) == 3
@@ -73,7 +73,7 @@ def test_a_repeated_dry_run_prints_the_same_report_from_the_cache(tmp_path, caps
     assert _figures(again) == _figures(first)
     assert any(line.startswith("compile time") and "from the dry-run cache" in line for line in again), again
     assert any(
-        line.startswith("costing method") and "1-layer from" in line and "2-layer from" in line for line in again
+        line.startswith("costing method") and "0-layer from" in line and "1-layer from" in line for line in again
     ), again
 
     # another learning rate is not another program: still cached
