@@ -387,7 +387,15 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
 
     dump = tmp_path / "run"
     folder = dump / "checkpoint"
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # a 2-block copy of the debug model (the trainer's test hook; in process, n_layers=2): what is
+    # checked is what a kill and a damaged file do to the checkpoints, not the model's depth
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        TORCHTPU_TEST_N_LAYERS="2",
+    )
     cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
     partial = []
     for _attempt in range(3):  # the save must still be in progress when the signal lands
@@ -426,7 +434,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
     cfg = load_config(_train_argv(dump, 4))
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=2)
     import contextlib
     import io
 
@@ -446,7 +454,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
 
     # checkpoint.exclude_from_loading: those parts are not read; the model and the step are
     cfg = load_config(_train_argv(dump, 4, "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"))
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=2)
     with contextlib.redirect_stdout(io.StringIO()):
         assert t.maybe_resume()
     assert t.step == 4 and t.lr_scheduler.last_epoch == 0
@@ -460,4 +468,4 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     # a load_step that does not exist
     cfg = load_config(_train_argv(dump, 4, "--checkpoint.load_step", "5"))
     with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*available: \[2, 4\]"):
-        Trainer(cfg).maybe_resume()
+        Trainer(cfg, n_layers=2).maybe_resume()

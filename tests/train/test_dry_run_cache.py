@@ -11,10 +11,16 @@ pytestmark = pytest.mark.xdist_group("dry_run_cache")
 
 ARGV = ["--config", "train_configs/debug_model.toml", "--dry-run", "--training.steps", "2"]
 
+# The debug model with 2 blocks, costed from 0- and 1-block copies (instead of 6 from 2 and 4): still a
+# full program and two costing copies, each with its own record, at a quarter of the layers to lower
+# and compile. What is checked is the cache of their reports, not the estimate (test_dry_run.py).
+N_LAYERS, COSTING_DEPTHS = 2, (0, 1)
+
 
 def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
     """(printed lines, number of XLA compiles) of one dry run of the debug model on the CPU devices."""
     import torchtpu.backend.aot as aot
+    import torchtpu.train.dry_run.estimate as estimate
     from torchtpu.train.config.manager import load_config
     from torchtpu.train.dry_run.estimate import dry_run
     from torchtpu.train.trainer import Trainer
@@ -27,8 +33,9 @@ def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
         return real(lowered, *a, **k)
 
     monkeypatch.setattr(aot, "aot_compile", counted)
+    monkeypatch.setattr(estimate, "COSTING_DEPTHS", COSTING_DEPTHS)
     argv = ARGV + ["--job.dump_folder", str(tmp_path / "job")] + list(extra)
-    assert dry_run(Trainer(load_config(argv))) == 0
+    assert dry_run(Trainer(load_config(argv), n_layers=N_LAYERS)) == 0
     return capsys.readouterr().out.splitlines(), len(compiles)
 
 
@@ -56,7 +63,7 @@ def test_a_repeated_dry_run_prints_the_same_report_from_the_cache(tmp_path, caps
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "cache"))
 
     first, n_first = _dry_run(tmp_path, capsys, monkeypatch)
-    assert n_first == 3  # the step, and its 2- and 4-layer costing copies (6 layers: extrapolated)
+    assert n_first == 3  # the step, and its 0- and 1-layer costing copies (2 layers: extrapolated)
     assert not any("dry-run cache" in line for line in first)
     records = sorted((tmp_path / "cache" / "dry_run").glob("*.json"))
     assert len(records) == 3
@@ -65,7 +72,9 @@ def test_a_repeated_dry_run_prints_the_same_report_from_the_cache(tmp_path, caps
     assert n_again == 0
     assert _figures(again) == _figures(first)
     assert any(line.startswith("compile time") and "from the dry-run cache" in line for line in again), again
-    assert any(line.startswith("costing method") and "2-layer from" in line for line in again), again
+    assert any(
+        line.startswith("costing method") and "0-layer from" in line and "1-layer from" in line for line in again
+    ), again
 
     # another learning rate is not another program: still cached
     _, n_lr = _dry_run(tmp_path, capsys, monkeypatch, ["--optimizer.lr", "1e-3"])

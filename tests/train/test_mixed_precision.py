@@ -34,11 +34,13 @@ def dot_operand_types(hlo: str) -> dict[str, int]:
     return counts
 
 
-# forward, input-gradient and weight-gradient matmuls of every linear layer (6 blocks x 7, and the output)
-LINEAR_DOTS = 3 * (6 * 7 + 1)
+# the jobs train a 2-block copy of the debug model: every block is the same code, so 2 show what 6 would
+N_LAYERS = 2
+# forward, input-gradient and weight-gradient matmuls of every linear layer (N_LAYERS blocks x 7, and the output)
+LINEAR_DOTS = 3 * (N_LAYERS * 7 + 1)
 # attention scores and values, forward and backward: torchtpu's SDPA lowering (backend/ops/nn.py) computes
 # them in float32 whatever the input dtype, as PyTorch's CPU flash attention accumulates
-ATTENTION_DOTS = 7 * 6
+ATTENTION_DOTS = 7 * N_LAYERS
 
 
 def assert_bf16_matmuls(dots):
@@ -53,7 +55,7 @@ def argv(dump, *extra):
 def compiled_step_dots(cfg):
     from torchtpu.train.trainer import Trainer
 
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=N_LAYERS)
     t.train()  # step 1 runs eagerly, step 2 compiles the program
     assert t.step_fn.stats.traces == 1
     return dot_operand_types(t.step_fn.as_text(optimized=False)), t
@@ -72,23 +74,28 @@ def test_tensor_parallel_only_job_computes_in_bf16(tmp_path):
     assert {str(p.dtype) for p in t.model.parameters()} == {"torch.float32"}
 
 
+PRECISIONS = ["bfloat16", "float32"]
+
 SINGLE_DEVICE = """
 import json, sys
 from torchtpu.train.config.manager import load_config
 from tests.train.test_mixed_precision import compiled_step_dots
-cfg = load_config(json.loads(sys.argv[1]))
-dots, t = compiled_step_dots(cfg)
-print("RESULT", json.dumps({"dots": dots, "devices": len(t.devices), "fsdp": t.dims.fsdp_enabled}))
+for args in json.loads(sys.argv[1]):
+    dots, t = compiled_step_dots(load_config(args))
+    print("RESULT", json.dumps({"dots": dots, "devices": len(t.devices), "fsdp": t.dims.fsdp_enabled}), flush=True)
+    del t
 """
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
-def test_single_device_job(tmp_path, precision):
-    """A real one-device job (its own process, XLA given one CPU device)."""
+@pytest.fixture(scope="module")
+def single_device_jobs(tmp_path_factory):
+    """A real one-device process (XLA given one CPU device) running the job once per precision, one
+    after the other: {precision: its result}."""
+    tmp = tmp_path_factory.mktemp("single_device")
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    args = argv(tmp_path, "--training.mixed_precision_param", precision, "--tpu.xla_flags", "")
+    jobs = [argv(tmp / p, "--training.mixed_precision_param", p, "--tpu.xla_flags", "") for p in PRECISIONS]
     p = subprocess.run(
-        [sys.executable, "-c", SINGLE_DEVICE, json.dumps(args)],
+        [sys.executable, "-c", SINGLE_DEVICE, json.dumps(jobs)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -96,8 +103,15 @@ def test_single_device_job(tmp_path, precision):
         timeout=900,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == len(PRECISIONS), p.stdout[-3000:]
+    return {prec: json.loads(ln.removeprefix("RESULT ")) for prec, ln in zip(PRECISIONS, lines)}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_single_device_job(single_device_jobs, precision):
+    """A real one-device job (its own process, XLA given one CPU device)."""
+    result = single_device_jobs[precision]
     assert result["devices"] == 1 and not result["fsdp"]
     if precision == "bfloat16":
         assert_bf16_matmuls(result["dots"])

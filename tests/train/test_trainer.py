@@ -23,11 +23,14 @@ from torchtpu.cli import train_main
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import DEBUG_TOML, REPO, debug_argv
-from .reference import cpu_state, reference_losses
+from .reference import cpu_state, one_cpu_thread, reference_losses
 
 PY = sys.executable
 
 SEQ, LBS, STEPS = 32, 1, 6
+# the in-process jobs train a 2-block copy of the debug model (the CPU reference too): what they
+# check does not depend on the depth; the CLI test trains the shipped config at its real depth
+N_LAYERS = 2
 
 
 def small_argv(dump, *extra):
@@ -66,14 +69,14 @@ def runs(tmp_path_factory):
         "bfloat16",
     )
     cfg = load_config(argv)
-    a = Trainer(cfg)
+    a = Trainer(cfg, n_layers=N_LAYERS)
     init = cpu_state(a.model)
     hist_a = a.train()
     traces = a.step_fn.stats.snapshot()
     final = cpu_state(a.model)
     del a
     cfg_b = load_config(argv + ["--checkpoint.load_step", "3"])
-    b = Trainer(cfg_b)
+    b = Trainer(cfg_b, n_layers=N_LAYERS)
     hist_b = b.train()
     return {
         "cfg": cfg,
@@ -94,7 +97,8 @@ def test_loss_parity_and_checkpoint_resume(runs):
        (same weights, batches, AdamW, LR schedule, clipping) within 1e-4 relative.
     2. 6 steps with checkpoints every 3; a new trainer resumed from step 3 reproduces steps 4-6.
     """
-    ref = reference_losses(runs["cfg"], runs["init"], 5)
+    with one_cpu_thread():
+        ref = reference_losses(runs["cfg"], runs["init"], 5, model_overrides={"n_layers": N_LAYERS})
     got = [h["loss"] for h in runs["a"][:5]]
     assert [h["step"] for h in runs["a"]] == list(range(1, STEPS + 1))
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
@@ -140,22 +144,24 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
     want = {k: v.to(torch.bfloat16).float() for k, v in runs["final"].items()}
 
     # same folder, same steps: nothing left to train; the model holds the exported weights
-    done = Trainer(load_config(runs["argv"]))
+    done = Trainer(load_config(runs["argv"]), n_layers=N_LAYERS)
     assert done.maybe_resume() and done.step == STEPS
     got = cpu_state(done.model)
     assert all(torch.equal(got[k], want[k]) for k in want)
     del done
     # more steps: the model-only save cannot give optimizer state; the full step-3 checkpoint does
-    more = Trainer(load_config(runs["argv"] + ["--training.steps", "8"]))
+    more = Trainer(load_config(runs["argv"] + ["--training.steps", "8"]), n_layers=N_LAYERS)
     assert more.maybe_resume() and more.step == 3
     del more
     with pytest.raises(CheckpointError, match="initial_load_path"):
         Trainer(
-            load_config(runs["argv"] + ["--training.steps", "8", "--checkpoint.load_step", str(STEPS)])
+            load_config(runs["argv"] + ["--training.steps", "8", "--checkpoint.load_step", str(STEPS)]),
+            n_layers=N_LAYERS,
         ).maybe_resume()
     # a new job (checkpointing off) starting from the exported weights
     new = Trainer(
-        load_config(small_argv(tmp_path, "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}")))
+        load_config(small_argv(tmp_path, "--checkpoint.initial_load_path", os.path.join(folder, f"step_{STEPS}"))),
+        n_layers=N_LAYERS,
     )
     assert not new.maybe_resume() and new.step == 0
     got = cpu_state(new.model)
@@ -171,7 +177,8 @@ def test_final_model_only_save_resume_and_initial_load(runs, tmp_path):
                 os.path.join(folder, f"step_{STEPS}"),
                 "--checkpoint.no-initial_load_model_only",
             )
-        )
+        ),
+        n_layers=N_LAYERS,
     )
     with pytest.raises(ConfigError, match="initial_load_model_only = true"):
         bad.maybe_resume()
@@ -191,9 +198,10 @@ def test_tensor_parallel_trainer_matches_fsdp(runs, tmp_path):
             "3",
             "--training.local_batch_size",
             str(2 * LBS),
+            "--validation.no-enable",  # the losses compared are the training steps'
         )
     )
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=N_LAYERS)
     assert t.dims.tp == 2 and t.dims.dp == 4 and t.dims.global_batch_size == runs["cfg"].training.local_batch_size * 8
     init = runs["init"]
     with torch.no_grad():
@@ -321,7 +329,7 @@ def test_dry_run_compiles_without_allocating(tmp_path, capsys):
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(small_argv(tmp_path, "--dry-run"))
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=N_LAYERS)
     assert t.dataloader is None
     status = t.dry_run()
     out = capsys.readouterr().out

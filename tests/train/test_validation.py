@@ -7,6 +7,7 @@ weights, the same held-out batches) is the oracle for the value.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -20,9 +21,14 @@ from torchtpu.train.config.job_config import ConfigError
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import debug_argv
+from .reference import one_cpu_thread
 
 # the trainer sets the process's current device mesh
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
+
+# the jobs train a 2-block copy of the debug model, and the CPU oracle is the same 2 blocks: what is
+# checked (the held-out batches, the forward-only program, its value) does not depend on the depth
+N_LAYERS = 2
 
 
 def argv(dump, *extra):
@@ -53,7 +59,7 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
     from torchtpu.train.tokenizer import build_tokenizer
 
     tok = build_tokenizer(None)
-    ref = Transformer(build_model_args(cfg, tok.vocab_size))
+    ref = Transformer(dataclasses.replace(build_model_args(cfg, tok.vocab_size), n_layers=N_LAYERS))
     state = {n.replace("_checkpoint_wrapped_module.", ""): p.detach().cpu() for n, p in model.named_parameters()}
     missing, unexpected = ref.load_state_dict(state, strict=False)
     assert not unexpected and all("freqs_cis" in k for k in missing)
@@ -62,7 +68,7 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
         v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp, infinite=v.steps != -1
     )
     losses = []
-    with torch.no_grad():
+    with torch.no_grad(), one_cpu_thread():
         for _ in range(batches):
             x, y = next(loader)
             losses.append(cross_entropy_loss(ref(torch.from_numpy(x)), torch.from_numpy(y)).item())
@@ -77,7 +83,7 @@ def test_validation_logs_a_falling_loss_that_matches_the_cpu(tmp_path):
 
     cfg = load_config(argv(tmp_path, "--metrics.enable_tensorboard"))
     assert cfg.validation.enable and cfg.validation.dataset == "bundled_validation" and cfg.validation.steps == -1
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=N_LAYERS)
     hist = t.train()
     val = {h["step"]: h for h in hist if "validation/loss" in h}
     assert sorted(val) == [1, 4, 8], hist
@@ -133,7 +139,7 @@ def test_validation_under_tensor_parallelism_and_fixed_steps(tmp_path):
             "100",
         )
     )
-    t = Trainer(cfg)
+    t = Trainer(cfg, n_layers=N_LAYERS)
     hist = t.train()
     assert [h["step"] for h in hist if "validation/loss" in h] == [1]  # torchtitan: step 1, then every freq
     assert t.validator.num_batches == 3
