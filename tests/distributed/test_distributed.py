@@ -4,6 +4,7 @@ parallelism, FSDP, and torchtitan's Llama 3 sharded every supported way against 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import numpy as np
@@ -29,6 +30,17 @@ from torchtpu.distributed import (
     parallelize_module,
 )
 from torchtpu.distributed.placements import placements_for, spec_for
+
+
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread():
+    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
+    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
+    the CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def spec(t):
@@ -204,10 +216,13 @@ def test_fully_shard_mixed_precision_matches_cpu_reference():
 
 
 def _llama(seed=0):
+    """torchtitan's Llama 3 debugmodel, 2 blocks deep (the sharding is per block, so 2 show what 6
+    would, and compile in a third of the time) and its RoPE table as long as the batches (the
+    same values at every position: the table is the flavor's up to its length)."""
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     torch.manual_seed(seed)
-    m = Transformer(llama3_args["debugmodel"])
+    m = Transformer(dataclasses.replace(llama3_args["debugmodel"], n_layers=2, max_seq_len=S))
     with torch.no_grad():
         m.init_weights()
     return m
@@ -341,7 +356,9 @@ def _tiny_llama_on(mesh, sequence_parallel=False):
     from torchtpu.models.llama3 import parallelize_llama
 
     with torch.device("meta"):
-        model = Transformer(TransformerModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512))
+        model = Transformer(
+            TransformerModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512, max_seq_len=32)
+        )
     parallelize_llama(
         model,
         mesh,

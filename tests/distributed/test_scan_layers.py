@@ -30,6 +30,17 @@ from .test_distributed import CONFIGS, _batches, _llama, _reference_losses, _tra
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread():
+    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
+    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
+    the CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _sharded_llama(name, scan, steps=None, mp=False):
     from torchtpu.models.llama3 import parallelize_llama
 
@@ -70,7 +81,7 @@ def _dots_of_step(n_layers):
     from torchtpu.models.llama3 import parallelize_llama
 
     torch.manual_seed(0)
-    args = dataclasses.replace(llama3_args["debugmodel"], n_layers=n_layers)
+    args = dataclasses.replace(llama3_args["debugmodel"], n_layers=n_layers, max_seq_len=32)  # RoPE table: the batches
     model = Transformer(args)
     with torch.no_grad():
         model.init_weights()
@@ -111,6 +122,10 @@ def test_state_dict_same_with_scan_on_and_off():
 # ----------------------------------------------------------------------------- trainer
 
 
+# the trainer tests' depth: the debug model's blocks cut to 2 (the scan runs over 2 as over 6)
+N_LAYERS = 2
+
+
 def _checkpointing_argv(tmp_path, steps=4):
     """The trainer test job with full recomputation (so the layer scan), a checkpoint every 2 steps."""
     from ..train.test_trainer import small_argv
@@ -126,6 +141,10 @@ def _checkpointing_argv(tmp_path, steps=4):
         "2",
         "--checkpoint.keep_latest_k",
         "0",
+        # the evaluation at step 1 runs (the scanned model's forward-only program) on one batch, not the
+        # whole held-out split, which every trainer would also count through at start-up
+        "--validation.steps",
+        "1",
     )
 
 
@@ -146,12 +165,12 @@ def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_s
     argv = _checkpointing_argv(tmp_path / "a", steps=6)
     cfg = load_config(argv)
     assert cfg.tpu.scan_layers
-    a = Trainer(cfg)
+    a = Trainer(cfg, n_layers=N_LAYERS)
     assert is_scanned(a.model.layers)
     init = cpu_state(a.model)
     hist_a = a.train()
     del a
-    ref = reference_losses(cfg, init, 4)
+    ref = reference_losses(cfg, init, 4, {"n_layers": N_LAYERS})
     got = [h["loss"] for h in hist_a[:4]]
     rel = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
     print(f"trainer (scanned) {got}\nCPU               {ref}\nmax relative difference {rel:.2e}")
@@ -165,13 +184,14 @@ def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_s
         load_config(
             argv_b
             + ["--tpu.scan_layers", "false", "--lr_scheduler.total_steps", "6", "--checkpoint.no-last_save_model_only"]
-        )
+        ),
+        n_layers=N_LAYERS,
     )
     assert not is_scanned(b.model.layers)
     hist_b = b.train()
     del b
     # unscanned checkpoint -> scanned run, steps 5-6
-    c = Trainer(load_config(_checkpointing_argv(tmp_path / "b", steps=6)))
+    c = Trainer(load_config(_checkpointing_argv(tmp_path / "b", steps=6)), n_layers=N_LAYERS)
     assert is_scanned(c.model.layers) and c.stacked
     hist_c = c.train()
     assert [h["step"] for h in hist_b] == [3, 4] and [h["step"] for h in hist_c] == [5, 6]
@@ -187,7 +207,9 @@ def _trainer_step_hlo(tmp_path, n_layers, *extra):
 
     from ..train.test_trainer import small_argv
 
-    t = Trainer(load_config(small_argv(tmp_path, "--activation_checkpoint.mode", "full", *extra)), n_layers=n_layers)
+    # no evaluation: only the training step is compiled, and the held-out split is not read
+    argv = small_argv(tmp_path, "--activation_checkpoint.mode", "full", "--validation.enable", "false", *extra)
+    t = Trainer(load_config(argv), n_layers=n_layers)
     return t, compile_step(t).as_text()
 
 
@@ -213,8 +235,8 @@ def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
     sqrt2, sqrt4 = len(re.findall(r"\bsqrt\(", hlo2)), len(re.findall(r"\bsqrt\(", hlo4))
     print(f"sqrt ops in the step: 2 blocks {sqrt2}, 4 blocks {sqrt4}")
     assert sqrt2 == sqrt4
-    # without the scan every block's parameters are updated one by one
-    _, hlo_off = _trainer_step_hlo(tmp_path / "c", 4, "--tpu.scan_layers", "false")
+    # without the scan every block's parameters are updated one by one (2 blocks: twice a slot's)
+    _, hlo_off = _trainer_step_hlo(tmp_path / "c", 2, "--tpu.scan_layers", "false")
     assert len(re.findall(r"\bsqrt\(", hlo_off)) > sqrt4
 
     # frozen rows in a slot of trainable ones: refused, not decayed by the slot's one update

@@ -9,6 +9,7 @@ streamed completion.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,10 +43,32 @@ START_TIMEOUT = 420  # seconds for the server to answer /health: imports, weight
 REQUEST_TIMEOUT = 120
 
 
+@contextlib.contextmanager
+def _one_torch_thread():
+    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
+    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
+    the CPU time)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread():
+    with _one_torch_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    """A tiny `torchtpu-train` run of the debug model (STEPS steps of 8 sequences of 32 tokens),
-    its final weights exported with checkpoint.last_save_in_hf; the Hugging Face folder."""
+    """A tiny `torchtpu-train` run of the debug model cut to 2 blocks (the trainer's test hook
+    TORCHTPU_TEST_N_LAYERS; STEPS steps of 8 sequences of 32 tokens), its final weights exported
+    with checkpoint.last_save_in_hf; the Hugging Face folder."""
     dump = tmp_path_factory.mktemp("train_to_serve")
     argv = debug_argv(
         dump,
@@ -56,6 +79,8 @@ def export(tmp_path_factory):
         "--checkpoint.last_save_in_hf",
     )
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["TORCHTPU_TEST_N_LAYERS"] = "2"  # the export, and so the served model, has 2 blocks
+    env["OMP_NUM_THREADS"] = "1"  # PyTorch's CPU work on one thread (XLA's devices have the cores)
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "torchtpu.train", *argv], env=env, capture_output=True, text=True, timeout=600
@@ -93,7 +118,8 @@ def reference(export):
 
     tok = AutoTokenizer.from_pretrained(export)
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
-    tokens = _transformers_greedy(export, prompt_ids)
+    with _one_torch_thread():  # a module fixture: outside the tests' autouse one
+        tokens = _transformers_greedy(export, prompt_ids)
     return {
         "tokenizer": tok,
         "prompt_ids": prompt_ids,
@@ -156,6 +182,7 @@ def server(export, tmp_path_factory):
     ]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("VLLM_TARGET_DEVICE", None)  # it would make vLLM skip platform plugins
+    env["OMP_NUM_THREADS"] = "1"  # PyTorch's CPU work on one thread (XLA's devices have the cores)
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

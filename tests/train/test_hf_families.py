@@ -11,6 +11,7 @@ tensor shows in the logits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,28 @@ from torchtpu.train.config.manager import load_config
 from .debug_run import REPO
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
+    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
+    the CPU time)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread():
+    with _one_torch_thread():
+        yield
+
 
 STEPS = 5
 NARROW = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 128, "n_layers": 2}
@@ -203,8 +226,9 @@ def round_trip(request, tmp_path_factory):
     case = request.param
     family, flavor = CASES[case]
     tmp = tmp_path_factory.mktemp(f"hf_{case}")
-    hf = _hf_model(case)
-    hf.save_pretrained(tmp / "hf")
+    with _one_torch_thread():  # a module fixture: outside the tests' autouse one
+        hf = _hf_model(case)
+        hf.save_pretrained(tmp / "hf")
     argv = [
         "--config",
         os.path.join(REPO, "train_configs", TRAIN_CONFIG[family]),
