@@ -411,7 +411,7 @@ def test_two_hosts_with_expert_parallel_4_match_one_process_of_8_without_it(tmp_
 
 LONG = [
     "--training.steps",
-    "6",
+    "8",
     "--checkpoint.enable",
     "--checkpoint.interval",
     "2",
@@ -432,26 +432,11 @@ def uninterrupted(tmp_path_factory):
     return losses(tmp / "ref")
 
 
-def test_killed_host_with_restarts_resumes_and_matches(tmp_path, uninterrupted):
-    job = launch(tmp_path, "restart", 2, 1, LONG, "--max-restarts", "1")
-    try:
-        job.wait_for(r"^\[host 0\] step +3/\d+ \|", 600)
-        os.kill(_training_pid(job, 1), signal.SIGKILL)
-        m = job.wait_for(r"attempt 2: resumed from \S+ \(step (\d+)\)", 600)
-        code = job.wait(600)
-        text = job.text()
-        assert code == 0, text[-4000:]
-    finally:
-        job.close()
-    resumed = int(m.group(1))
-    assert resumed in (2, 4)
-    assert "[torchtpu-train] attempt 2 (torchelastic restarts allowed: 1)" in text
-    assert (tmp_path / "restart" / "logs" / "attempt_2" / "host_1.stdout.log").is_file()
-    got = losses(tmp_path / "restart")
-    assert_losses_close(got, uninterrupted, range(resumed + 1, 7), rtol=1e-6)
-
-
-def test_sigterm_to_launcher_checkpoints_exits_42_and_rerun_continues(tmp_path, uninterrupted):
+def test_sigterm_to_launcher_checkpoints_exits_42_and_the_rerun_survives_a_killed_host(tmp_path, uninterrupted):
+    # Two tests in one (they ran the same 2 x 1 job from scratch): the preempted job (SIGTERM to the
+    # launcher: every host checkpoints and exits 42) is rerun with a restart allowed, and that rerun,
+    # once it has resumed and trained on, loses a host to SIGKILL: torchelastic restarts both hosts,
+    # attempt 2 resumes from the newest checkpoint and the job ends with 0, matching the reference.
     job = launch(tmp_path, "preempt", 2, 1, LONG)
     try:
         job.wait_for(r"^\[host 0\] step +3/\d+ \|", 600)
@@ -468,9 +453,25 @@ def test_sigterm_to_launcher_checkpoints_exits_42_and_rerun_continues(tmp_path, 
     for host in (0, 1):  # every training process took the preemption path and exited 42
         log = (tmp_path / "preempt" / "logs" / "attempt_1" / f"host_{host}.stderr.log").read_text()
         assert f"after step {stopped}: checkpoint" in log and "exiting with 42" in log, log[-2000:]
-    rerun = run_to_end(launch(tmp_path, "preempt", 2, 1, LONG))
+
+    job = launch(tmp_path, "preempt", 2, 1, LONG, "--max-restarts", "1")
+    try:
+        job.wait_for(rf"^\[host 0\] step +{stopped + 2}/\d+ \|", 600)
+        os.kill(_training_pid(job, 1), signal.SIGKILL)
+        m = job.wait_for(r"attempt 2: resumed from \S+ \(step (\d+)\)", 600)
+        code = job.wait(600)
+        rerun = job.text()
+        assert code == 0, rerun[-4000:]
+    finally:
+        job.close()
+    # attempt 1 of the rerun continued from the preemption's checkpoint
     assert re.search(rf"resumed from \S+ \(step {stopped}\)", rerun), rerun[-3000:]
-    assert_losses_close(losses(tmp_path / "preempt"), uninterrupted, range(stopped + 1, 7), rtol=1e-6)
+    resumed = int(m.group(1))
+    assert resumed >= stopped and resumed in checkpoint_steps(tmp_path / "preempt"), resumed
+    assert "[torchtpu-train] attempt 2 (torchelastic restarts allowed: 1)" in rerun
+    assert (tmp_path / "preempt" / "logs" / "attempt_2" / "host_1.stdout.log").is_file()
+    got = losses(tmp_path / "preempt")  # each step's newest value: the rerun's, after its restart's
+    assert_losses_close(got, uninterrupted, range(stopped + 1, 9), rtol=1e-6)
 
 
 def test_stuck_host_trips_the_watchdog(tmp_path):
