@@ -1,10 +1,13 @@
 """One process of a real multi-process job (run by tests/distributed/test_multihost.py): joins the job through
-jax.distributed over loopback, shards torchtitan's Llama 3 debugmodel with FSDP over every
-device of every process and prints the losses of 3 compiled training steps."""
+jax.distributed over loopback, shards torchtitan's Llama 3 debugmodel (its arguments with the
+fields of the JSON argument replaced: the test's narrow, shallow model) with FSDP over every device
+of every process and prints the losses of 3 compiled training steps."""
 
+import dataclasses
+import json
 import sys
 
-port, pid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+port, pid, n, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 import torch
 
 import torchtpu
@@ -21,7 +24,7 @@ from torchtpu.models.llama3.parallelize import batch_placements
 assert jax.process_count() == n and jax.device_count() == 8, (jax.process_count(), jax.device_count())
 mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
 torch.manual_seed(0)
-m = Transformer(llama3_args["debugmodel"])
+m = Transformer(dataclasses.replace(llama3_args["debugmodel"], **overrides))
 with torch.no_grad():
     m.init_weights()
 parallelize_llama(m, mesh)  # CPU params -> sharded tpu params straight from host memory

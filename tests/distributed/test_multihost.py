@@ -3,6 +3,8 @@ jax.distributed over loopback (gloo collectives), against the same training on o
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import sys
@@ -17,13 +19,17 @@ import torchtpu  # noqa: F401
 from ..processes import free_port, run_together
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
+# The debugmodel with 2 of its 6 blocks at dim 64 (of 256), in the job and in its reference: each
+# collective of a step is a loopback TCP exchange whose time grows with the number and size of the
+# tensors; FSDP across processes is the subject, not the depth or the width.
+MODEL = {"n_layers": 2, "dim": 64, "n_heads": 4}
 
 
 def _one_device_losses():
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     torch.manual_seed(0)
-    m = Transformer(llama3_args["debugmodel"])
+    m = Transformer(dataclasses.replace(llama3_args["debugmodel"], **MODEL))
     with torch.no_grad():
         m.init_weights()
     m = m.to("tpu")
@@ -44,7 +50,9 @@ def _one_device_losses():
 def test_two_processes_fsdp_matches_one_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     port = free_port()
-    outs = run_together([[sys.executable, str(WORKER), str(port), str(i), "2"] for i in range(2)], env)
+    outs = run_together(
+        [[sys.executable, str(WORKER), str(port), str(i), "2", json.dumps(MODEL)] for i in range(2)], env
+    )
     losses = []
     for out in outs:
         m = re.search(r"^losses (\[.*\])$", out, re.M)
