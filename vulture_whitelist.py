@@ -98,6 +98,7 @@ _.pytestmark
 # (tests/opinfo/pass_rate.py); its exit status counts session.testsfailed.
 _.pytest_collection_modifyitems
 _.pytest_configure
+_.pytest_sessionstart
 _.pytest_runtest_logreport
 _.pytest_runtestloop
 _.pytest_terminal_summary

@@ -10,6 +10,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["TORCHTPU_DRY_RUN_CACHE"] = "off"
 
 
+def pytest_sessionstart(session):
+    """Under pytest-xdist (`make test` runs 2 workers on 2 cores) PyTorch's CPU work (the oracles)
+    runs on one intra-op thread per worker: two threads per worker only oversubscribe the cores
+    (a transformers greedy decode measured 8x the CPU time on a loaded machine)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def keep_current_mesh():
     """Restore the process's current device mesh after a test that sets its own (a trainer or a

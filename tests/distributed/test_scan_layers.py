@@ -153,7 +153,7 @@ def test_trainer_scan_matches_pytorch_and_checkpoints_move_between_scan_and_no_s
     PyTorch loop of tests/train/test_trainer.py. Its step-2 checkpoint resumes with the scan off
     (steps 3-4, per-parameter optimizer state from the stacked one); the step-4 checkpoint that
     unscanned run writes resumes with the scan on again (steps 5-6, stacked state from the
-    per-parameter one). Both resumed runs (an eager first step, then the compiled one) continue
+    per-parameter one). Both resumed runs continue
     the scanned run's losses."""
     import shutil
 

@@ -204,9 +204,9 @@ def test_import_first_loss_equals_exporting_runs_next_loss(exported, tmp_path):
     hist = c.train()
     print(f"imported job's first loss {hist[0]['loss']!r}, exporting job's next loss {exported['next_loss']!r}")
     # Same weights (the fp32 round trip is exact: test_weights_roundtrip_exactly), same batch (both read
-    # the data from position 0), same job config. The imported job's first step runs as torchtpu.compile's
-    # eager warm-up while the exporting job's next step is its compiled program, so XLA's fusion may move
-    # the last bits: equal to fp32 rounding.
+    # the data from position 0), same job config. The two jobs' programs differ (the imported job's
+    # starts from step 0's state, the exporting one's from a resumed step), so XLA's fusion may move the
+    # last bits: equal to fp32 rounding.
     assert hist[0]["loss"] == pytest.approx(exported["next_loss"], rel=1e-6, abs=0)
 
 
