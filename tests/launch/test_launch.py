@@ -409,9 +409,10 @@ def test_two_hosts_with_expert_parallel_4_match_one_process_of_8_without_it(tmp_
 # Restarts, preemption, the watchdog (2 hosts x 1 device: the cheapest real multi-host job)
 # ---------------------------------------------------------------------------------------------
 
+LONG_STEPS = 12  # the preemption lands a few steps after the SIGTERM; the rerun needs 2 steps more
 LONG = [
     "--training.steps",
-    "8",
+    str(LONG_STEPS),
     "--checkpoint.enable",
     "--checkpoint.interval",
     "2",
@@ -450,6 +451,9 @@ def test_sigterm_to_launcher_checkpoints_exits_42_and_the_rerun_survives_a_kille
     assert m, text[-4000:]
     stopped = int(m.group(1))
     assert stopped > 2 and checkpoint_steps(tmp_path / "preempt")[-1] == stopped
+    assert stopped + 2 < LONG_STEPS, (
+        f"preempted only after step {stopped}: the rerun has no steps left to lose a host in"
+    )
     for host in (0, 1):  # every training process took the preemption path and exited 42
         log = (tmp_path / "preempt" / "logs" / "attempt_1" / f"host_{host}.stderr.log").read_text()
         assert f"after step {stopped}: checkpoint" in log and "exiting with 42" in log, log[-2000:]
@@ -471,7 +475,7 @@ def test_sigterm_to_launcher_checkpoints_exits_42_and_the_rerun_survives_a_kille
     assert "[torchtpu-train] attempt 2 (torchelastic restarts allowed: 1)" in rerun
     assert (tmp_path / "preempt" / "logs" / "attempt_2" / "host_1.stdout.log").is_file()
     got = losses(tmp_path / "preempt")  # each step's newest value: the rerun's, after its restart's
-    assert_losses_close(got, uninterrupted, range(stopped + 1, 9), rtol=1e-6)
+    assert_losses_close(got, uninterrupted, range(stopped + 1, LONG_STEPS + 1), rtol=1e-6)
 
 
 def test_stuck_host_trips_the_watchdog(tmp_path):

@@ -76,7 +76,7 @@ _COVERING_RUNS = {
         "tpu.scan_layers"
     ],
     "tests/train/test_loss.py::test_trainer_chunked_loss_matches_plain_loss_sharded": ["tpu.loss_chunk_size"],
-    "tests/train/test_families.py::test_expert_parallel_gives_the_ep1_losses_and_resumes_under_another_degree": [
+    "tests/train/test_families.py::test_expert_parallel_under_the_layer_scan_gives_the_ep1_losses_and_counts_and_resumes_under_another_degree": [
         "parallelism.expert_parallel_degree"
     ],
     "tests/train/test_families.py::test_flex_attention_flavors_are_refused_or_sdpa_on_request": ["model.attn_type"],

@@ -200,15 +200,17 @@ def run_local(
                 )
             )
         first_failure = None  # (host, status)
-        failures = []  # (host, status) of hosts that ended on their own with a failure, in the order seen
+        failures = []  # (host, status, poll) of hosts that ended on their own with a failure, in the order seen
         killed = set()  # hosts this launcher killed after the grace period
         deadline = None
+        polls = 0
         while True:
+            polls += 1
             _reap_orphans_only(agents)
             codes = [a.poll() for a in agents]
             for i, c in enumerate(codes):
-                if c not in (None, 0) and i not in killed and all(h != i for h, _ in failures):
-                    failures.append((i, c))
+                if c not in (None, 0) and i not in killed and all(h != i for h, _, _ in failures):
+                    failures.append((i, c, polls))
                 if c not in (None, 0) and first_failure is None:
                     first_failure = (i, c)
                     if stop["signal"] is None:
@@ -267,11 +269,23 @@ def run_local(
             signal.signal(s, h)
 
 
-def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+_ABORTED = 128 + signal.SIGABRT  # an agent's status for a training process that died of SIGABRT
+
+
+def _cause(failures: list[tuple[int, int, int]]) -> tuple[int, int]:
     """The host whose failure ended the job. The hosts that notice a dead peer (a collective fails) exit
     42, and one of them may end before the dead host's agent does, so a host that died otherwise (a
-    signal, exit 1 or 2) is the cause ahead of any 42; among equals, the first seen."""
-    return next(((h, c) for h, c in failures if c != EXIT_RETRIABLE), failures[0])
+    signal, exit 1 or 2) is the cause ahead of any 42; among equals, the first seen. One exception: a
+    SIGABRT seen no earlier than a 42 is a consequence, not a cause: when process 0 exits (its step
+    watchdog's 42), JAX's coordination service, which it hosts, aborts every other process."""
+    first_42 = min((p for _, c, p in failures if c == EXIT_RETRIABLE), default=None)
+
+    def is_cause(c, p):
+        aborted = c in (_ABORTED, -signal.SIGABRT)
+        return c != EXIT_RETRIABLE and not (aborted and first_42 is not None and p >= first_42)
+
+    h, c, _ = next((f for f in failures if is_cause(f[1], f[2])), failures[0])
+    return h, c
 
 
 def _reap_orphans_only(agents: list[subprocess.Popen]) -> None:
