@@ -11,13 +11,13 @@ os.environ["TORCHTPU_DRY_RUN_CACHE"] = "off"
 
 
 def pytest_sessionstart(session):
-    """Under pytest-xdist (`make test` runs 2 workers on 2 cores) PyTorch's CPU work (the oracles)
-    runs on one intra-op thread per worker: two threads per worker only oversubscribe the cores
-    (a transformers greedy decode measured 8x the CPU time on a loaded machine)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
+    """PyTorch's CPU work (the oracles) runs on one intra-op thread: the cores are also the XLA CPU
+    devices' and, under `make test`, the other pytest-xdist worker's; a second torch thread spends its
+    time spinning for a busy core (a transformers greedy decode measured 8x the CPU time of one
+    thread on a loaded machine, with the same tokens)."""
+    import torch
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -32,17 +32,6 @@ from torchtpu.distributed import (
 from torchtpu.distributed.placements import placements_for, spec_for
 
 
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def spec(t):
     """The PartitionSpec of a tpu tensor, trailing unsplit dims dropped (P('x', None) == P('x'))."""
     entries = list(torchtpu.to_jax(t).sharding.spec)

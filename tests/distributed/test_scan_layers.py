@@ -30,17 +30,6 @@ from .test_distributed import CONFIGS, _batches, _llama, _reference_losses, _tra
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _sharded_llama(name, scan, steps=None, mp=False):
     from torchtpu.models.llama3 import parallelize_llama
 

@@ -30,17 +30,6 @@ from .harness import (
 FAMILY_NAMES = ["llama", "qwen2", "qwen3"]
 
 
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def served(request, tmp_path_factory):
     """(engine, transformers model, family) for the family in request.param."""

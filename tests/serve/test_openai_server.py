@@ -9,7 +9,6 @@ streamed completion.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,6 +20,8 @@ import urllib.request
 
 import pytest
 import torch
+
+from tests.train.reference import one_cpu_thread
 
 from ..processes import free_port
 from ..train.debug_run import REPO, debug_argv
@@ -41,27 +42,6 @@ CHAT_TEMPLATE = (
 )
 START_TIMEOUT = 420  # seconds for the server to answer /health: imports, weights, compiling each step bucket
 REQUEST_TIMEOUT = 120
-
-
-@contextlib.contextmanager
-def _one_torch_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    with _one_torch_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +98,7 @@ def reference(export):
 
     tok = AutoTokenizer.from_pretrained(export)
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
-    with _one_torch_thread():  # a module fixture: outside the tests' autouse one
+    with one_cpu_thread():
         tokens = _transformers_greedy(export, prompt_ids)
     return {
         "tokenizer": tok,

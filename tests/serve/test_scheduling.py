@@ -3,22 +3,7 @@ chunked prefill splits the long prompts, and every output is still transformers'
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from .harness import MIN_MARGIN, NEW_TOKENS, PROMPTS, counter, engine, greedy, write_model
-
-
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 BLOCK_BYTES = 32 * 2 * (2 * 4 * 16 * 4)  # llama: 32 tokens x 2 layers x (k and v x 4 kv heads x 16 x fp32)
 

@@ -5,20 +5,8 @@ tokens of one device, and the weights and caches really lie split over the mesh'
 from __future__ import annotations
 
 import pytest
-import torch
 
 from .harness import MIN_MARGIN, NEW_TOKENS, PROMPTS, engine, greedy, write_model
-
-
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

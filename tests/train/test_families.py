@@ -9,7 +9,6 @@ per step.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -19,30 +18,9 @@ from torchtpu.distributed.topology import libtpu_available
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
-from .reference import cpu_state, reference_run
+from .reference import cpu_state, one_cpu_thread, reference_run
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
-
-
-@contextlib.contextmanager
-def _one_torch_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    with _one_torch_thread():
-        yield
 
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
@@ -115,7 +93,7 @@ def _train_and_reference(tmp_path, flavor, overrides, family="qwen3", extra=()):
     hist = t.train()
     got = [h["loss"] for h in hist]
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
-    with _one_torch_thread():  # also inside the module's fixture
+    with one_cpu_thread():
         ref, ref_model = reference_run(cfg, init, STEPS, overrides)
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
     print(f"trainer {got}\nCPU     {ref}\nmax relative difference {max(rel):.2e}")

@@ -11,7 +11,6 @@ tensor shows in the logits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,29 +21,9 @@ import torch
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
+from .reference import one_cpu_thread
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
-
-
-@contextlib.contextmanager
-def _one_torch_thread():
-    """PyTorch's CPU work (the oracle) on one intra-op thread: the cores are XLA's devices' too, and a
-    second torch thread spends its time spinning for a busy core (the same numbers, a fraction of
-    the CPU time)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _torch_on_one_thread():
-    with _one_torch_thread():
-        yield
 
 
 STEPS = 5
@@ -226,7 +205,7 @@ def round_trip(request, tmp_path_factory):
     case = request.param
     family, flavor = CASES[case]
     tmp = tmp_path_factory.mktemp(f"hf_{case}")
-    with _one_torch_thread():  # a module fixture: outside the tests' autouse one
+    with one_cpu_thread():
         hf = _hf_model(case)
         hf.save_pretrained(tmp / "hf")
     argv = [
