@@ -25,3 +25,16 @@ def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1):
         str(steps),
         *extra,
     ]
+
+
+def two_block_process_env() -> dict:
+    """The environment of a trainer process a test starts: this checkout, 8 CPU devices, and a
+    2-block copy of the debug model (the trainer's TORCHTPU_TEST_N_LAYERS hook, announced on its
+    console) where the depth is not what the test checks."""
+    return dict(
+        os.environ,
+        PYTHONPATH=REPO,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        TORCHTPU_TEST_N_LAYERS="2",
+    )

@@ -27,7 +27,7 @@ from torchtpu.train.checkpoint.manager import (
     optimizer_state,
 )
 
-from .debug_run import REPO, debug_argv
+from .debug_run import REPO, debug_argv, two_block_process_env
 
 
 def tiny_model(seed=0):
@@ -389,13 +389,7 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
     folder = dump / "checkpoint"
     # a 2-block copy of the debug model (the trainer's test hook; in process, n_layers=2): what is
     # checked is what a kill and a damaged file do to the checkpoints, not the model's depth
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        TORCHTPU_TEST_N_LAYERS="2",
-    )
+    env = two_block_process_env()
     cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
     partial = []
     for _attempt in range(3):  # the save must still be in progress when the signal lands

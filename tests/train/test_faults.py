@@ -16,18 +16,12 @@ import time
 
 import pytest
 
-from .debug_run import REPO, debug_argv
+from .debug_run import REPO, debug_argv, two_block_process_env
 
 STEPS = 6
 # The jobs train a 2-block copy of the debug model (the trainer's test hook, announced on the console):
 # what is checked here is the processes' behaviour, not the model's depth.
-ENV = dict(
-    os.environ,
-    PYTHONPATH=REPO,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    TORCHTPU_TEST_N_LAYERS="2",
-)
+ENV = two_block_process_env()
 
 
 def _cmd(dump, data=None):
