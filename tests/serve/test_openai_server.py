@@ -21,8 +21,6 @@ import urllib.request
 import pytest
 import torch
 
-from tests.train.reference import one_cpu_thread
-
 from ..processes import free_port
 from ..train.debug_run import REPO, debug_argv
 
@@ -98,8 +96,7 @@ def reference(export):
 
     tok = AutoTokenizer.from_pretrained(export)
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
-    with one_cpu_thread():
-        tokens = _transformers_greedy(export, prompt_ids)
+    tokens = _transformers_greedy(export, prompt_ids)
     return {
         "tokenizer": tok,
         "prompt_ids": prompt_ids,

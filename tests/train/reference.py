@@ -14,7 +14,6 @@ kernel refuses, counts them as floats (a shim of this module, never the model's)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -134,17 +133,3 @@ def reference_run(cfg, init, steps, model_overrides=None):
             sched.step()
             losses.append(loss.item())
     return losses, model
-
-
-@contextlib.contextmanager
-def one_cpu_thread():
-    """PyTorch's CPU kernels on one thread inside the block (restored after). The suite's test
-    workers already keep every core busy, and PyTorch's intra-op threads then spin waiting for each
-    other: a 6-block debug model's greedy decode in transformers took 8x the CPU time on 2 threads as
-    on 1 (0.9 s against 0.11 s, on a 2-core host). The numbers are PyTorch's either way."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)

@@ -18,7 +18,7 @@ from torchtpu.distributed.topology import libtpu_available
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
-from .reference import cpu_state, one_cpu_thread, reference_run
+from .reference import cpu_state, reference_run
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
@@ -93,8 +93,7 @@ def _train_and_reference(tmp_path, flavor, overrides, family="qwen3", extra=()):
     hist = t.train()
     got = [h["loss"] for h in hist]
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
-    with one_cpu_thread():
-        ref, ref_model = reference_run(cfg, init, STEPS, overrides)
+    ref, ref_model = reference_run(cfg, init, STEPS, overrides)
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
     print(f"trainer {got}\nCPU     {ref}\nmax relative difference {max(rel):.2e}")
     assert max(rel) <= 1e-4, (got, ref)

@@ -11,8 +11,6 @@ import torch
 import torchtpu  # noqa: F401
 from torchtpu.train.config.manager import load_config
 
-from .reference import one_cpu_thread
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 PROMPT = "Once upon a time there was a"
@@ -53,7 +51,7 @@ def reference(hf_folder):
     hf = LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # exactly NEW tokens, as torchtpu.generate returns
     ids = _prompt_ids()
-    with torch.no_grad(), one_cpu_thread():
+    with torch.no_grad():
         x = torch.tensor([ids])
         # an explicit all-ones mask: otherwise transformers masks every prompt token equal to the pad id
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False, pad_token_id=0)

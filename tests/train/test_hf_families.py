@@ -21,7 +21,6 @@ import torch
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import REPO
-from .reference import one_cpu_thread
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
@@ -205,9 +204,8 @@ def round_trip(request, tmp_path_factory):
     case = request.param
     family, flavor = CASES[case]
     tmp = tmp_path_factory.mktemp(f"hf_{case}")
-    with one_cpu_thread():
-        hf = _hf_model(case)
-        hf.save_pretrained(tmp / "hf")
+    hf = _hf_model(case)
+    hf.save_pretrained(tmp / "hf")
     argv = [
         "--config",
         os.path.join(REPO, "train_configs", TRAIN_CONFIG[family]),

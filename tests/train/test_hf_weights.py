@@ -20,7 +20,6 @@ from torchtpu.train.config.manager import load_config
 
 from ..processes import free_port, run_together
 from .debug_run import DEBUG_TOML, REPO, debug_argv
-from .reference import one_cpu_thread
 
 SEQ, STEPS = 32, 3
 
@@ -108,7 +107,7 @@ def test_export_loads_in_transformers_and_logits_match(exported):
     ]
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf.eval()
-    with torch.no_grad(), one_cpu_thread():
+    with torch.no_grad():
         ref = hf(_tokens()).logits
     got = exported["logits"]
     diff = (got - ref).abs().max().item()
@@ -142,7 +141,7 @@ def test_export_carries_its_tokenizer_and_greedy_text_agrees(exported, capsys):
     enc = tok(PROMPT, return_tensors="pt")
     assert enc["input_ids"][0].tolist() == ours.encode(PROMPT, bos=True, eos=False)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad(), one_cpu_thread():
+    with torch.no_grad():
         out = hf.generate(**enc, max_new_tokens=NEW, do_sample=False)
     new = out[0, enc["input_ids"].shape[1] :].tolist()
     expected = PROMPT + tok.decode(new, skip_special_tokens=True)

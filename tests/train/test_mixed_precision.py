@@ -56,7 +56,7 @@ def compiled_step_dots(cfg):
     from torchtpu.train.trainer import Trainer
 
     t = Trainer(cfg, n_layers=N_LAYERS)
-    t.train()  # step 1 runs eagerly, step 2 compiles the program
+    t.train()  # every step runs the one compiled program
     assert t.step_fn.stats.traces == 1
     return dot_operand_types(t.step_fn.as_text(optimized=False)), t
 

@@ -23,7 +23,7 @@ from torchtpu.cli import train_main
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import DEBUG_TOML, REPO, debug_argv
-from .reference import cpu_state, one_cpu_thread, reference_losses
+from .reference import cpu_state, reference_losses
 
 PY = sys.executable
 
@@ -97,8 +97,7 @@ def test_loss_parity_and_checkpoint_resume(runs):
        (same weights, batches, AdamW, LR schedule, clipping) within 1e-4 relative.
     2. 6 steps with checkpoints every 3; a new trainer resumed from step 3 reproduces steps 4-6.
     """
-    with one_cpu_thread():
-        ref = reference_losses(runs["cfg"], runs["init"], 5, model_overrides={"n_layers": N_LAYERS})
+    ref = reference_losses(runs["cfg"], runs["init"], 5, model_overrides={"n_layers": N_LAYERS})
     got = [h["loss"] for h in runs["a"][:5]]
     assert [h["step"] for h in runs["a"]] == list(range(1, STEPS + 1))
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]

@@ -21,7 +21,6 @@ from torchtpu.train.config.job_config import ConfigError
 from torchtpu.train.config.manager import load_config
 
 from .debug_run import debug_argv
-from .reference import one_cpu_thread
 
 # the trainer sets the process's current device mesh
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
@@ -68,7 +67,7 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
         v.dataset, v.dataset_path, tok, v.seq_len, v.local_batch_size * dp, infinite=v.steps != -1
     )
     losses = []
-    with torch.no_grad(), one_cpu_thread():
+    with torch.no_grad():
         for _ in range(batches):
             x, y = next(loader)
             losses.append(cross_entropy_loss(ref(torch.from_numpy(x)), torch.from_numpy(y)).item())
