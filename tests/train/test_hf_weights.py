@@ -436,6 +436,8 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
             f"({r['peak_delta'] / total:.2f} x the model)"
         )
         assert r["local_bytes"] < 0.3 * total
-        # its share plus transients, far from the whole model (4 shares): alone 1.0-1.14 shares were
-        # measured, 1.65 once with the full suite loading both cores (2026-12-02)
-        assert r["peak_delta"] < 2.0 * r["local_bytes"], (r, total)
+        # its share plus transients, far from the whole model (4 shares, and a process that read it
+        # all would grow by 5): alone 1.0-1.3 shares are measured; beside the rest of the suite 1.65
+        # and 2.08 (CI): VmHWM counts every resident page, the libraries' file pages included, so
+        # what the other processes do moves it
+        assert r["peak_delta"] < 3.0 * r["local_bytes"], (r, total)
