@@ -456,6 +456,35 @@ def test_expert_parallel_config_errors(tmp_path):
         check_expert_parallel(moe, resolve_dims(moe, 12), args)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "llama4"])
+def test_for_loop_experts_are_refused_in_one_line(family):
+    """torchtitan's use_grouped_mm=False (its for-loop experts, each expert's rows in the weights'
+    dtype) splits the rows by token counts read on the host, which a compiled step does not have, and
+    the dispatch parallelizing installs runs the grouped matmul (bfloat16 products): parallelizing such
+    a model is one line naming the setting, on 8 chips (FSDP) as on one."""
+    import jax
+    import torch
+
+    from torchtpu.distributed import init_device_mesh
+    from torchtpu.models.registry import get_family
+
+    fam = get_family(family)
+    narrow = {"qwen3": _narrow_moe, "deepseek_v3": _narrow_deepseek_v3, "llama4": _narrow_llama4}[family]()
+    flavor = "debugmodel_moe" if family == "qwen3" else "debugmodel"
+    args = dataclasses.replace(fam.model_args(flavor), **narrow)
+    args = dataclasses.replace(args, moe_args=dataclasses.replace(args.moe_args, use_grouped_mm=False))
+    kw = dict(sequence_parallel=False, loss_parallel=False, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for n in (8, 1):
+        mesh = init_device_mesh("tpu", (n,), mesh_dim_names=("dp_shard",), devices=jax.devices()[:n])
+        with torch.device("meta"):
+            model = fam.build_model(args)
+        with pytest.raises(ValueError) as e:
+            fam.parallelize(model, mesh, ac_mode="none", ac_every=1, scan_layers=False, **kw)
+        print(e.value)
+        assert "\n" not in str(e.value) and "use_grouped_mm=False" in str(e.value)
+        assert "set moe_args.use_grouped_mm=True" in str(e.value)
+
+
 @needs_libtpu
 def test_expert_parallel_step_compiles_for_tpu_with_all_to_all_and_grouped_matmuls(tmp_path):
     """The narrow 2-layer Qwen3 MoE step under EP 4 compiled ahead of time for v5p:2x2x1 (libtpu's

@@ -11,7 +11,10 @@ grouped matmul, `indices_padding_wrapper` pads every expert's group of tokens to
 rows (what CUDA's grouped GEMM needs for alignment) with a triton kernel that only runs on CUDA.
 `ragged_dot` takes groups of any size, so `use_ragged_experts(model)` makes each `GroupedExperts`
 call the grouped matmul on the unpadded groups, as torchtitan does itself under expert parallelism.
-The padding rows are zeros whose outputs are dropped, so the results are the same.
+The padding rows are zeros whose outputs are dropped, so the results are the same. The experts
+always run as that grouped matmul: parallelizing a model whose MoE layers set use_grouped_mm=False
+(torchtitan's for-loop experts in the weights' dtype, which read each expert's token count on the
+host) raises a one-line error.
 
 Expert parallelism (`apply_expert_parallel(model, mesh)`, for any family built on torchtitan's
 `MoE`): each MoE layer's routed experts are split over the mesh dim "ep" on their expert dim (and
@@ -131,6 +134,20 @@ class ExpertParallelMoE(MoE):
         return mixed.reshape(bs, slen, width)
 
 
+def _check_grouped_experts(model: torch.nn.Module) -> None:
+    """A one-line ValueError if an MoE layer of `model` sets use_grouped_mm=False: torchtitan's
+    for-loop experts (that setting: each expert's rows in the weights' dtype, float32 for float32
+    weights) split the rows by token counts read on the host, which a compiled step does not have,
+    and `ExpertParallelMoE` runs torchtitan's grouped matmul (bfloat16 products) whatever the setting."""
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and not module.use_grouped_mm:
+            raise ValueError(
+                f"torchtpu MoE: {name or 'the model'} sets use_grouped_mm=False (torchtitan's for-loop experts), "
+                "which needs each expert's token count on the host inside the compiled step; torchtpu runs the "
+                "experts as torchtitan's grouped matmul (bfloat16 products): set moe_args.use_grouped_mm=True"
+            )
+
+
 def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "ep") -> torch.nn.Module:
     """Expert parallelism for every torchtitan `MoE` layer in `model` (in place; returns `model`):
     the routed experts' weights (E, ...) are split on the expert dim over the mesh dim `dim` and,
@@ -140,7 +157,9 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
     layout alone and casts them for mixed precision as the rest of the block) on the job's mesh
     split by `distributed.mesh.split_dim` (the trainer does this for
     `[parallelism] expert_parallel_degree`). On a mesh without `dim`, or with one rank on it, each
-    data-parallel chip dispatches its own rows (`use_local_dispatch`), except under tensor parallelism."""
+    data-parallel chip dispatches its own rows (`use_local_dispatch`), except under tensor parallelism.
+    A layer whose experts set use_grouped_mm=False is refused (`_check_grouped_experts`)."""
+    _check_grouped_experts(model)
     ep_axes = expert_axes(mesh, dim)
     if not ep_axes:
         # without expert parallelism each data-parallel chip dispatches its own rows, unless tensor
@@ -251,6 +270,7 @@ def use_local_dispatch(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Mod
     expert) rows by expert, runs torchtitan's grouped matmul on them and puts them back
     (expert_parallel_ffn with dim None), instead of torchtitan's reordering over the whole batch,
     which XLA partitions into all-gathers of every chip's rows. In place; returns `model`."""
+    _check_grouped_experts(model)
     root = mesh.root()
     if math.prod(root.jax_mesh.shape[a] for a in data_parallel_axes(root)) <= 1:
         return model
