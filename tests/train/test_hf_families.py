@@ -27,7 +27,20 @@ pytestmark = pytest.mark.usefixtures("keep_current_mesh")
 
 STEPS = 5
 NARROW = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "hidden_dim": 128, "n_layers": 2}
-TOKENS = torch.randint(0, 2048, (8, 16), generator=torch.Generator().manual_seed(5))
+TOKENS = torch.randint(0, 2048, (8, 32), generator=torch.Generator().manual_seed(5))
+# A routing choice is discrete: where two experts' router probabilities nearly tie, the experts' bfloat16
+# rounding (torchtitan's grouped matmul; transformers computes in float32) can make a later MoE layer
+# choose the other expert, and that token's logits then differ by far more than rounding. On TOKENS, the
+# Qwen3 MoE's second layer ranks, for sequence 2 at position 28, expert 5 second (probability 0.163744)
+# and expert 4 third (0.163689): torchtitan's bfloat16 experts (by PyTorch on the CPU, as by torchtpu)
+# cross that margin of 5.5e-5 and pick expert 4, and the token's logits differ by 1.09 of 3.15, while
+# torchtitan's float32 experts give transformers' logits bit for bit. Over 8192 random tokens the bfloat16
+# experts move the second layer's router probabilities by at most 1.4e-3. So the Qwen3 MoE is compared
+# on sequences in which every choice of the MoE layers after the first (the first routes on float32
+# inputs on both sides) leads the next expert by DECISIVE (about 3 times that) or more: `_inputs`.
+# DeepSeek-V3's one MoE layer follows its dense one: it routes on float32 inputs on both sides (apart
+# from the normalization epsilons, about 1e-5 relative).
+DECISIVE = 4e-3
 # (family, flavor) of each round trip; "deepseek_v3" is its debugmodel with a sigmoid router (transformers'
 # DeepSeek-V3 router; the flavor's softmax one is refused) and group-limited routing (2 of 4 groups)
 CASES = {
@@ -168,22 +181,44 @@ def _hf_model(case, seed=0):
     return _randomize(model, seed)
 
 
-def _hf_logits(model):
+def _inputs(hf):
+    """The token ids the logits of transformers' `hf` are compared on: TOKENS, except for a Qwen3 MoE
+    (see DECISIVE): the first 8 of 256 random sequences of 32 in which, in every MoE layer after the
+    first, each token's top_k-th router probability leads the next by DECISIVE or more."""
+    from transformers import Qwen3MoeForCausalLM
+
+    if not isinstance(hf, Qwen3MoeForCausalLM):
+        return TOKENS
+    candidates = torch.randint(0, 2048, (256, TOKENS.shape[1]), generator=torch.Generator().manual_seed(6))
+    k = hf.config.num_experts_per_tok
     with torch.no_grad():
-        return model(TOKENS).logits
+        router_logits = hf(candidates, output_router_logits=True).router_logits
+    margin = torch.full(candidates.shape, torch.inf)
+    for layer in router_logits[1:]:
+        p = torch.softmax(layer.float(), dim=-1).topk(k + 1, dim=-1).values
+        margin = torch.minimum(margin, (p[:, k - 1] - p[:, k]).view(candidates.shape))
+    decisive = (margin.amin(dim=1) >= DECISIVE).nonzero()[:, 0]
+    assert len(decisive) >= len(TOKENS), f"only {len(decisive)} of 256 sequences route decisively"
+    return candidates[decisive[: len(TOKENS)]]
 
 
-def _tpu_logits(trainer):
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _tpu_logits(trainer, tokens):
     from torchtpu.distributed import distribute_tensor
     from torchtpu.models.llama3.parallelize import batch_placements
 
-    x = distribute_tensor(TOKENS, trainer.mesh, batch_placements(trainer.mesh))
+    x = distribute_tensor(tokens, trainer.mesh, batch_placements(trainer.mesh))
     with torch.no_grad():
         return trainer.model(x).cpu()
 
 
-# Experts run in bfloat16 in torchtitan's grouped matmul (transformers' in float32): the MoE
-# logits agree to bfloat16 rounding; the dense model computes in float32 throughout. DeepSeek-V3
+# Experts run in bfloat16 in torchtitan's grouped matmul (transformers' in float32): the MoE logits
+# agree to bfloat16 rounding on inputs routed decisively (DECISIVE); the dense model computes in
+# float32 throughout. DeepSeek-V3
 # adds the normalization epsilons transformers fixes (torchtpu.models.deepseek_v3.hf), about 1e-5
 # relative (test_deepseek_v3_config_json_computes_torchtitans_logits measures it in float32).
 TOL = {"debugmodel": 1e-4, "debugmodel_moe": 2e-2, "deepseek_v3": 2e-2}
@@ -198,7 +233,10 @@ TRAIN_CONFIG = {"qwen3": "qwen3_debug.toml", "deepseek_v3": "deepseek_v3_debug.t
 @pytest.fixture(scope="module", params=list(CASES))
 def round_trip(request, tmp_path_factory):
     """transformers writes a folder; a Trainer loads it (initial_load_in_hf), computes logits, trains
-    STEPS steps and exports (last_save_in_hf)."""
+    STEPS steps and exports (last_save_in_hf), and computes logits again (on inputs that route
+    decisively in the exported model: `_inputs`)."""
+    from transformers import AutoModelForCausalLM
+
     from torchtpu.train.trainer import Trainer
 
     case = request.param
@@ -234,26 +272,31 @@ def round_trip(request, tmp_path_factory):
     ]
     t = Trainer(load_config(argv), model_overrides=_overrides(case))
     t.maybe_resume()
-    loaded = _tpu_logits(t)
+    tokens = _inputs(hf)
+    loaded = _tpu_logits(t, tokens)
     hist = t.train()
+    export = os.path.join(tmp / "run", "checkpoint", f"hf_step_{STEPS}")
+    trained_tokens = _inputs(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval())
     return {
         "case": case,
         "hf": hf,
         "folder": tmp / "hf",
+        "tokens": tokens,
         "loaded": loaded,
-        "trained": _tpu_logits(t),
+        "trained_tokens": trained_tokens,
+        "trained": _tpu_logits(t, trained_tokens),
         "losses": [h["loss"] for h in hist],
-        "export": os.path.join(tmp / "run", "checkpoint", f"hf_step_{STEPS}"),
+        "export": export,
         "tmp": tmp,
     }
 
 
 def test_hf_weights_load_to_transformers_logits(round_trip):
-    ref = _hf_logits(round_trip["hf"])
+    ref = _hf_logits(round_trip["hf"], round_trip["tokens"])
     got = round_trip["loaded"]
     diff = (got - ref).abs().max().item()
     print(f"{round_trip['case']}: max |torchtpu - transformers| logits {diff:.2e} (logits up to {ref.abs().max():.1f})")
-    assert got.shape == ref.shape == (8, 16, 2048)
+    assert got.shape == ref.shape == (8, 32, 2048)
     assert diff <= TOL[round_trip["case"]] * ref.abs().max().item()
 
 
@@ -268,10 +311,11 @@ def test_trained_export_loads_in_transformers_with_torchtpus_logits(round_trip):
     assert config["tie_word_embeddings"] is (case == "debugmodel")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert type(hf).__name__ == want
-    ref = _hf_logits(hf)
+    tokens = round_trip["trained_tokens"]
+    ref = _hf_logits(hf, tokens)
     got = round_trip["trained"]
     diff = (got - ref).abs().max().item()
-    moved = (got - round_trip["loaded"]).abs().max().item()
+    moved = (got - _hf_logits(round_trip["hf"], tokens)).abs().max().item()
     print(
         f"{case}: losses {round_trip['losses']}; export vs torchtpu logits {diff:.2e}; training moved them {moved:.2e}"
     )
@@ -485,7 +529,7 @@ def test_deepseek_v3_config_json_computes_torchtitans_logits(q_lora_rank, seq_le
     )
     json.dump(config, open(tmp_path / "config.json", "w"))
     hf = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    tokens = TOKENS[:2, :].repeat(1, seq_len // 16)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(5)).repeat(1, seq_len // 16)
     with torch.no_grad(), IntegerHistc():
         want = model(tokens)
     with torch.no_grad():
