@@ -4,68 +4,83 @@ import torch, torchtpu
 x = torch.randn(4, 4, device="tpu")
 """
 
-from ._platform import configure_jax as _configure_jax
+import sys as _sys
 
-_configure_jax()
-
-import torch  # noqa: E402
-
-from .backend import device as _device  # noqa: E402
-from .backend import handlers as _handlers  # noqa: E402,F401  (gives TpuTensor its dispatch)
-from .backend import state as _state  # noqa: E402
-from .backend import transfer as _transfer  # noqa: E402,F401  (registers the copy and transfer ops)
-from .backend.ops import load_all as _load_ops  # noqa: E402
-
-_device.register()
-_load_ops()
-
-# Run backward on the calling thread rather than on autograd's per-device worker threads:
-# JAX tracing is thread-local (a compiled step traces backward too), and an exception raised
-# by a lowering on a worker thread could abort the process instead of reaching the caller.
-torch.autograd.set_multithreading_enabled(False)
-
-from . import distributed  # noqa: E402,F401  (the sharding layer; registers torchtpu::shard)
-from ._platform import cache_root, persistent_cache_stats, platform  # noqa: E402,F401
-from .backend import dynamo as _dynamo  # noqa: E402  (registers torch.compile backend "tpu")
-from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: E402,F401
-from .backend.compile import compile  # noqa: E402,F401
-from .backend.tensor import TpuTensor  # noqa: E402,F401
-from .backend.transfer import from_jax, to_jax  # noqa: E402,F401
+from ._platform import launch_process as _launch_process
 
 __version__ = "0.1.0"
 
+if _launch_process(_sys.orig_argv):
+    # The torchtpu-launch command and its host agents only start and watch the training processes:
+    # there `import torchtpu` (by torchtpu.launch and the modules it reads) starts neither JAX nor the
+    # backend, which would cost each such process about 2 CPU seconds.
 
-def cache_stats() -> dict:
-    """Executable cache counters.
+    def __getattr__(name: str):
+        raise AttributeError(
+            f"torchtpu.{name}: this process runs torchtpu-launch, which starts no tpu device; "
+            "use torchtpu in the training command it launches"
+        )
 
-    hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
-    xla_compiles: every XLA compilation in this process, eager or compiled programs (a program loaded
-    from the persistent cache counts too: JAX times the lookup and the compile as one event);
-    dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched;
-    compiled_step_*: torchtpu.compile steps traced, and of those, traced again because a guarded
-    value (argument shapes, an optimizer hyperparameter that is not lifted) changed.
-    """
-    from ._platform import XLA_COMPILES
-    from .backend import compile as _compile
+else:
+    from ._platform import configure_jax as _configure_jax
 
-    return dict(
-        _state.STATS.snapshot(), xla_compiles=XLA_COMPILES[0], **_dynamo.STATS.snapshot(), **_compile.STATS.snapshot()
-    )
+    _configure_jax()
 
+    import torch
 
-def reset_cache_stats() -> None:
-    from .backend import compile as _compile
+    from .backend import device as _device
+    from .backend import handlers as _handlers  # noqa: F401  (gives TpuTensor its dispatch)
+    from .backend import state as _state
+    from .backend import transfer as _transfer  # noqa: F401  (registers the copy and transfer ops)
+    from .backend.ops import load_all as _load_ops
 
-    _state.STATS.reset()
-    _dynamo.STATS.reset()
-    _compile.STATS.reset()
+    _device.register()
+    _load_ops()
 
+    # Run backward on the calling thread rather than on autograd's per-device worker threads:
+    # JAX tracing is thread-local (a compiled step traces backward too), and an exception raised
+    # by a lowering on a worker thread could abort the process instead of reaching the caller.
+    torch.autograd.set_multithreading_enabled(False)
 
-def set_debug(enabled: bool = True) -> None:
-    """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line."""
-    _state.CONFIG.debug = bool(enabled)
+    from . import distributed  # noqa: F401  (the sharding layer; registers torchtpu::shard)
+    from ._platform import cache_root, persistent_cache_stats, platform  # noqa: F401
+    from .backend import dynamo as _dynamo  # registers torch.compile backend "tpu"
+    from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
+    from .backend.compile import compile  # noqa: F401
+    from .backend.tensor import TpuTensor  # noqa: F401
+    from .backend.transfer import from_jax, to_jax  # noqa: F401
 
+    def cache_stats() -> dict:
+        """Executable cache counters.
 
-def set_cpu_fallback(enabled: bool = True) -> None:
-    """Run ops that have no XLA lowering on the CPU (warning once per op)."""
-    _state.CONFIG.cpu_fallback = bool(enabled)
+        hits/misses/calls: eager op executables (a miss traces and compiles a new signature);
+        xla_compiles: every XLA compilation in this process, eager or compiled programs (a program loaded
+        from the persistent cache counts too: JAX times the lookup and the compile as one event);
+        dynamo_*: torch.compile(backend="tpu") graphs compiled, recompiled, traced to XLA, launched;
+        compiled_step_*: torchtpu.compile steps traced, and of those, traced again because a guarded
+        value (argument shapes, an optimizer hyperparameter that is not lifted) changed.
+        """
+        from ._platform import XLA_COMPILES
+        from .backend import compile as _compile
+
+        return dict(
+            _state.STATS.snapshot(),
+            xla_compiles=XLA_COMPILES[0],
+            **_dynamo.STATS.snapshot(),
+            **_compile.STATS.snapshot(),
+        )
+
+    def reset_cache_stats() -> None:
+        from .backend import compile as _compile
+
+        _state.STATS.reset()
+        _dynamo.STATS.reset()
+        _compile.STATS.reset()
+
+    def set_debug(enabled: bool = True) -> None:
+        """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line."""
+        _state.CONFIG.debug = bool(enabled)
+
+    def set_cpu_fallback(enabled: bool = True) -> None:
+        """Run ops that have no XLA lowering on the CPU (warning once per op)."""
+        _state.CONFIG.cpu_fallback = bool(enabled)

@@ -13,6 +13,29 @@ import os
 _VALID = ("tpu", "gpu", "cpu")
 
 
+def launch_process(argv: list[str]) -> bool:
+    """Whether the interpreter's command line `argv` (sys.orig_argv) runs torchtpu-launch: the
+    `torchtpu-launch` command, `python -m torchtpu.launch` or a host's agent (`python -m
+    torchtpu.launch.agent`). Such a process only starts and watches other processes; `import torchtpu`
+    there starts neither JAX nor the backend (torchtpu/__init__.py)."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "--check-hash-based-pycs":  # the one long option of Python's that takes a value
+            next(args, None)
+        elif arg == "-" or not arg.startswith("-"):  # a script (a console script such as torchtpu-launch)
+            return os.path.basename(arg) == "torchtpu-launch"
+        elif not arg.startswith("--"):
+            for i, option in enumerate(arg[1:], 2):  # short options may share one argument: -um MODULE
+                if option in "cmWX":  # these take a value: the rest of the argument, else the next one
+                    value = arg[i:] or next(args, "")
+                    if option == "c":
+                        return False
+                    if option == "m":
+                        return value == "torchtpu.launch" or value.startswith("torchtpu.launch.")
+                    break
+    return False
+
+
 def has_tpu_chips() -> bool:
     return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
