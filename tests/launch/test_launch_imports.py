@@ -68,3 +68,31 @@ def test_launcher_and_agent_import_neither_torch_nor_jax():
 )
 def test_launch_process_is_told_by_the_command_line(argv, launches):
     assert launch_process(argv) is launches
+
+
+def test_agent_refuses_a_host_index_that_is_not_a_number_in_one_line():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchtpu.launch.agent",
+            "--nnodes",
+            "2",
+            "--host-index",
+            "x",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "--run-id",
+            "r",
+            "--",
+            "true",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "torchtpu-launch agent: --host-index 'x' is not a host number; pass --host-index N (0, 1, ...) or auto"
+    ], proc.stderr[-2000:]

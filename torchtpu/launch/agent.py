@@ -87,6 +87,10 @@ def _logs_specs(log_dir: str | None, host_index: int):
 def host_index(value: str, offset: int = 0) -> int:
     """The host's index from --host-index (a number, or auto: from the environment of a TPU VM / GKE pod)."""
     if value != "auto":
+        if not value.strip().isdigit():
+            raise SystemExit(
+                f"{PROG}: --host-index {value!r} is not a host number; pass --host-index N (0, 1, ...) or auto"
+            )
         return int(value)
     for key in ("TORCHTPU_HOST_INDEX", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX"):
         if os.environ.get(key, "").isdigit():
