@@ -72,6 +72,24 @@ def test_bf16_kernels_match_torch_cpu():
         torch.testing.assert_close(g.float(), w.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_padded_head_dims_match_torch_cpu():
+    """DeepSeek-V3's multi-head latent attention (q/k head dim 192, v 128): the kernels run on
+    operands zero-padded to 256, with the softmax scale of 192, and give PyTorch's output and
+    gradients."""
+    b, h, L, d, dv = 1, 2, 128, 192, 128
+    g = torch.Generator().manual_seed(13)
+    q, k = (torch.randn(b, h, L, d, generator=g) for _ in range(2))
+    v = torch.randn(b, h, L, dv, generator=g)
+    assert attention_tpu.unsupported_reason(q.shape, k.shape, v.shape, jnp.float32) is None
+    assert attention_tpu.padded_head_dim(d, dv) == 256
+    want = _run("cpu", q, k, v, is_causal=True)
+    with attention_tpu.interpret_kernels():
+        got = _run("tpu", q, k, v, is_causal=True)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4, msg=lambda s, name=name: f"{name}: {s}")
+
+
 def test_fully_masked_rows_give_zeros_and_no_gradient():
     """A query row with no key to attend to gives 0 (not the mean of v), as the blocked path
     does, and passes no gradient on."""
@@ -115,6 +133,12 @@ def test_lowering_uses_kernel_only_where_it_applies():
     assert _pallas_calls(fwd, odd, odd, odd) == 0
     small_head = jnp.zeros((1, 4, 256, 16), jnp.float32)
     assert _pallas_calls(fwd, small_head, small_head, small_head) == 0
+    # q/k head dim 192 and v 128 (multi-head latent attention): the kernel, at head dim 256
+    qk, v = jnp.zeros((1, 4, 128, 192), jnp.float32), jnp.zeros((1, 4, 128, 128), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(fwd)(qk, qk, v))
+    assert jaxpr.count("pallas_call") == 1 and "f32[1,4,128,256]" in jaxpr
+    assert jax.eval_shape(fwd, qk, qk, v)[0].shape == (1, 4, 128, 128)
+    assert attention_tpu.unsupported_reason((1, 4, 256, 512), (1, 4, 256, 512), (1, 4, 256, 512), jnp.float32)
     assert attention_tpu.unsupported_reason((1, 4, 200, 128), (1, 4, 200, 128), (1, 4, 200, 128), jnp.float32)
     assert attention_tpu.unsupported_reason((1, 4, 256, 128), (1, 4, 256, 128), (1, 4, 256, 128), jnp.float64)
 
@@ -176,23 +200,27 @@ def _topology_devices(name="v5p:2x2x1"):
     return topo.topology_devices(name)
 
 
-@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
-def test_declared_costs_reach_xla_cost_analysis(topology):
+@pytest.mark.parametrize(
+    "topology, d, dv", [("v5p:2x2x1", 128, 128), ("v6e:2x2", 128, 128), ("v5p:2x2x1", 192, 128)], ids=str
+)
+def test_declared_costs_reach_xla_cost_analysis(topology, d, dv):
     """Forward and both backward kernels compile for v5p and v6e chips and are counted by XLA's
-    TPU cost analysis."""
+    TPU cost analysis; q/k head dim 192 with v 128 compiles zero-padded to 256, costed so."""
     from torchtpu.distributed import topology as topo
 
     dev = _topology_devices(topology)[0]
-    b, h, L, d = 2, 4, 1024, 128
-    sds = jax.ShapeDtypeStruct((b, h, L, d), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
+    b, h, L = 2, 4, 1024
+
+    def sds(dim):
+        return jax.ShapeDtypeStruct((b, h, L, dim), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
 
     def step(q, k, v, g):
         out, lse = attention_tpu.attention_forward(q, k, v, causal=True, scale=0.1)
         return attention_tpu.attention_backward(g, q, k, v, out, lse, causal=True, scale=0.1)
 
-    compiled = topo.aot_compile(jax.jit(step).lower(sds, sds, sds, sds))
+    compiled = topo.aot_compile(jax.jit(step).lower(sds(d), sds(d), sds(dv), sds(dv)))
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
-    c = attention_tpu.kernel_costs(b, h, L, L, d, causal=True)
+    c = attention_tpu.kernel_costs(b, h, L, L, attention_tpu.padded_head_dim(d, dv), causal=True)
     declared = sum(x.flops for x in c.values())
     flops = compiled.cost_analysis()["flops"]
     assert declared <= flops <= 1.05 * declared, (flops, declared)

@@ -210,3 +210,28 @@ def test_costing_depths_keep_every_leading_dense_block():
     assert costing_depths(get_family("qwen3").model_args("30B-A3B")) == (2, 4)
     assert costing_depths(get_family("llama4").model_args("17bx16e")) == (2, 4)
     assert costing_depths(get_family("llama3").model_args("8B")) == (2, 4)
+
+
+def test_a_failed_costing_copy_without_a_whole_program_report_raises_its_error():
+    """When a costing copy cannot be built or compiled (DeepSeek-V3 671B's 7-layer copy runs out of
+    HBM), the dry run falls back on the whole program's figures; `bench.step_estimate`, which has
+    none, gets the costing copy's own error."""
+    from types import SimpleNamespace
+
+    from torchtpu.models.registry import get_family
+    from torchtpu.train.dry_run.estimate import step_estimate
+
+    class ShallowCopyFails:  # a trainer whose shallower copies cannot be built
+        model_args = get_family("deepseek_v3").model_args("16B")
+        cfg = SimpleNamespace(tpu=SimpleNamespace(scan_layers=False))
+
+        def __init__(self, cfg=None, n_layers=None):
+            if n_layers is not None:
+                raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        step_estimate(ShallowCopyFails(), {})
+    whole = {"flops_per_device": 1e14, "bytes_accessed_per_device": 1e11, "estimated_step_seconds": 2.0}
+    est = step_estimate(ShallowCopyFails(), {**whole, "while_loops": [{"name": "while.1"}]})
+    assert est["flops_per_device"] == 1e14 and est["estimated_step_seconds"] is None
+    assert "depth extrapolation failed: RuntimeError: RESOURCE_EXHAUSTED" in est["method"]

@@ -21,9 +21,17 @@ output matmuls over the blocks it actually visits (a causal kernel skips the blo
 diagonal), its exponentials and the bytes it reads and writes. The library's backward kernels
 declare none, so their cost is attached here; XLA's cost analysis then counts all three.
 
+Head dims: the kernels take one head dim for q, k and v, of 64, 128 or 256 (a dim above 128
+must be a multiple of 128). Other head dims from 64 to 256, and a value head dim that differs
+from the query/key one (DeepSeek-V3's multi-head latent attention: 192 and 128), run the kernels
+on zero-padded operands: q and k padded to the next of those sizes leave q.k unchanged (the
+softmax scale stays the one of the original head dim, the kernels' sm_scale), v padded to the
+same size gives extra output columns that are sliced off, and the gradients' padding columns are
+sliced away. The declared costs are the padded work (`padded_head_dim`).
+
 Where the kernel cannot apply (see `unsupported_reason`), nn.py keeps the blocked path:
-sequence lengths that are not multiples of 128, head dims of other sizes, dtypes other than
-float32/bfloat16, different q/k and v head dims, and dropout.
+sequence lengths that are not multiples of 128, query/key head dims below 64 or any head dim
+above 256, dtypes other than float32/bfloat16, and dropout.
 
 Sharding: a Pallas kernel is a custom call that XLA's partitioner cannot split, so inside a
 program over a device mesh the kernel runs per shard under `jax.shard_map`: batch over the
@@ -54,6 +62,7 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "kernel_costs",
+    "padded_head_dim",
     "interpret_kernels",
     "interpreting",
     "MASK_VALUE",
@@ -87,15 +96,28 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype) -> str | None:
     if jnp.dtype(dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(dtype)} (the kernel takes float32 or bfloat16)"
     (b, h, L, d), (bk, hk, S, dk), (bv, hv, Sv, dv) = q_shape, k_shape, v_shape
-    if not (b == bk == bv and hk == hv and S == Sv and d == dk == dv):
-        return f"q {q_shape}, k {k_shape}, v {v_shape} differ in batch, kv heads, kv length or head dim"
+    if not (b == bk == bv and hk == hv and S == Sv and d == dk):
+        return f"q {q_shape}, k {k_shape}, v {v_shape} differ in batch, kv heads, kv length or q/k head dim"
     if hk == 0 or h % hk:
         return f"{h} query heads are not a multiple of {hk} key/value heads"
     if L % _LANES or S % _LANES or L == 0 or S == 0:
         return f"sequence lengths {L}, {S} are not multiples of {_LANES}"
-    if d not in _HEAD_DIMS:
-        return f"head dim {d} (the kernel is used for {_HEAD_DIMS})"
+    if d < _HEAD_DIMS[0] or max(d, dv) > _HEAD_DIMS[-1] or dv == 0:
+        return (
+            f"q/k head dim {d}, v head dim {dv} (the kernel is used for q/k head dims from {_HEAD_DIMS[0]} and"
+            f" head dims up to {_HEAD_DIMS[-1]}, zero-padded to {_HEAD_DIMS})"
+        )
     return None
+
+
+def padded_head_dim(qk_dim: int, v_dim: int) -> int:
+    """The head dim the kernels run q, k and v at: the smallest of 64/128/256 that holds both."""
+    return next(p for p in _HEAD_DIMS if p >= max(qk_dim, v_dim))
+
+
+def _pad_last(x, size):
+    extra = size - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def _block(n: int) -> int:
@@ -146,7 +168,8 @@ def kernel_costs(
     FLOPs are 2*M*N*K per matmul over the visited blocks: forward s = qk^T and o = pv (2);
     dK/dV kernel s, dv += p^T do, dp = do v^T, dk += ds^T q (4); dQ kernel s, dp, dq += ds k (3).
     Transcendentals are the exp of each visited score (once per kernel). Bytes are each
-    kernel's inputs and outputs, once."""
+    kernel's inputs and outputs, once. `head_dim` is the one the kernels run at
+    (`padded_head_dim` of the q/k and v head dims): zero-padded columns are computed too."""
     from jax.experimental import pallas as pl
 
     bs = _block_sizes(q_len, kv_len)
@@ -296,8 +319,9 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
     """Attention of q (B, H, L, D) over k, v (B, Hkv, S, D) with Pallas kernels: (out, lse),
     lse (B, H, L) float32 (-inf for rows with no key). `mask`: boolean (True = attend) or
     additive float, broadcastable to (B, H, L, S)."""
-    B, H, L, _ = q.shape
-    S = k.shape[2]
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    Dp = padded_head_dim(D, Dv)
     interpret = interpreting()
     k, v, _ = _repeat_heads(k, v, H)
     bs = _block_sizes(L, S)
@@ -307,12 +331,11 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
         alive = _rows_alive(keep, causal)
     split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
-    costs = kernel_costs(
-        b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None
-    )
+    costs = kernel_costs(b_loc, h_loc, L, S, Dp, causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None)
 
     def kernel(q, k, v, *rest):
         bias = rest[0] if rest else None
+        q, k, v = (_pad_last(x, Dp) for x in (q, k, v))
 
         def impl(q, k, v, bias):
             return _fa._flash_attention_impl(
@@ -321,7 +344,7 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
 
         with jax.enable_x64(False):  # Mosaic index maps are 32-bit
             o, l, m = bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
-        return o, m + jnp.log(l)
+        return o[..., :Dv], m + jnp.log(l)
 
     operands = (q, k, v) + ((bias,) if bias is not None else ())
     out, lse = _per_shard(kernel, split, [4] * len(operands), [4, 3])(*operands)
@@ -333,8 +356,9 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
 
 def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, scale: float):
     """Gradients (dq, dk, dv) of `attention_forward`, from its output and log-sum-exp."""
-    B, H, L, _ = q.shape
-    S, Hkv = k.shape[2], k.shape[1]
+    B, H, L, D = q.shape
+    S, Hkv, Dv = k.shape[2], k.shape[1], v.shape[-1]
+    Dp = padded_head_dim(D, Dv)
     interpret = interpreting()
     k_full, v_full, rep = _repeat_heads(k, v, H)
     bs = _block_sizes(L, S)
@@ -350,12 +374,11 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     di = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
     split = _split_for(B, H, q, k, v)
     b_loc, h_loc = _local(B, H, split)
-    costs = kernel_costs(
-        b_loc, h_loc, L, S, q.shape[-1], causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None
-    )
+    costs = kernel_costs(b_loc, h_loc, L, S, Dp, causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None)
 
     def kernels(q, k, v, g, m, di, *rest):
         bias = rest[0] if rest else None
+        q, k, v, g = (_pad_last(x, Dp) for x in (q, k, v, g))
         ones = jnp.ones_like(m)
         # what both backward kernels take besides their operands and block sizes
         options = dict(sm_scale=scale, causal=causal, mask_value=MASK_VALUE)
@@ -384,7 +407,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
             args = (q, k, v, bias, m, g, di)
             dk, dv = bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
             (dq_,) = bind_pallas(lambda *a: (dq(*a),), args, [costs["backward_dq"]], interpret)
-        return dq_, dk, dv
+        return dq_[..., :D], dk[..., :D], dv[..., :Dv]  # the padding's gradients are dropped
 
     operands = (q, k_full, v_full, g, m, di) + ((bias,) if bias is not None else ())
     ndims = [4, 4, 4, 4, 3, 3] + ([4] if bias is not None else [])

@@ -796,8 +796,9 @@ def _fused_backward(grad_out, query, key, value, mask, is_causal, scale):
 
 # On TPU the fused attention runs JAX's Pallas flash-attention kernels (attention_tpu.py);
 # the blocked path above stays for every other platform and for what the kernels do not take
-# (attention_tpu.unsupported_reason: sequence lengths off multiples of 128, other head dims
-# or dtypes). `jax.lax.platform_dependent` makes the choice when the program is lowered, for
+# (attention_tpu.unsupported_reason: sequence lengths off multiples of 128, query/key head dims
+# below 64 or head dims above 256, other dtypes; head dims between are zero-padded to the
+# kernels' sizes there). `jax.lax.platform_dependent` makes the choice when the program is lowered, for
 # the platform it is compiled for (TPU topology devices included), so tracing needs no device.
 
 

@@ -215,6 +215,8 @@ def step_estimate(trainer, report: dict) -> dict:
             est["method"] += f" (costing programs' figures from the dry-run cache: {', '.join(cached)})"
         return est
     except Exception as e:  # noqa: BLE001  (a model that cannot be built shallower: say so, use the whole program)
+        if "flops_per_device" not in report:  # no whole-program figures to fall back on (bench.step_estimate)
+            raise
         method = "XLA cost model on the whole program"
         if loops:
             method += (
