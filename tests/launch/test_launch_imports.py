@@ -26,18 +26,8 @@ def _imported(*argv: str) -> set[str]:
 
 def test_launcher_and_agent_import_neither_torch_nor_jax():
     launcher = _imported(
-        "-m",
-        "torchtpu.launch",
-        "local",
-        "--num-hosts",
-        "2",
-        "--devices-per-host",
-        "4",
-        "--dry-run",
-        "--",
-        "torchtpu-train",
-        "--config",
-        "train_configs/debug_model.toml",
+        *"-m torchtpu.launch local --num-hosts 2 --devices-per-host 4 --dry-run --".split(),
+        *"torchtpu-train --config train_configs/debug_model.toml".split(),
     )
     agent = _imported("-m", "torchtpu.launch.agent", "--help")
     # the reports hold what the processes read: the launcher the training configuration, the agent the exit codes
