@@ -227,14 +227,14 @@ def test_megablox_kernels_per_shard_in_a_sharded_program():
     _assert_grouped(*got, want, ends[-1], rtol=1e-2, atol=1e-2)
 
 
-def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
-    """torchtitan's Qwen3 MoE (1 layer, 8 experts, top-2, bfloat16 experts) trained one step under
-    FSDP over v5p:2x2x1, compiled ahead of time for TPU: the experts run megablox's gmm (forward and
-    input gradient, three each) and tgmm (weight gradients, three) per shard, with no ragged dot and
-    no dense masked product over all experts x routed rows; XLA's cost model gives the program a
-    time (no scatter-add of scalars, no 64-bit gather indices)."""
+_TINY_MOE = {"experts": 8, "top_k": 2, "dim": 256, "hidden": 256, "batch": 4, "seq": 256}
+
+
+def _tiny_moe_step_for_v5p(ep: int = 1):
+    """(compiled step, its compile report, the optimized HLO) of torchtitan's Qwen3 MoE (1 layer, 8
+    experts, top-2, bfloat16 experts) trained one step under FSDP over v5p:2x2x1, compiled ahead of
+    time for TPU; with `ep` > 1 the experts are split over `ep` expert-parallel ranks."""
     import dataclasses
-    import re
 
     import pytest
     import torch.nn.functional as F
@@ -242,26 +242,29 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
     from torchtpu.distributed import empty, init_device_mesh, materialize
     from torchtpu.distributed import topology as topo
     from torchtpu.distributed.batch import batch_placements
+    from torchtpu.distributed.mesh import expert_parallel_mesh
     from torchtpu.models.registry import get_family
 
     if not topo.libtpu_available():
         pytest.skip("libtpu is not installed (pip install 'torchtpu[tpu]')")
     mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=topo.topology_devices("v5p:2x2x1"))
+    if ep > 1:
+        mesh = expert_parallel_mesh(mesh, ep)
+    t = _TINY_MOE
     family = get_family("qwen3")
     base = family.model_args("debugmodel_moe")
-    experts, top_k, dim, hidden, batch, seq = 8, 2, 256, 256, 4, 256
     args = dataclasses.replace(
         base,
-        dim=dim,
+        dim=t["dim"],
         n_layers=1,
         n_heads=2,
         n_kv_heads=1,
         head_dim=128,
         hidden_dim=512,
-        moe_inter_dim=hidden,
+        moe_inter_dim=t["hidden"],
         vocab_size=512,
-        max_seq_len=seq,
-        moe_args=dataclasses.replace(base.moe_args, num_experts=experts, top_k=top_k),
+        max_seq_len=t["seq"],
+        moe_args=dataclasses.replace(base.moe_args, num_experts=t["experts"], top_k=t["top_k"]),
     )
     with torch.device("meta"):
         model = family.build_model(args)
@@ -286,14 +289,25 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    ids = [empty((batch, seq), torch.int32, mesh=mesh, placements=batch_placements(mesh)) for _ in range(2)]
+    ids = [empty((t["batch"], t["seq"]), torch.int32, mesh=mesh, placements=batch_placements(mesh)) for _ in range(2)]
     compiled = torchtpu.compile(step).compile_for(*ids)
-    hlo = compiled.as_text()
+    return compiled, topo.compile_report(compiled, mesh.jax_mesh), compiled.as_text()
+
+
+def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
+    """The tiny MoE step under FSDP over v5p:2x2x1 (`_tiny_moe_step_for_v5p`): the experts run
+    megablox's gmm (forward and input gradient, three each) and tgmm (weight gradients, three) per
+    shard, with no ragged dot and no dense masked product over all experts x routed rows; XLA's
+    cost model gives the program a time (no scatter-add of scalars, no 64-bit gather indices)."""
+    import re
+
+    _, report, hlo = _tiny_moe_step_for_v5p()
+    experts, dim, hidden = _TINY_MOE["experts"], _TINY_MOE["dim"], _TINY_MOE["hidden"]
     kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     gmm = [k for k in kernels if "jit(gmm)/pallas_call" in k]
     tgmm = [k for k in kernels if "jit(tgmm)/pallas_call" in k]
     assert len(gmm) == 6 and len(tgmm) == 3, (len(gmm), len(tgmm))
-    rows = batch * seq * top_k // 4  # routed rows per shard
+    rows = _TINY_MOE["batch"] * _TINY_MOE["seq"] * _TINY_MOE["top_k"] // 4  # routed rows per shard
     assert all(f"[{rows}," in k.split(" custom-call(")[0] for k in gmm), gmm
     assert all(
         f"[{experts},{dim},{hidden}]" in k.split(" custom-call(")[0]
@@ -301,7 +315,6 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
         for k in tgmm
     )
     assert "ragged-dot" not in hlo and "ragged_dot" not in hlo
-    report = topo.compile_report(compiled, mesh.jax_mesh)
     # no masked dense product: nothing in the program spans all experts x all routed rows
     assert not re.search(rf"\[{experts},{rows * 4}[,\]]|\[{experts},{rows}[,\]]", hlo)
     # each chip dispatches its own routed rows (models.moe.use_local_dispatch): no collective
@@ -310,6 +323,19 @@ def test_tpu_moe_step_runs_megablox_kernels_and_is_costed():
     assert not re.search(rf"= \w+\[{rows * 4},{dim}\]\S* (all-gather|all-reduce)(-start)?\(", hlo)
     assert report["estimated_step_seconds"], report
     assert not any(report["wide_types"].values()), report["wide_types"]
+
+
+def test_tpu_expert_parallel_moe_step_is_costed():
+    """The tiny MoE step with its 8 experts split over 2 expert-parallel ranks
+    (`[parallelism] expert_parallel_degree = 2`): the routed rows travel by all-to-all, the experts
+    run megablox's gmm on each rank's 4 experts, and XLA's cost model gives the program a time
+    (the dispatch counts rows per rank and per expert with compares and sums: a scatter-add of
+    scalars would leave the dry run without a step-time estimate for every expert-parallel job)."""
+    _, report, hlo = _tiny_moe_step_for_v5p(ep=2)
+    assert report["collectives"]["all-to-all"] > 0, report["collectives"]
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert any("jit(gmm)/pallas_call" in k for k in kernels)
+    assert report["estimated_step_seconds"], report
 
 
 def test_router_gather_gradient_and_short_scatter_add_match_cpu():

@@ -159,7 +159,7 @@ class _Plan:
         order = jnp.argsort(ids, stable=True)
         sorted_ids = ids[order]
         dest = sorted_ids // per_rank
-        sent = jax.ops.segment_sum(jnp.ones_like(dest), dest, num_segments=n_ep)
+        sent = _counts(dest, n_ep)
         slot = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sent) - sent)[dest]
         bucket = jnp.zeros((n_ep, n, width), rows.dtype).at[dest, slot].set(rows[order], unique_indices=True)
         bucket_ids = jnp.full((n_ep, n), per_rank, jnp.int32)
@@ -169,7 +169,7 @@ class _Plan:
         got_ids = lax.all_to_all(bucket_ids, self.ep, 0, 0, tiled=True).reshape(n_ep * n)
         # 3. group by local expert (padding last) and run the experts
         group = jnp.argsort(got_ids, stable=True)
-        tokens_per_expert = jax.ops.segment_sum(jnp.ones_like(got_ids), got_ids, num_segments=per_rank)
+        tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
         done = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
         # 4. back to the bucket layout, back to the sending chips, back to the original order
         back = jnp.zeros_like(done).at[group].set(done, unique_indices=True).reshape(n_ep, n, width)
