@@ -24,7 +24,8 @@ import torchtpu  # noqa: E402,F401
 # unittest.TestCase by walking inspect.stack(), which reads the source line of every frame: about
 # 40 ms a call under pytest's deep stacks, several calls per OpInfo. No TestCase runs the samples
 # here, so the walk always returns None: return it without the walk.
-_opinfo_core.extract_test_fn = _common_utils.extract_test_fn = lambda: None
+for _module in (_opinfo_core, _common_utils):
+    setattr(_module, "extract_test_fn", lambda: None)
 
 MAX_SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_MAX_SAMPLES", "12"))
 ATOL = 1e-4
