@@ -9,9 +9,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 
 
-def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1):
+def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1, log_freq=None, warmup_steps=None):
     """torchtpu-train arguments: the debug model for `steps` steps of `local_batch_size`
-    sequences of `seq_len` tokens, writing everything under `dump`; then `extra`."""
+    sequences of `seq_len` tokens, writing everything under `dump`, metrics every `log_freq` steps
+    and `warmup_steps` of learning-rate warm-up when given; then `extra`."""
+    given = {"--metrics.log_freq": log_freq, "--lr_scheduler.warmup_steps": warmup_steps}
     return [
         "--config",
         DEBUG_TOML,
@@ -23,6 +25,7 @@ def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1):
         str(local_batch_size),
         "--training.steps",
         str(steps),
+        *(a for key, value in given.items() if value is not None for a in (key, str(value))),
         *extra,
     ]
 

@@ -361,8 +361,6 @@ def _train_argv(dump, steps, *extra):
     return debug_argv(
         dump,
         steps,
-        "--metrics.log_freq",
-        "1",
         "--validation.no-enable",
         "--checkpoint.enable",
         "--checkpoint.interval",
@@ -371,6 +369,7 @@ def _train_argv(dump, steps, *extra):
         "0",
         "--checkpoint.no-last_save_model_only",
         *extra,
+        log_freq=1,
     )
 
 

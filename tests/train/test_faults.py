@@ -30,17 +30,15 @@ def _cmd(dump, data=None):
     argv = debug_argv(
         dump,
         STEPS,
-        "--metrics.log_freq",
-        "1",
         "--validation.no-enable",
-        "--lr_scheduler.warmup_steps",
-        "2",
         "--checkpoint.enable",
         "--checkpoint.interval",
         "2",
         "--checkpoint.keep_latest_k",
         "0",
         *extra,
+        log_freq=1,
+        warmup_steps=2,
     )
     return [sys.executable, "-m", "torchtpu.train", *argv]
 

@@ -26,17 +26,7 @@ SEQ, STEPS = 32, 3
 
 def argv(dump, *extra):
     # no held-out evaluation (the debug config's [validation] runs at step 1): these jobs are about weights
-    return debug_argv(
-        dump,
-        STEPS,
-        "--metrics.log_freq",
-        "1",
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--validation.no-enable",
-        *extra,
-        seq_len=SEQ,
-    )
+    return debug_argv(dump, STEPS, "--validation.no-enable", *extra, seq_len=SEQ, log_freq=1, warmup_steps=2)
 
 
 # the trainer sets the process's current device mesh

@@ -34,17 +34,7 @@ N_LAYERS = 2
 
 
 def small_argv(dump, *extra):
-    return debug_argv(
-        dump,
-        STEPS,
-        "--metrics.log_freq",
-        "1",
-        "--lr_scheduler.warmup_steps",
-        "3",
-        *extra,
-        seq_len=SEQ,
-        local_batch_size=LBS,
-    )
+    return debug_argv(dump, STEPS, *extra, seq_len=SEQ, local_batch_size=LBS, log_freq=1, warmup_steps=3)
 
 
 # the trainer sets the process's current device mesh

@@ -34,10 +34,6 @@ def argv(dump, *extra):
     return debug_argv(
         dump,
         8,
-        "--metrics.log_freq",
-        "4",
-        "--lr_scheduler.warmup_steps",
-        "2",
         "--validation.seq_len",
         "32",
         "--validation.local_batch_size",
@@ -45,6 +41,8 @@ def argv(dump, *extra):
         "--validation.freq",
         "4",
         *extra,
+        log_freq=4,
+        warmup_steps=2,
     )
 
 
