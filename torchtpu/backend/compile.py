@@ -279,10 +279,9 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
-            if self.warmup == "eager":
-                with BUILDS.building():
-                    return self._warmup(args, kwargs, flat)
             with BUILDS.building():
+                if self.warmup == "eager":
+                    return self._warmup(args, kwargs, flat)
                 self._abstract_warmup(args, kwargs, flat)
         while True:
             inputs = self._call_inputs()
