@@ -565,6 +565,32 @@ def test_configuration_error_is_not_retried(tmp_path):
     assert re.search(r"job failed: host \d exit status 2 \(configuration or usage error\)", text), text
 
 
+@pytest.mark.parametrize(
+    ("abort_at", "exit_42_at", "status"),
+    [
+        # host 0 exits 42 and JAX aborts host 1 at once: whichever agent reports first, the job is retriable
+        (0.0, 1.5, 42),
+        (1.5, 0.0, 42),
+        # host 1 aborts on its own, host 0's watchdog ends it long after: the abort is the cause
+        (0.0, 8.0, 1),
+    ],
+    ids=["abort-seen-first", "42-seen-first", "abort-long-before"],
+)
+def test_an_abort_beside_a_42_is_classified_by_when_it_came(tmp_path, abort_at, exit_42_at, status):
+    code = (
+        "import os, sys, time; r = os.environ['RANK']; "
+        f"time.sleep(2 + ({exit_42_at} if r == '0' else {abort_at})); "
+        "sys.exit(42) if r == '0' else os.abort()"
+    )
+    job = _program(tmp_path, "abort", code, "--grace-seconds", "30")
+    try:
+        assert job.wait(120) == status, job.text()[-3000:]
+    finally:
+        job.close()
+    cause = "host 0 exit status 42" if status == 42 else "host 1 killed by signal 6 (SIGABRT)"
+    assert f"job failed: {cause}" in job.text(), job.text()[-3000:]
+
+
 def test_init_timeout_bounds_the_wait_for_missing_hosts(tmp_path):
     """[comm] init_timeout_seconds is jax.distributed's join timeout: process 0 of a 2-process job whose
     peer never comes gives up after it, not after the 300 s default."""

@@ -139,6 +139,9 @@ def resolve_command(cmd: list[str]) -> list[str]:
     return list(cmd)
 
 
+_JOINED = [False]  # whether this agent has joined a rendezvous round
+
+
 def _use_torchtpu_agent() -> None:
     """Two additions to torchelastic's LocalElasticAgent, which its launcher builds for this process:
 
@@ -159,6 +162,7 @@ def _use_torchtpu_agent() -> None:
         def _rendezvous(self, worker_group):
             super()._rendezvous(worker_group)
             self._rounds += 1
+            _JOINED[0] = True
             os.environ[ATTEMPT_ENV] = str(self._rounds)  # inherited by the workers started next
 
         def _monitor_workers(self, worker_group):
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     host = host_index(args.host_index, args.host_offset)
@@ -276,6 +281,21 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{PROG}: host {host}: stopped by {e.sigval.name}; the training process was asked to checkpoint "
             f"and exit; exit status {EXIT_RETRIABLE} (retriable)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_RETRIABLE
+    except RendezvousConnectionError:
+        endpoint = config.rdzv_endpoint
+        if not _JOINED[0]:
+            print(f"{PROG}: host {host}: cannot reach the rendezvous at {endpoint}", file=sys.stderr, flush=True)
+            return EXIT_FAILURE
+        # Host 0's agent serves the store and leaves when its training process has ended (no restarts
+        # left): the job is over, decided there. This host's process was stopped by torchelastic; its
+        # status must not read as a failure of its own, which would end a JobSet that host 0's 42 restarts.
+        print(
+            f"{PROG}: host {host}: the rendezvous at {endpoint} has gone (host 0's agent ended, or the network to "
+            f"it failed); the training process was stopped; exit status {EXIT_RETRIABLE} (retriable)",
             file=sys.stderr,
             flush=True,
         )

@@ -200,17 +200,16 @@ def run_local(
                 )
             )
         first_failure = None  # (host, status)
-        failures = []  # (host, status, poll) of hosts that ended on their own with a failure, in the order seen
+        failures = []  # (host, status, time seen) of hosts that ended on their own with a failure, in order
         killed = set()  # hosts this launcher killed after the grace period
         deadline = None
-        polls = 0
         while True:
-            polls += 1
             _reap_orphans_only(agents)
             codes = [a.poll() for a in agents]
+            seen = time.monotonic()
             for i, c in enumerate(codes):
                 if c not in (None, 0) and i not in killed and all(h != i for h, _, _ in failures):
-                    failures.append((i, c, polls))
+                    failures.append((i, c, seen))
                 if c not in (None, 0) and first_failure is None:
                     first_failure = (i, c)
                     if stop["signal"] is None:
@@ -270,22 +269,31 @@ def run_local(
 
 
 _ABORTED = 128 + signal.SIGABRT  # an agent's status for a training process that died of SIGABRT
+# JAX's coordination service aborts the surviving processes within about a second of a peer's exit, and
+# each agent notices its process's end up to one monitor interval late, so a SIGABRT and an exit 42 seen
+# this close together are one event seen twice.
+_CONSEQUENCE_WINDOW_S = 5.0
 
 
-def _cause(failures: list[tuple[int, int, int]]) -> tuple[int, int]:
-    """The host whose failure ended the job. The hosts that notice a dead peer (a collective fails) exit
-    42, and one of them may end before the dead host's agent does, so a host that died otherwise (a
-    signal, exit 1 or 2) is the cause ahead of any 42; among equals, the first seen. One exception: a
-    SIGABRT seen no earlier than a 42 is a consequence, not a cause: when process 0 exits (its step
-    watchdog's 42), JAX's coordination service, which it hosts, aborts every other process."""
-    first_42 = min((p for _, c, p in failures if c == EXIT_RETRIABLE), default=None)
+def _cause(failures: list[tuple[int, int, float]]) -> tuple[int, int]:
+    """The (host, status) whose failure ended the job, from (host, status, time seen) in the order seen.
+    The hosts that notice a dead peer (a collective fails) exit 42, and one of them may end before the
+    dead host's agent does, so a host that died otherwise (a signal, exit 1 or 2) is the cause ahead of
+    any 42; among equals, the first seen. One exception: a SIGABRT seen within a few seconds of a 42, on
+    either side, is a consequence, not a cause: when a process exits (its step watchdog's 42), JAX's
+    coordination service aborts every other process at once, and which agent reports first is chance. A
+    process that aborts on its own is seen long before its stalled peers' watchdogs end them with 42."""
+    retriable = [t for _, c, t in failures if c == EXIT_RETRIABLE]
 
-    def is_cause(c, p):
+    def is_cause(c, t):
+        if c == EXIT_RETRIABLE:
+            return False
         aborted = c in (_ABORTED, -signal.SIGABRT)
-        return c != EXIT_RETRIABLE and not (aborted and first_42 is not None and p >= first_42)
+        return not (aborted and any(abs(t - r) <= _CONSEQUENCE_WINDOW_S for r in retriable))
 
-    h, c, _ = next((f for f in failures if is_cause(f[1], f[2])), failures[0])
-    return h, c
+    causes = [f for f in failures if is_cause(f[1], f[2])]
+    firsts = causes or [f for f in failures if f[1] == EXIT_RETRIABLE] or failures
+    return firsts[0][0], firsts[0][1]
 
 
 def _reap_orphans_only(agents: list[subprocess.Popen]) -> None:
