@@ -319,7 +319,11 @@ def test_trained_export_loads_in_transformers_with_torchtpus_logits(round_trip):
     print(
         f"{case}: losses {round_trip['losses']}; export vs torchtpu logits {diff:.2e}; training moved them {moved:.2e}"
     )
-    assert moved > 100 * diff  # the export holds the trained weights, not the loaded ones
+    # the export holds the trained weights, not the loaded ones: an export of the loaded weights would
+    # put `diff` at `moved` (up to rounding); it is within rounding of the trained logits instead. The
+    # MoE cases' rounding is the experts' bfloat16 (diff ~1e-2 on moved ~1, 93x on one machine, above
+    # 100x on another), so the margin asked is 10x, which an export of the loaded weights cannot meet
+    assert moved > 10 * diff
     assert diff <= TOL[case] * ref.abs().max().item()
     # every tensor transformers holds came from the file (none left at its initial values)
     from safetensors import safe_open
