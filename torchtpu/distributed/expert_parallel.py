@@ -190,16 +190,29 @@ def _counts(ids, groups: int):
 
 
 class _ExpertParallel(torch.autograd.Function):
+    """The dispatch as one autograd node. Its backward is the shard_map's `jax.vjp`, whose residuals
+    (the sorted rows, the experts' intermediates, ...) are saved as tpu tensors with
+    `ctx.save_for_backward`, not kept inside the vjp closure: PyTorch's saved-tensor hooks then see
+    them, so non-reentrant activation checkpointing drops them after the forward and recomputes
+    them in backward, as it does every other op's; the backward rebuilds the vjp from them."""
+
     @staticmethod
     def forward(ctx, f, expert_ids, rows, *weights):
         ids = array_of(expert_ids)
         arrays = [array_of(rows)] + [array_of(w) for w in weights]
         if not any(ctx.needs_input_grad[2:]):  # no gradient wanted (evaluation): no residuals kept
             return new_base(f(ids, *arrays), 0, rows.dtype)
-        out, ctx.vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), *arrays)
+        out, vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), *arrays)
+        leaves, ctx.treedef = jax.tree_util.tree_flatten(vjp)
+        ctx.saved = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.core.Tracer))]
+        ctx.others = {i: leaf for i, leaf in enumerate(leaves) if i not in set(ctx.saved)}
+        ctx.save_for_backward(*(new_base(leaves[i], 0) for i in ctx.saved))
         return new_base(out, 0, rows.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        grads = ctx.vjp(array_of(grad))
+        leaves = dict(ctx.others)
+        leaves.update(zip(ctx.saved, (array_of(t) for t in ctx.saved_tensors)))
+        vjp = jax.tree_util.tree_unflatten(ctx.treedef, [leaves[i] for i in range(len(leaves))])
+        grads = vjp(array_of(grad))
         return (None, None) + tuple(new_base(g, 0) for g in grads)
