@@ -194,6 +194,33 @@ def test_megablox_forward_differentiated_by_jax_gives_pytorch_gradients():
     _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_ENDS[-1], rtol=1e-2, atol=1e-2)
 
 
+def test_megablox_forward_with_every_row_grouped_skips_no_row():
+    """Under `every_row_grouped` (the dispatch without expert parallelism, where the groups cover
+    every row) the kernels' output and gradients, unmasked, are PyTorch's CPU kernel's."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
+
+    ends = [40, 40, 200, MB_M]
+    torch.manual_seed(6)
+    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(ends), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
+    want = _pytorch_grouped_mm_and_grads(x, w, ends, grad)
+    as_jax = lambda t: jnp.asarray(t.float().numpy(), jnp.bfloat16)  # noqa: E731
+    with attention_tpu.interpret_kernels(), grouped_mm_tpu.every_row_grouped():
+        out, vjp = jax.vjp(
+            lambda a, b: grouped_mm_tpu.forward_gmm(
+                a, jnp.swapaxes(b, 1, 2), jnp.asarray(ends, jnp.int32), jnp.bfloat16
+            ),
+            as_jax(x),
+            as_jax(w),
+        )
+        gx, gw = vjp(as_jax(grad))
+    to_torch = lambda a: torch.from_numpy(jax.device_get(a.astype(jnp.float32)).copy()).to("tpu")  # noqa: E731
+    _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_M, rtol=1e-2, atol=1e-2)
+
+
 def test_megablox_kernels_per_shard_in_a_sharded_program():
     """In a compiled program over 4 CPU devices the kernels run per shard of the routed rows
     (group boundaries cross shards; each shard counts its own rows of each group, the weight

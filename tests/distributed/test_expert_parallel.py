@@ -32,38 +32,46 @@ def _experts(weights, x, tokens_per_expert):
     return torch.tanh(torch.einsum("rd,rhd->rh", x, w[group])) * inside
 
 
-def _case():
+def _case(k):
     g = torch.Generator().manual_seed(3)
-    rows = torch.randn(ROWS, DIM, generator=g)
+    x = torch.randn(ROWS // k, DIM, generator=g)
     ids = torch.randint(0, E, (ROWS,), generator=g)
     w = torch.randn(E, DIM, DIM, generator=g)
-    grad = torch.randn(ROWS, DIM, generator=g)
-    return rows, ids, w, grad
+    scores = torch.rand(ROWS // k, k, generator=g)
+    grad = torch.randn(ROWS // k if k > 1 else ROWS, DIM, generator=g)
+    return x, ids, w, scores, grad
 
 
-def _cpu_oracle(rows, ids, w, grad):
-    rows, w = rows.clone().requires_grad_(), w.clone().requires_grad_()
+def _cpu_oracle(x, ids, w, scores, grad, k):
+    """Row t*k + j is token t through expert ids[t*k + j]; with k > 1 the rows weighted by the
+    scores and summed per token. The output and the gradients of x, w (and scores)."""
+    x, w, scores = (t.clone().requires_grad_() for t in (x, w, scores))
+    rows = x.repeat_interleave(k, 0)
     out = torch.tanh(torch.einsum("rd,rhd->rh", rows, w[ids]))
+    if k > 1:
+        out = (out.reshape(-1, k, DIM) * scores[:, :, None]).sum(1)
     out.backward(grad)
-    return out.detach(), rows.grad, w.grad
+    return [out.detach(), x.grad, w.grad] + ([scores.grad] if k > 1 else [])
 
 
+@pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_dispatch_residuals_are_saved_tensors_and_gradients_are_pytorchs(ep):
-    """With an "ep" dim of 2 ranks (all-to-alls) and without (`dim=None`, each chip its own rows):
-    the forward packs its residuals through `saved_tensors_hooks` (here moved to the host and back,
-    so the backward can only have them from the hooks), and under non-reentrant checkpointing the
-    output and both gradients equal PyTorch's CPU computation."""
-    rows, ids, w, grad = _case()
-    want = _cpu_oracle(rows, ids, w, grad)
+def test_dispatch_residuals_are_saved_tensors_and_gradients_are_pytorchs(ep, k):
+    """With an "ep" dim of 2 ranks (all-to-alls) and without (`dim=None`, each chip its own rows),
+    one output per row (k = 1) and each token's k = 2 outputs combined by its scores: the forward
+    packs its residuals through `saved_tensors_hooks` (here moved to the host and back, so the
+    backward can only have them from the hooks), and with them and under non-reentrant
+    checkpointing the output and the gradients equal PyTorch's CPU computation."""
+    x, ids, w, scores, grad = _case(k)
+    want = _cpu_oracle(x, ids, w, scores, grad, k)
     mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=jax.devices("cpu")[:4])
     if ep > 1:
         mesh = expert_parallel_mesh(mesh, ep)
 
-    def run(r, weight):
-        return expert_parallel_ffn(
-            r, ids.to("tpu"), [weight], _experts, mesh, num_experts=E, dim="ep" if ep > 1 else None
-        )
+    def run(xt, wt, st):
+        dim = "ep" if ep > 1 else None
+        kw = dict(top_k=k, scores=st) if k > 1 else {}
+        return expert_parallel_ffn(xt, ids.to("tpu"), [wt], _experts, mesh, num_experts=E, dim=dim, **kw)
 
     packed = []
 
@@ -71,19 +79,16 @@ def test_dispatch_residuals_are_saved_tensors_and_gradients_are_pytorchs(ep):
         packed.append(t.numel())
         return t.to("cpu")
 
-    r = rows.to("tpu").requires_grad_()
-    wt = w.to("tpu").requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to("tpu")):
-        out = run(r, wt)
-    assert sum(packed) >= ROWS * DIM, packed  # the sorted rows at least
-    out.backward(grad.to("tpu"))
     tol = dict(rtol=1e-5, atol=1e-5)
-    for got, expected in zip((out, r.grad, wt.grad), want):
-        assert_close_to_cpu(got, expected, **tol)
-
-    r = rows.to("tpu").requires_grad_()
-    wt = w.to("tpu").requires_grad_()
-    out = torch.utils.checkpoint.checkpoint(run, r, wt, use_reentrant=False)
-    out.backward(grad.to("tpu"))
-    for got, expected in zip((out, r.grad, wt.grad), want):
-        assert_close_to_cpu(got, expected, **tol)
+    for hooks in (True, False):
+        inputs = [t.to("tpu").requires_grad_() for t in (x, w, scores)]
+        if hooks:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to("tpu")):
+                out = run(*inputs)
+            assert sum(packed) >= ROWS * DIM, packed  # the sorted rows at least
+        else:
+            out = torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+        out.backward(grad.to("tpu"))
+        got = [out, inputs[0].grad, inputs[1].grad] + ([inputs[2].grad] if k > 1 else [])
+        for a, b in zip(got, want, strict=True):
+            assert_close_to_cpu(a, b, **tol)

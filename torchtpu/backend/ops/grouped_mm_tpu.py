@@ -33,6 +33,7 @@ partial sums are added over the row axes (`psum`) in float32.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -218,26 +219,42 @@ def _out_bytes(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _differentiable_gmm(x, w_t, sizes, out_dtype, interpret):
+_EVERY_ROW_GROUPED = contextvars.ContextVar("torchtpu_every_row_grouped", default=False)
+
+
+@contextlib.contextmanager
+def every_row_grouped():
+    """While tracing inside this block, every `gmm` traced has all its rows in groups (the group
+    ends reach M, as when each chip runs all the experts on its own rows: expert_parallel's dispatch
+    without expert parallelism), so its output and input gradient need no pass zeroing the rows past
+    the last group."""
+    token = _EVERY_ROW_GROUPED.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_ROW_GROUPED.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked):
     """megablox's `gmm` of x (M, K) and the weights w_t (G, N, K) in the layout torchtitan stores
     them (the kernel reads them transposed), rounded once to `out_dtype`, for JAX's own autodiff (a
     step that differentiates a program holding the experts with `jax.vjp`, as expert_parallel's
     dispatch does; PyTorch's autograd never reaches this rule). The gradients are the ones
     PyTorch's `_grouped_mm` backward computes: the input's by `gmm` against the stored weights, the
     weights' by `tgmm` in their stored layout, from the output gradient rounded to the operands'
-    dtype; rows past the last group get zero."""
+    dtype; with `masked`, rows past the last group get zero."""
     (m, k), (groups, n, _) = x.shape, w_t.shape
     tile = tiling(m, k, n, groups, "gmm", x.dtype.itemsize, _out_bytes(out_dtype))
     with jax.enable_x64(False), costable_metadata():
         return _gmm(x, w_t, sizes, out_dtype, tile, transpose_rhs=True, interpret=interpret)
 
 
-def _differentiable_gmm_fwd(x, w_t, sizes, out_dtype, interpret):
-    return _differentiable_gmm(x, w_t, sizes, out_dtype, interpret), (x, w_t, sizes)
+def _differentiable_gmm_fwd(x, w_t, sizes, out_dtype, interpret, masked):
+    return _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked), (x, w_t, sizes)
 
 
-def _differentiable_gmm_bwd(out_dtype, interpret, res, g):
+def _differentiable_gmm_bwd(out_dtype, interpret, masked, res, g):
     x, w_t, sizes = res
     g = g.astype(x.dtype)
     (m, k), (groups, n, _) = x.shape, w_t.shape
@@ -255,8 +272,9 @@ def _differentiable_gmm_bwd(out_dtype, interpret, res, g):
             num_actual_groups=groups,
             interpret=interpret,
         )
-    valid = jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
-    return jnp.where(valid, dx, 0).astype(x.dtype), dw_t, None
+    if masked:
+        dx = jnp.where(jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(sizes), dx, 0)
+    return dx.astype(x.dtype), dw_t, None
 
 
 _differentiable_gmm.defvjp(_differentiable_gmm_fwd, _differentiable_gmm_bwd)
@@ -272,14 +290,15 @@ def forward_gmm(x, w, ends, out_dtype):
     m_local = x.shape[0] // shards
     interpret = interpreting()
     rows = P(axes if len(axes) > 1 else axes[0]) if axes else P()
+    masked = not _EVERY_ROW_GROUPED.get()
 
     def kernel(x, w_t, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        out = _differentiable_gmm(x, w_t, sizes, jnp.dtype(out_dtype), interpret)  # Mosaic index maps are 32-bit
-        # rows past the last group belong to no group: the kernel leaves them unwritten
-        valid = jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
-        return jnp.where(valid, out, 0).astype(out_dtype)
+        out = _differentiable_gmm(x, w_t, sizes, jnp.dtype(out_dtype), interpret, masked)  # Mosaic: 32-bit
+        if masked:  # rows past the last group belong to no group: the kernel leaves them unwritten
+            out = jnp.where(jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes), out, 0)
+        return out.astype(out_dtype)
 
     return _per_shard(kernel, mesh, axes, (rows, P(), P()), rows)(x, jnp.swapaxes(w, 1, 2), ends)
 
