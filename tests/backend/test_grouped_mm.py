@@ -194,6 +194,33 @@ def test_megablox_forward_differentiated_by_jax_gives_pytorch_gradients():
     _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_ENDS[-1], rtol=1e-2, atol=1e-2)
 
 
+def test_megablox_forward_with_every_row_grouped_skips_no_row():
+    """Under `every_row_grouped` (the dispatch without expert parallelism, where the groups cover
+    every row) the kernels' output and gradients, unmasked, are PyTorch's CPU kernel's."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
+
+    ends = [40, 40, 200, MB_M]
+    torch.manual_seed(6)
+    x = torch.randn(MB_M, MB_K, dtype=torch.bfloat16)
+    w = torch.randn(len(ends), MB_N, MB_K, dtype=torch.bfloat16)
+    grad = torch.randn(MB_M, MB_N, dtype=torch.bfloat16)
+    want = _pytorch_grouped_mm_and_grads(x, w, ends, grad)
+    as_jax = lambda t: jnp.asarray(t.float().numpy(), jnp.bfloat16)  # noqa: E731
+    with attention_tpu.interpret_kernels(), grouped_mm_tpu.every_row_grouped():
+        out, vjp = jax.vjp(
+            lambda a, b: grouped_mm_tpu.forward_gmm(
+                a, jnp.swapaxes(b, 1, 2), jnp.asarray(ends, jnp.int32), jnp.bfloat16
+            ),
+            as_jax(x),
+            as_jax(w),
+        )
+        gx, gw = vjp(as_jax(grad))
+    to_torch = lambda a: torch.from_numpy(jax.device_get(a.astype(jnp.float32)).copy()).to("tpu")  # noqa: E731
+    _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_M, rtol=1e-2, atol=1e-2)
+
+
 def test_megablox_kernels_per_shard_in_a_sharded_program():
     """In a compiled program over 4 CPU devices the kernels run per shard of the routed rows
     (group boundaries cross shards; each shard counts its own rows of each group, the weight
@@ -354,3 +381,46 @@ def test_router_gather_gradient_and_short_scatter_add_match_cpu():
     src = torch.randn(5, 3)
     got = torch.scatter_add(base.to("tpu"), 1, idx.to("tpu"), src.to("tpu"))
     assert_close_to_cpu(got, torch.scatter_add(base, 1, idx, src), "scatter_add with repeats", rtol=1e-6, atol=1e-6)
+
+
+def test_megablox_tiles_fit_scoped_vmem_and_compile_for_v5p():
+    """The tiles `tiling` picks keep the kernels' blocks within VMEM_BUDGET for the expert shapes
+    of Qwen3 30B-A3B and DeepSeek-V3 671B (7168 x 2048 experts, 32 per chip under expert
+    parallelism 8, whose tgmm at 512 x 1024 x 1024 tiles and float32 output asks 17 MiB of v5p's 16),
+    and those kernels compile ahead of time for a v5p chip."""
+    import jax.numpy as jnp
+    import pytest
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
+
+    from torchtpu.backend.ops import grouped_mm_tpu as G
+    from torchtpu.distributed import topology as topo
+
+    shapes = [(262144, 2048, 768, 128), (262144, 768, 2048, 128), (262144, 7168, 2048, 32), (8192, 2048, 7168, 32)]
+    for m, k, n, groups in shapes:
+        for kind in ("gmm", "tgmm"):
+            for out_bytes in (2, 4):
+                tile = G.tiling(m, k, n, groups, kind, 2, out_bytes)
+                assert G.vmem_bytes(kind, tile, 2, out_bytes) <= G.VMEM_BUDGET, (m, k, n, kind, tile)
+    if not topo.libtpu_available():
+        pytest.skip("libtpu is not installed (pip install 'torchtpu[tpu]')")
+    dev = jax.sharding.SingleDeviceSharding(topo.topology_devices("v5p:2x2x1")[0])
+    m, k, n, groups = 8192, 7168, 2048, 32
+
+    def spec(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=dev)
+
+    for out in (jnp.float32, jnp.bfloat16):
+        tile = G.tiling(m, k, n, groups, "tgmm", 2, jnp.dtype(out).itemsize)
+
+        def weight_grad(a, b, sizes, tile=tile, out=out):
+            with jax.enable_x64(False), G.costable_metadata():
+                return tgmm(a, b, sizes, out, tile, num_actual_groups=groups)
+
+        jax.jit(weight_grad).lower(spec(k, m), spec(m, n), spec(groups, dtype=jnp.int32)).compile()
+        tile = G.tiling(m, k, n, groups, "gmm", 2, jnp.dtype(out).itemsize)
+
+        def experts(x, w_t, sizes, tile=tile, out=out):
+            with jax.enable_x64(False), G.costable_metadata():
+                return gmm(x, w_t, sizes, out, tile, transpose_rhs=True)
+
+        jax.jit(experts).lower(spec(m, k), spec(groups, n, k), spec(groups, dtype=jnp.int32)).compile()

@@ -1,38 +1,47 @@
 """Expert parallelism: routed tokens travel to the chips that hold their experts and back.
 
-    out = expert_parallel_ffn(rows, expert_ids, [w1, w2, w3], run_experts, mesh, num_experts=E)
+    out = expert_parallel_ffn(x, expert_ids, [w1, w2, w3], run_experts, mesh, num_experts=E,
+                              top_k=k, scores=scores)
 
-`rows` (tokens x dim, one row per (token, chosen expert) pair) and `expert_ids` (which of the E
-experts each row goes to) are global tensors, split inside over the data-parallel axes of the job
-mesh, as the batch is, and over the axes of "ep" that are not data-parallel ones (with tensor
-parallelism, "ep" spans the "tp" axis too: the rows a tensor-parallel group holds alike are divided
-among its chips, as torchtitan's ReordererSequenceParallel does); each weight is (E, ...) and split
-on its expert dim over the mesh dim "ep" (its other layout, e.g. FSDP's over "efsdp", is gathered by
-XLA at the boundary). `out[i]` is row i through expert expert_ids[i]. Everything between runs per
+`x` (tokens x dim), `expert_ids` (tokens * k: entry t * k + j is the j-th of the E experts token t
+goes to; one (token, expert) pair is a "row") and `scores` (tokens x k) are global tensors, split
+inside over the data-parallel axes of the job mesh, as the batch is, and over the axes of "ep"
+that are not data-parallel ones (with tensor parallelism, "ep" spans the "tp" axis too: the tokens
+a tensor-parallel group holds alike are divided among its chips, as torchtitan's
+ReordererSequenceParallel does); each weight is (E, ...) and split on its expert dim over the mesh
+dim "ep" (its other layout, e.g. FSDP's over "efsdp", is gathered by XLA at the boundary). `out[t]`
+is sum_j scores[t, j] * expert_{expert_ids[t*k + j]}(x[t]), summed in float32 (torchtitan's
+combine); without `scores`, out has one row per entry of `expert_ids`. Everything between runs per
 chip, under one `jax.shard_map`:
 
-1. the chip sorts its rows by expert (stable) and writes them into one bucket per "ep" rank: the
-   rows for the experts rank r holds, in expert order, then zeros;
+1. the chip sorts its rows by expert (stable), reading each from its token (no token is first
+   written k times), and writes them into one bucket per "ep" rank: the rows for the experts rank
+   r holds, in expert order, then zeros;
 2. an all-to-all over "ep" swaps the buckets, so each chip holds every row routed to its experts,
    with each row's local expert id (padding rows get the id one past the last);
 3. a stable sort by local expert id groups them, and `run_experts(weights, x, tokens_per_expert)`
-   (torch code: torchtitan's grouped matmul, lowered to `jax.lax.ragged_dot`) runs each local
-   expert on its own rows only; the padding rows lie past the last group and come out zero;
-4. the rows go back through the inverse permutation and a second all-to-all, and are put back
-   in their original order.
+   (torch code: torchtitan's grouped matmul, megablox's kernels on TPU, `jax.lax.ragged_dot`
+   elsewhere) runs each local expert on its own rows only; the padding rows lie past the last
+   group and come out zero;
+4. the rows go back through the inverse permutation and a second all-to-all, are put back in
+   token order, and each token's k outputs are weighted by its scores and summed.
 
 Without expert parallelism (`dim=None`: every chip holds every expert, gathered by FSDP as any
 block's weights are), the same program runs without the all-to-alls: each data-parallel chip
-sorts its own rows by expert, runs the experts on them and puts them back in order. This is what
-torchtitan's MoE computes for each row, but its token reordering, written over the whole batch
-(a global argsort and gathers by global positions), partitioned by XLA over a data-parallel mesh
-gathers every chip's routed rows onto every chip (for Qwen3 30B-A3B on v5p:2x2x4, all-gathers of
-2 GiB per layer, forward and backward); here no row leaves its chip.
+sorts its own rows by expert, runs the experts on them (every row in a group, so the grouped
+matmuls skip zeroing rows past the groups) and combines them. This is what torchtitan's MoE
+computes for each token, but its token reordering, written over the whole batch (a global argsort
+and gathers by global positions), partitioned by XLA over a data-parallel mesh gathers every
+chip's routed rows onto every chip (for Qwen3 30B-A3B on v5p:2x2x4, all-gathers of 2 GiB per
+layer, forward and backward); here no row leaves its chip. The rows are sorted and put back by
+scatters, forward and backward (XLA's TPU cost model charges a gather of 1 GiB of rows about
+nine times a scatter of them).
 
 No row is dropped: a bucket holds all of a chip's rows, the case where every row picks experts of
 one rank. That worst case sizes the buffers (ep x the chip's rows each way); the all-to-all is a
 plain, padded one, since XLA's CPU backend has no `ragged-all-to-all` and the same program runs
-on every backend. Gradients are the shard_map's own (`jax.vjp`): the transposed all-to-alls bring
+on every backend. Gradients are the shard_map's own (`jax.vjp`, its residuals PyTorch saved
+tensors, so activation checkpointing drops and recomputes them): the transposed all-to-alls bring
 each row's gradient home, and the weights' gradients are summed over the data-parallel chips that
 share an expert shard.
 """
@@ -49,6 +58,7 @@ import torch
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ..backend.ops.grouped_mm_tpu import every_row_grouped
 from ..backend.state import tracing
 from ..backend.tensor import new_base
 from ..backend.views import array_of
@@ -70,7 +80,7 @@ def expert_axes(mesh: DeviceMesh, dim: str = "ep") -> tuple[str, ...]:
 
 
 def expert_parallel_ffn(
-    rows: torch.Tensor,
+    x: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: Sequence[torch.Tensor],
     run_experts: Callable[..., torch.Tensor],
@@ -78,11 +88,17 @@ def expert_parallel_ffn(
     *,
     num_experts: int,
     dim: str | None = "ep",
+    top_k: int = 1,
+    scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row of `rows` through the expert `expert_ids` names, the experts split over the mesh
-    dim `dim`, or whole on every chip with `dim=None` (see the module docstring).
-    `run_experts(local_weights, x, tokens_per_expert)` is torch code computing a chip's experts on
-    `x` grouped by expert (rows past the groups must come out zero); it runs on each chip's pieces."""
+    """Each token of `x` (T, width) through the `top_k` experts `expert_ids` (T * top_k, in token
+    order: entry t * top_k + j is token t's j-th expert) names, the experts split over the mesh dim
+    `dim`, or whole on every chip with `dim=None` (see the module docstring). Without `scores`, the
+    (T * top_k, width) outputs, one row per entry of `expert_ids`; with `scores` (T, top_k), their
+    combination, (T, width): sum_j scores[t, j] * output[t * top_k + j] in float32, rounded once to
+    x's dtype (torchtitan's combine, a batched matmul in float32). `run_experts(local_weights, x,
+    tokens_per_expert)` is torch code computing a chip's experts on `x` grouped by expert (rows past
+    the groups must come out zero); it runs on each chip's pieces."""
     ep_axes = expert_axes(mesh, dim) if dim is not None else ()
     if dim is not None and not ep_axes:
         raise ValueError(f"expert_parallel_ffn: the mesh {mesh.root()} has no dim {dim!r} of more than one rank")
@@ -90,16 +106,22 @@ def expert_parallel_ffn(
     n_ep = math.prod(root.jax_mesh.shape[a] for a in ep_axes)
     if num_experts % n_ep:
         raise ValueError(f"expert_parallel_ffn: {num_experts} experts do not split over {n_ep} expert-parallel ranks")
-    # the rows are split over the data-parallel axes, as the batch is, and over the expert-parallel axes
-    # that are not data-parallel ones (tensor parallelism's, which expert parallelism borrows): each chip
-    # dispatches its own part of the rows, as torchtitan's ReordererSequenceParallel splits the tokens
-    # over the tensor-parallel ranks
+    if expert_ids.shape != (x.shape[0] * top_k,):
+        raise ValueError(
+            f"expert_parallel_ffn: {tuple(expert_ids.shape)} expert ids for {x.shape[0]} tokens x top {top_k}"
+        )
+    if scores is not None and tuple(scores.shape) != (x.shape[0], top_k):
+        raise ValueError(f"expert_parallel_ffn: scores of shape {tuple(scores.shape)} for {x.shape[0]} x {top_k}")
+    # the tokens are split over the data-parallel axes, as the batch is, and over the expert-parallel
+    # axes that are not data-parallel ones (tensor parallelism's, which expert parallelism borrows):
+    # each chip dispatches its own part of them, as torchtitan's ReordererSequenceParallel splits the
+    # tokens over the tensor-parallel ranks
     data = data_parallel_axes(root)
     data = data + tuple(a for a in ep_axes if a not in data)
     n_data = math.prod(root.jax_mesh.shape[a] for a in data)
-    if rows.shape[0] % n_data:
+    if x.shape[0] % n_data:
         raise ValueError(
-            f"expert_parallel_ffn: {rows.shape[0]} rows do not split over the {n_data} chips of the data- and "
+            f"expert_parallel_ffn: {x.shape[0]} tokens do not split over the {n_data} chips of the data- and "
             "expert-parallel axes; the batch (times the sequence length, with tensor parallelism) must split evenly"
         )
     for w in weights:
@@ -108,16 +130,26 @@ def expert_parallel_ffn(
                 f"expert_parallel_ffn: a weight of shape {tuple(w.shape)} has no expert dim of {num_experts}"
             )
     f = _function(
-        root.jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, tuple(w.dtype for w in weights), rows.dtype
+        root.jax_mesh,
+        data,
+        ep_axes,
+        n_ep,
+        num_experts,
+        run_experts,
+        tuple(w.dtype for w in weights),
+        x.dtype,
+        top_k,
+        scores is not None,
     )
-    return _ExpertParallel.apply(f, expert_ids, rows, *weights)
+    return _ExpertParallel.apply(f, expert_ids, x, scores, *weights)
 
 
 @functools.lru_cache(maxsize=64)
-def _function(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype):
-    """(ids, rows, *weights) -> out over global arrays, one per layout and dtypes (so the layers of a
-    model share it, and a step run eagerly compiles it once)."""
-    return _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes).function(rows_dtype)
+def _function(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype, top_k, combine):
+    """(ids, x[, scores], *weights) -> out over global arrays, one per layout and dtypes (so the
+    layers of a model share it, and a step run eagerly compiles it once)."""
+    plan = _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes)
+    return plan.function(rows_dtype, top_k, combine)
 
 
 class _Plan:
@@ -132,49 +164,58 @@ class _Plan:
         self.run_experts = run_experts
         self.weight_dtypes = weight_dtypes
 
-    def function(self, rows_dtype: torch.dtype):
-        """(ids, rows, *weights) -> out over global arrays: the shard_map of `_local`."""
+    def function(self, rows_dtype: torch.dtype, top_k: int, combine: bool):
+        """(ids, x[, scores], *weights) -> out over global arrays: the shard_map of `_local`."""
         entry = self.data[0] if len(self.data) == 1 else tuple(self.data)
         n_w = len(self.weight_dtypes)
+        tokens = (P(entry, None),) * (2 if combine else 1)
+
+        def local(ids, x, *rest):
+            scores, ws = (rest[0], rest[1:]) if combine else (None, rest)
+            return self._local(ids, x, scores, ws, rows_dtype, top_k)
+
         # jitted: run eagerly (a step's first, uncompiled run), a shard_map would dispatch op by op
         return jax.jit(
             jax.shard_map(
-                lambda ids, rows, *ws: self._local(ids, rows, ws, rows_dtype),
+                local,
                 mesh=self.jax_mesh,
-                in_specs=(P(entry), P(entry, None)) + (P(self.ep) if self.ep else P(),) * n_w,
+                in_specs=(P(entry),) + tokens + (P(self.ep) if self.ep else P(),) * n_w,
                 out_specs=P(entry, None),
                 check_vma=False,
             )
         )
 
-    def _local(self, ids, rows, weights, rows_dtype):
-        n, width = rows.shape
+    def _local(self, ids, x, scores, weights, rows_dtype, k):
+        n, width = ids.shape[0], x.shape[1]
         n_ep, per_rank = self.n_ep, self.num_experts // self.n_ep
         ids = ids.astype(jnp.int32)
-        if self.ep is None:  # every expert here: sort this chip's rows, run them, put them back
-            order = jnp.argsort(ids, stable=True)
-            done = self._experts(rows[order], _counts(ids, self.num_experts), weights, rows_dtype)
-            return jnp.zeros_like(done).at[order].set(done, unique_indices=True)
-        # 1. sort by expert; each row's destination rank and its slot in that rank's bucket
-        order = jnp.argsort(ids, stable=True)
-        sorted_ids = ids[order]
-        dest = sorted_ids // per_rank
-        sent = _counts(dest, n_ep)
-        slot = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sent) - sent)[dest]
-        bucket = jnp.zeros((n_ep, n, width), rows.dtype).at[dest, slot].set(rows[order], unique_indices=True)
-        bucket_ids = jnp.full((n_ep, n), per_rank, jnp.int32)
-        bucket_ids = bucket_ids.at[dest, slot].set(sorted_ids - dest * per_rank, unique_indices=True)
-        # 2. swap the buckets: bucket s now holds what rank s sent here
-        got = lax.all_to_all(bucket, self.ep, 0, 0, tiled=True).reshape(n_ep * n, width)
-        got_ids = lax.all_to_all(bucket_ids, self.ep, 0, 0, tiled=True).reshape(n_ep * n)
-        # 3. group by local expert (padding last) and run the experts
-        group = jnp.argsort(got_ids, stable=True)
-        tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
-        done = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
-        # 4. back to the bucket layout, back to the sending chips, back to the original order
-        back = jnp.zeros_like(done).at[group].set(done, unique_indices=True).reshape(n_ep, n, width)
-        home = lax.all_to_all(back, self.ep, 0, 0, tiled=True)
-        return jnp.zeros((n, width), home.dtype).at[order].set(home[dest, slot], unique_indices=True)
+        order = jnp.argsort(ids, stable=True)  # the rows (token, choice) sorted by expert
+        inverse = jnp.argsort(order)  # where each row went
+        rows = _sort_tokens(x, inverse, order, k)  # row i of the sorted rows is token order[i] // k
+        if self.ep is None:  # every expert here: run the sorted rows (all of them in a group)
+            with every_row_grouped():
+                done = self._experts(rows, _counts(ids, self.num_experts), weights, rows_dtype)
+        else:
+            # 1. each sorted row's destination rank and its slot in that rank's bucket
+            sorted_ids = ids[order]
+            dest = sorted_ids // per_rank
+            sent = _counts(dest, n_ep)
+            slot = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sent) - sent)[dest]
+            bucket = jnp.zeros((n_ep, n, width), rows.dtype).at[dest, slot].set(rows, unique_indices=True)
+            bucket_ids = jnp.full((n_ep, n), per_rank, jnp.int32)
+            bucket_ids = bucket_ids.at[dest, slot].set(sorted_ids - dest * per_rank, unique_indices=True)
+            # 2. swap the buckets: bucket s now holds what rank s sent here
+            got = lax.all_to_all(bucket, self.ep, 0, 0, tiled=True).reshape(n_ep * n, width)
+            got_ids = lax.all_to_all(bucket_ids, self.ep, 0, 0, tiled=True).reshape(n_ep * n)
+            # 3. group by local expert (padding last) and run the experts
+            group = jnp.argsort(got_ids, stable=True)
+            tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
+            out = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
+            # 4. back to the bucket layout, back to the sending chips: the sorted rows' outputs
+            back = jnp.zeros_like(out).at[group].set(out, unique_indices=True).reshape(n_ep, n, width)
+            done = lax.all_to_all(back, self.ep, 0, 0, tiled=True)[dest, slot]
+        done = _unsort(done, order, inverse)  # the rows' outputs in token order
+        return done if scores is None else _combine(done, scores, k)
 
     def _experts(self, x, tokens_per_expert, weights, rows_dtype):
         ws = [new_base(w, 0, dt) for w, dt in zip(weights, self.weight_dtypes)]
@@ -189,17 +230,110 @@ def _counts(ids, groups: int):
     return jnp.sum(ids[:, None] == jnp.arange(groups, dtype=jnp.int32)[None, :], axis=0, dtype=jnp.int32)
 
 
+def _place(v, where):
+    """The rows of `v` moved to the positions `where` (a permutation): a scatter. XLA's TPU cost
+    model charges a scatter of rows a fraction of what it charges a gather of them."""
+    return jnp.zeros_like(v).at[where].set(v, unique_indices=True)
+
+
+def _expand(x, k):
+    """Each token's row k times: row t * k + j is x[t] (a broadcast XLA fuses into its consumer)."""
+    return jnp.broadcast_to(x[:, None, :], (x.shape[0], k, x.shape[1])).reshape(-1, x.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sort_tokens(x, inverse, order, k):
+    """The (token, choice) rows sorted: row t * k + j of the token order, x[t], goes to position
+    inverse[t * k + j] (`order` is inverse's inverse). Its gradient moves the sorted rows' gradients
+    back to token order and sums each token's k of them in float32, rounded once."""
+    return _place(_expand(x, k), inverse)
+
+
+def _sort_tokens_fwd(x, inverse, order, k):
+    return _sort_tokens(x, inverse, order, k), (inverse, order)
+
+
+def _sort_tokens_bwd(k, res, g):
+    inverse, order = res
+    per_row = _place(g, order)
+    if k > 1:
+        per_row = jnp.sum(per_row.reshape(-1, k, g.shape[1]).astype(jnp.float32), axis=1)
+    return per_row.astype(g.dtype), None, None
+
+
+_sort_tokens.defvjp(_sort_tokens_fwd, _sort_tokens_bwd)
+
+
+@jax.custom_vjp
+def _unsort(y, order, inverse):
+    """The sorted rows back in token order (sorted row i goes to position order[i]); the gradient
+    sorts again, both as scatters (JAX's own transpose of a scatter is a gather)."""
+    return _place(y, order)
+
+
+def _unsort_fwd(y, order, inverse):
+    return _place(y, order), inverse
+
+
+def _unsort_bwd(inverse, g):
+    return _place(g, inverse), None, None
+
+
+_unsort.defvjp(_unsort_fwd, _unsort_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine(y, scores, k):
+    """torchtitan's combine: each token's k outputs (rows t * k .. t * k + k - 1 of `y`, in token
+    order) weighted by its scores and summed in float32, rounded once to y's dtype. The residual is
+    `y` itself, not a float32 copy."""
+    return _combine_fwd(y, scores, k)[0]
+
+
+def _combine_fwd(y, scores, k):
+    rows = y.reshape(scores.shape[0], k, -1).astype(jnp.float32)
+    out = jnp.sum(scores.astype(jnp.float32)[:, :, None] * rows, axis=1)
+    return out.astype(y.dtype), (y, scores)
+
+
+def _combine_bwd(k, res, g):
+    y, scores = res
+    g32 = g.astype(jnp.float32)[:, None, :]
+    dy = (scores.astype(jnp.float32)[:, :, None] * g32).astype(y.dtype).reshape(y.shape)
+    dscores = jnp.sum(g32 * y.reshape(scores.shape[0], k, -1).astype(jnp.float32), axis=2)
+    return dy, dscores.astype(scores.dtype)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
 class _ExpertParallel(torch.autograd.Function):
+    """The dispatch as one autograd node. Its backward is the shard_map's `jax.vjp`, whose residuals
+    (the sorted rows, the experts' intermediates, ...) are saved as tpu tensors with
+    `ctx.save_for_backward`, not kept inside the vjp closure: PyTorch's saved-tensor hooks then see
+    them, so non-reentrant activation checkpointing drops them after the forward and recomputes
+    them in backward, as it does every other op's; the backward rebuilds the vjp from them."""
+
     @staticmethod
-    def forward(ctx, f, expert_ids, rows, *weights):
+    def forward(ctx, f, expert_ids, x, scores, *weights):
         ids = array_of(expert_ids)
-        arrays = [array_of(rows)] + [array_of(w) for w in weights]
+        ctx.has_scores = scores is not None
+        arrays = [array_of(x)] + ([array_of(scores)] if scores is not None else []) + [array_of(w) for w in weights]
         if not any(ctx.needs_input_grad[2:]):  # no gradient wanted (evaluation): no residuals kept
-            return new_base(f(ids, *arrays), 0, rows.dtype)
-        out, ctx.vjp = jax.vjp(lambda r, *ws: f(ids, r, *ws), *arrays)
-        return new_base(out, 0, rows.dtype)
+            return new_base(f(ids, *arrays), 0, x.dtype)
+        out, vjp = jax.vjp(lambda *a: f(ids, *a), *arrays)
+        leaves, ctx.treedef = jax.tree_util.tree_flatten(vjp)
+        ctx.saved = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.core.Tracer))]
+        ctx.others = {i: leaf for i, leaf in enumerate(leaves) if i not in set(ctx.saved)}
+        ctx.save_for_backward(*(new_base(leaves[i], 0) for i in ctx.saved))
+        return new_base(out, 0, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        grads = ctx.vjp(array_of(grad))
-        return (None, None) + tuple(new_base(g, 0) for g in grads)
+        leaves = dict(ctx.others)
+        leaves.update(zip(ctx.saved, (array_of(t) for t in ctx.saved_tensors)))
+        vjp = jax.tree_util.tree_unflatten(ctx.treedef, [leaves[i] for i in range(len(leaves))])
+        grads = [new_base(g, 0) for g in vjp(array_of(grad))]
+        if not ctx.has_scores:
+            grads.insert(1, None)
+        return (None, None) + tuple(grads)

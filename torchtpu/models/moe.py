@@ -21,8 +21,9 @@ Expert parallelism (`apply_expert_parallel(model, mesh)`, for any family built o
 sharded over the rest of the FSDP dim, "efsdp", as FSDP would), and the layer routes as torchtitan
 writes it, then sends each (token, expert) row to the chip holding its expert and back with
 all-to-alls (torchtpu.distributed.expert_parallel), where torchtitan's same grouped matmul computes
-it. The combine (the scores' weighting, the sum over the top-k, the shared experts) is torchtitan's
-arithmetic on the same rows, so a step under expert parallelism computes what it computes without.
+it. The combine (the scores' weighting and the sum over the top-k in float32, rounded once, as
+torchtitan's batched matmul; the shared experts added) is torchtitan's arithmetic on the same
+rows, so a step under expert parallelism computes what it computes without.
 With tensor parallelism the mesh dim "ep" spans the "tp" axis too (torchtitan's
 expert_tensor_parallel_degree 1, distributed.mesh.expert_parallel_mesh), and each chip of a
 tensor-parallel group dispatches its own part of the rows.
@@ -44,6 +45,7 @@ computes, and so the numbers, are the same.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -110,25 +112,24 @@ class ExpertParallelMoE(MoE):
         with torch.no_grad():
             self.tokens_per_expert.add_(counts)
         k = self.router.top_k
-        # one row per (token, choice), in token order: row t*k + j is token t for its j-th expert
-        rows = x.unsqueeze(1).expand(-1, k, width).reshape(-1, width)
-        if self.score_before_experts:
-            rows = (rows.to(torch.float32) * top_scores.reshape(-1, 1)).to(x.dtype)
         experts = self.experts
-        routed = expert_parallel_ffn(
-            rows,
-            chosen.reshape(-1),
-            [experts.w1, experts.w2, experts.w3],
-            _grouped_experts,
-            mesh,
+        ffn = functools.partial(
+            expert_parallel_ffn,
+            weights=[experts.w1, experts.w2, experts.w3],
+            run_experts=_grouped_experts,
+            mesh=mesh,
             num_experts=experts.num_experts,
             dim=dim,
-        ).reshape(-1, k, width)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        )
         if self.score_before_experts:
-            mixed = routed.sum(dim=1)
-        else:
-            mixed = torch.bmm(top_scores.reshape(-1, 1, k), routed.float()).to(x.dtype).squeeze(1)
+            # one row per (token, choice), in token order (row t*k + j is token t for its j-th
+            # expert), scaled by its score before the experts
+            rows = x.unsqueeze(1).expand(-1, k, width).reshape(-1, width)
+            rows = (rows.to(torch.float32) * top_scores.reshape(-1, 1)).to(x.dtype)
+            mixed = ffn(rows, chosen.reshape(-1)).reshape(-1, k, width).sum(dim=1)
+        else:  # each token's k outputs weighted by its scores and summed in float32 (torchtitan's bmm)
+            mixed = ffn(x, chosen.reshape(-1), top_k=k, scores=top_scores.reshape(-1, k))
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         if shared is not None:
             mixed = shared + mixed
         return mixed.reshape(bs, slen, width)

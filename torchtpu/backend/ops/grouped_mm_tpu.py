@@ -11,7 +11,12 @@ kernels (`jax.experimental.pallas.ops.tpu.megablox`):
   computes it masked and dense (num_groups times the routed work).
 
 Both kernels declare their cost (2 M K N FLOPs) to XLA, so the dry run's cost model counts them.
-Both accumulate in float32; the output is rounded once to the result dtype.
+Both accumulate in float32 and write the result dtype (bfloat16 for bfloat16 operands), rounding
+once; the weight gradient's per-shard partial sums are the exception (float32, see below). Both
+read the experts' weights, and write their gradients, in the layout torchtitan stores them,
+(G, N, K) for the experts' (M, K) x (G, K, N): `gmm` reads them transposed, `tgmm` computes the
+transposed product, and the transposes PyTorch's views put around them cancel in XLA. The tiles
+(`tiling`) are chosen per shape to fit the kernels' blocks in the TPU's scoped VMEM.
 
 Where a kernel cannot apply (`unsupported_reason`: operands other than bfloat16, dimensions that
 are not multiples of 128, row counts per shard the row tile does not divide), linalg.py keeps
@@ -28,6 +33,7 @@ partial sums are added over the row axes (`psum`) in float32.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -47,8 +53,14 @@ __all__ = ["ROW_TILES", "costable_metadata", "forward_gmm", "tiling", "unsupport
 log = logging.getLogger("torchtpu")
 
 ROW_TILES = (512, 256, 128)  # row tiles tried, largest first (see tiling)
-_COL_TILES = (1024, 512, 256, 128)
+_MAX_COL_TILE = 2048
 _LANES = 128
+# Mosaic's scoped VMEM on v5p is 16 MiB; a kernel's blocks (double-buffered) and its float32
+# accumulator stay under this, the rest left to the kernel's own temporaries
+VMEM_BUDGET = 12 * 2**20
+_PEAK_FLOPS = 459e12  # v5p bf16, for choosing tiles only
+_HBM_BYTES_PER_S = 2.765e12
+_STEP_SECONDS = 0.35e-6  # a Pallas grid step's own overhead
 
 
 def _row_axes(mesh):
@@ -64,19 +76,58 @@ def _row_axes(mesh):
     return tuple(a for a in mesh.axis_names if a != MODEL_AXIS and sizes[a] > 1 and a not in manual)
 
 
-def _largest_dividing(n: int, tiles) -> int | None:
-    return next((t for t in tiles if n % t == 0), None)
+def _col_tiles(n: int) -> list[int]:
+    """The tiles of a contracted or output dimension of `n`: multiples of 128 dividing it, at most
+    _MAX_COL_TILE, largest first."""
+    return [t for t in range(min(n, _MAX_COL_TILE), 0, -_LANES) if n % t == 0]
 
 
-def tiling(m: int, k: int, n: int, groups: int) -> tuple[int, int, int] | None:
-    """(row tile, contracted tile, output tile) for `m` routed rows per shard; None when a
-    dimension is off the 128 lanes. A row tile that straddles two groups is computed once for
-    each, so the row tile is the largest that keeps that overhead (about groups x tile / 2 rows)
-    under a tenth of the rows, else 128."""
+def vmem_bytes(kind: str, tile: tuple[int, int, int], in_bytes: int = 2, out_bytes: int = 4) -> int:
+    """VMEM a megablox kernel's blocks take at `tile` = (tm, tk, tn): each input and output block
+    twice (Pallas double-buffers them) and the float32 accumulator, (tm, tn) for `gmm`, (tk, tn)
+    for `tgmm`."""
+    tm, tk, tn = tile
+    if kind == "gmm":  # lhs (tm, tk), rhs (tk, tn), out (tm, tn)
+        return 2 * (tm * tk + tk * tn) * in_bytes + 2 * tm * tn * out_bytes + 4 * tm * tn
+    # tgmm: lhs (tm, tk), rhs (tm, tn), out (tk, tn)
+    return 2 * (tm * tk + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + 4 * tk * tn
+
+
+def _seconds(kind, m, k, n, groups, tile, in_bytes, out_bytes):
+    """A roofline time of one kernel at `tile`, to rank tilings: its row tiles (a tile that
+    straddles two groups runs once for each, at most groups - 1 more), the bytes its grid reads
+    (an operand block is read again for each block of the dimension it does not span) and
+    writes, and each grid step's overhead."""
+    tm, tk, tn = tile
+    row_tiles = m // tm + groups - 1
+    flops = 2 * row_tiles * tm * k * n
+    if kind == "gmm":  # grid (n / tn, row tiles, k / tk); the weights' block per row tile
+        moved = m * k * in_bytes * (n // tn) + row_tiles * k * n * in_bytes + m * n * out_bytes
+    else:  # grid (n / tn, k / tk, row tiles); one output block per group
+        moved = m * k * in_bytes * (n // tn) + m * n * in_bytes * (k // tk) + groups * k * n * out_bytes
+    steps = (n // tn) * (k // tk) * row_tiles
+    return max(flops / _PEAK_FLOPS, moved / _HBM_BYTES_PER_S) + steps * _STEP_SECONDS
+
+
+def tiling(
+    m: int, k: int, n: int, groups: int, kind: str = "gmm", in_bytes: int = 2, out_bytes: int = 4
+) -> tuple[int, int, int] | None:
+    """(row tile, contracted tile, output tile) of megablox's `kind` ("gmm" or "tgmm") for `m`
+    routed rows per shard, (k, n) the other two dimensions and `groups` groups; None when a
+    dimension is off the 128 lanes. Of the tilings whose blocks fit VMEM_BUDGET (`vmem_bytes`), the
+    one with the least roofline time (`_seconds`: the straddling row tiles weigh against a large
+    row tile, the blocks read again against small column tiles)."""
     if m % _LANES or k % _LANES or n % _LANES:
         return None
-    tm = next((t for t in ROW_TILES if m % t == 0 and groups * t / 2 <= 0.1 * m), _LANES)
-    return tm, _largest_dividing(k, _COL_TILES), _largest_dividing(n, _COL_TILES)
+    options = [
+        (tm, tk, tn)
+        for tm in (t for t in ROW_TILES if m % t == 0)
+        for tk in _col_tiles(k)
+        for tn in _col_tiles(n)
+        if vmem_bytes(kind, (tm, tk, tn), in_bytes, out_bytes) <= VMEM_BUDGET
+    ]
+    # the smallest tiles always fit: (128, 128, 128) takes well under 1 MiB
+    return min(options, key=lambda t: (_seconds(kind, m, k, n, groups, t, in_bytes, out_bytes), -t[0], -t[1] * t[2]))
 
 
 def unsupported_reason(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, shards: int = 1) -> str | None:
@@ -85,15 +136,14 @@ def unsupported_reason(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, shards: int =
     if jnp.dtype(lhs_dtype) != jnp.bfloat16 or jnp.dtype(rhs_dtype) != jnp.bfloat16:
         return f"operands {jnp.dtype(lhs_dtype)} x {jnp.dtype(rhs_dtype)} (the kernels take bfloat16 x bfloat16)"
     if len(lhs_shape) == 2 and len(rhs_shape) == 3:
-        (m, k), (g, _, n) = lhs_shape, rhs_shape
+        (m, k), (_, _, n) = lhs_shape, rhs_shape
     elif len(lhs_shape) == 2 and len(rhs_shape) == 2:
         (k, m), (_, n) = lhs_shape, rhs_shape
-        g = 1
     else:
         return f"a {len(lhs_shape)}-D x {len(rhs_shape)}-D form (the kernels take 2-D x 3-D and 2-D x 2-D)"
     if m % shards:
         return f"{m} routed rows do not split evenly over {shards} shards"
-    if tiling(m // shards, k, n, g) is None:
+    if m // shards % _LANES or k % _LANES or n % _LANES:
         return f"(rows per shard, K, N) = ({m // shards}, {k}, {n}) are not all multiples of {_LANES}"
     return None
 
@@ -165,30 +215,66 @@ def shards_of(*arrays) -> int:
     return math.prod(dict(mesh.shape)[a] for a in axes) if axes else 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _differentiable_gmm(x, w, sizes, tile, interpret):
-    """megablox's `gmm` in float32 for JAX's own autodiff (a step that differentiates a program
-    holding the experts with `jax.vjp`, as expert_parallel's dispatch does; PyTorch's autograd never
-    reaches this rule). The gradients are the ones PyTorch's `_grouped_mm` backward computes: the
-    input's by `gmm` against the transposed weights, the weights' by `tgmm`, from the output
-    gradient rounded to the operands' dtype; rows past the last group get zero."""
+def _out_bytes(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+_EVERY_ROW_GROUPED = contextvars.ContextVar("torchtpu_every_row_grouped", default=False)
+
+
+@contextlib.contextmanager
+def every_row_grouped():
+    """While tracing inside this block, every `gmm` traced has all its rows in groups (the group
+    ends reach M, as when each chip runs all the experts on its own rows: expert_parallel's dispatch
+    without expert parallelism), so its output and input gradient need no pass zeroing the rows past
+    the last group."""
+    token = _EVERY_ROW_GROUPED.set(True)
+    try:
+        yield
+    finally:
+        _EVERY_ROW_GROUPED.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked):
+    """megablox's `gmm` of x (M, K) and the weights w_t (G, N, K) in the layout torchtitan stores
+    them (the kernel reads them transposed), rounded once to `out_dtype`, for JAX's own autodiff (a
+    step that differentiates a program holding the experts with `jax.vjp`, as expert_parallel's
+    dispatch does; PyTorch's autograd never reaches this rule). The gradients are the ones
+    PyTorch's `_grouped_mm` backward computes: the input's by `gmm` against the stored weights, the
+    weights' by `tgmm` in their stored layout, from the output gradient rounded to the operands'
+    dtype; with `masked`, rows past the last group get zero."""
+    (m, k), (groups, n, _) = x.shape, w_t.shape
+    tile = tiling(m, k, n, groups, "gmm", x.dtype.itemsize, _out_bytes(out_dtype))
     with jax.enable_x64(False), costable_metadata():
-        return _gmm(x, w, sizes, jnp.float32, tile, interpret=interpret)
+        return _gmm(x, w_t, sizes, out_dtype, tile, transpose_rhs=True, interpret=interpret)
 
 
-def _differentiable_gmm_fwd(x, w, sizes, tile, interpret):
-    return _differentiable_gmm(x, w, sizes, tile, interpret), (x, w, sizes)
+def _differentiable_gmm_fwd(x, w_t, sizes, out_dtype, interpret, masked):
+    return _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked), (x, w_t, sizes)
 
 
-def _differentiable_gmm_bwd(tile, interpret, res, g):
-    x, w, sizes = res
+def _differentiable_gmm_bwd(out_dtype, interpret, masked, res, g):
+    x, w_t, sizes = res
     g = g.astype(x.dtype)
-    (m, k), (groups, _, n) = x.shape, w.shape
+    (m, k), (groups, n, _) = x.shape, w_t.shape
+    b = x.dtype.itemsize
     with jax.enable_x64(False), costable_metadata():
-        dx = _gmm(g, w, sizes, jnp.float32, tiling(m, n, k, groups), transpose_rhs=True, interpret=interpret)
-        dw = _tgmm(x.T, g, sizes, jnp.float32, tile, num_actual_groups=groups, interpret=interpret)
-    valid = jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
-    return jnp.where(valid, dx, 0.0).astype(x.dtype), dw.astype(w.dtype), None
+        dx = _gmm(g, w_t, sizes, x.dtype, tiling(m, n, k, groups, "gmm", b, b), interpret=interpret)
+        # (N, M) x (M, K) -> (G, N, K): the weights' gradient in their own layout (tgmm takes its
+        # first operand transposed, so g.T costs no copy)
+        dw_t = _tgmm(
+            g.T,
+            x,
+            sizes,
+            w_t.dtype,
+            tiling(m, n, k, groups, "tgmm", b, _out_bytes(w_t.dtype)),
+            num_actual_groups=groups,
+            interpret=interpret,
+        )
+    if masked:
+        dx = jnp.where(jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(sizes), dx, 0)
+    return dx.astype(x.dtype), dw_t, None
 
 
 _differentiable_gmm.defvjp(_differentiable_gmm_fwd, _differentiable_gmm_bwd)
@@ -196,50 +282,55 @@ _differentiable_gmm.defvjp(_differentiable_gmm_fwd, _differentiable_gmm_bwd)
 
 def forward_gmm(x, w, ends, out_dtype):
     """(M, K) x (G, K, N) -> (M, N) in `out_dtype`: rows ends[g-1]:ends[g] times w[g]; rows past
-    the last end are zero. `ends` int32 (G,)."""
+    the last end are zero. `ends` int32 (G,). The kernel reads w transposed, (G, N, K): the layout
+    of torchtitan's weights, whose transpose (what `w` is) XLA then cancels."""
     mesh = mesh_of(x, w)
     axes = _row_axes(mesh)
     shards = math.prod(dict(mesh.shape)[a] for a in axes) if axes else 1
-    m, g = x.shape[0], w.shape[0]
-    m_local = m // shards
-    tile = tiling(m_local, x.shape[1], w.shape[2], g)
+    m_local = x.shape[0] // shards
     interpret = interpreting()
     rows = P(axes if len(axes) > 1 else axes[0]) if axes else P()
+    masked = not _EVERY_ROW_GROUPED.get()
 
-    def kernel(x, w, ends):
+    def kernel(x, w_t, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        out = _differentiable_gmm(x, w, sizes, tile, interpret)  # Mosaic index maps are 32-bit (x64 off)
-        # rows past the last group belong to no group: the kernel leaves them unwritten
-        valid = jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes)
-        return jnp.where(valid, out, 0.0).astype(out_dtype)
+        out = _differentiable_gmm(x, w_t, sizes, jnp.dtype(out_dtype), interpret, masked)  # Mosaic: 32-bit
+        if masked:  # rows past the last group belong to no group: the kernel leaves them unwritten
+            out = jnp.where(jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes), out, 0)
+        return out.astype(out_dtype)
 
-    return _per_shard(kernel, mesh, axes, (rows, P(), P()), rows)(x, w, ends)
+    return _per_shard(kernel, mesh, axes, (rows, P(), P()), rows)(x, jnp.swapaxes(w, 1, 2), ends)
 
 
 def weight_grad_tgmm(a, b, ends, out_dtype):
     """(K, M) x (M, N) -> (G, K, N) in `out_dtype`: the g-th product over columns/rows
-    ends[g-1]:ends[g] of M only (the experts' weight gradients). `ends` int32 (G,)."""
+    ends[g-1]:ends[g] of M only (the experts' weight gradients). `ends` int32 (G,). The kernel
+    computes the transpose, (N, M) x (M, K) -> (G, N, K): the layout of torchtitan's weights, to
+    which PyTorch's backward transposes this (XLA cancels the two)."""
     mesh = mesh_of(a, b)
     axes = _row_axes(mesh)
     shards = math.prod(dict(mesh.shape)[ax] for ax in axes) if axes else 1
     m = a.shape[1]
     m_local = m // shards
     groups = ends.shape[0]
-    tile = tiling(m_local, a.shape[0], b.shape[1], groups)
+    # per-shard partial sums are added in float32; one shard rounds once to out_dtype itself
+    kernel_dtype = jnp.float32 if axes else jnp.dtype(out_dtype)
+    tile = tiling(m_local, b.shape[1], a.shape[0], groups, "tgmm", a.dtype.itemsize, _out_bytes(kernel_dtype))
     interpret = interpreting()
     row_axis = (axes if len(axes) > 1 else axes[0]) if axes else None
 
-    def kernel(a, b, ends):
+    def kernel(bt, at, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
         with jax.enable_x64(False), costable_metadata():
-            out = _tgmm(a, b, sizes, jnp.float32, tile, num_actual_groups=groups, interpret=interpret)
+            out = _tgmm(bt, at, sizes, kernel_dtype, tile, num_actual_groups=groups, interpret=interpret)
         if axes:
             out = jax.lax.psum(out, axes)
         return out.astype(out_dtype)
 
-    return _per_shard(kernel, mesh, axes, (P(None, row_axis), P(row_axis), P()), P())(a, b, ends)
+    out_t = _per_shard(kernel, mesh, axes, (P(None, row_axis), P(row_axis), P()), P())(b.T, a.T, ends)
+    return jnp.swapaxes(out_t, 1, 2)
 
 
 @functools.cache
