@@ -15,7 +15,9 @@ compile-only devices when `[tpu] topology` names one) and prints:
   model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
   model whose first blocks are dense and the rest Mixture-of-Experts (DeepSeek-V3) keeps all its
   dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
-  MoE block's. When XLA gives no time estimate at all, a
+  MoE block's. The costing copies are compiled past XLA's out-of-memory check (an unrolled copy
+  may need more HBM than the scanned step; topology.COSTING_COMPILER_OPTIONS), and the method line
+  names a copy that does not fit. When XLA gives no time estimate at all, a
   compute-bound bound is printed instead, and it is never called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
@@ -45,6 +47,7 @@ __all__ = [
     "recompute_factor",
     "step_estimate",
     "unrolled",
+    "with_fit_note",
 ]
 
 
@@ -208,6 +211,7 @@ def step_estimate(trainer, report: dict) -> dict:
                 cached.append(f"{n}-layer from {when}")
             del t
         est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *depths, depth), small, depths)
+        est = with_fit_note(est, small, depths)
         lead = leading_dense_layers(trainer.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
@@ -243,6 +247,28 @@ def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict
         "method": f"{est['method']}; WARNING: the costing programs hold while loops ({held}), whose bodies "
         "XLA costs once: FLOPs too low, no time estimate",
         "estimated_step_seconds": None,
+    }
+
+
+def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
+    """`est` with its method saying which costing programs need more HBM than the chip has.
+
+    Costing programs are unrolled: they hold every layer's activations at once, where the scanned
+    step holds one layer's, and may not fit although the step does. They are compiled past XLA's
+    out-of-memory check (topology.COSTING_COMPILER_OPTIONS), and XLA's figures for them are kept;
+    the method line says they come from a program that could not run as compiled."""
+    over = [(n, r) for n, r in zip(depths, costing_reports) if r.get("fits") is False and r.get("hbm_bytes_needed")]
+    if not over:
+        return est
+    held = ", ".join(
+        f"the {n}-layer one needs {_gib(r['hbm_bytes_needed'])} of {_gib(r['hbm_bytes_available'])} per device"
+        for n, r in over
+    )
+    return {
+        **est,
+        "method": f"{est['method']}; NOTE: costing program(s) larger than HBM ({held}), compiled past XLA's "
+        "out-of-memory check (xla_tpu_no_crash_on_oom): their figures are XLA's for programs that could not run "
+        "as compiled",
     }
 
 
