@@ -210,11 +210,11 @@ def step_estimate(trainer, report: dict) -> dict:
             if when:
                 cached.append(f"{n}-layer from {when}")
             del t
-        est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *depths, depth), small, depths)
-        est = with_fit_note(est, small, depths)
+        est = depth_extrapolated_cost(small[0], small[1], *depths, depth)
         lead = leading_dense_layers(trainer.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
+        est = with_fit_note(with_loop_warning(est, small, depths), small, depths)
         if cached:
             est["method"] += f" (costing programs' figures from the dry-run cache: {', '.join(cached)})"
         return est
