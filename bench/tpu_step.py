@@ -268,13 +268,7 @@ def main(argv=None):
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import (
-        COSTING_DEPTHS,
-        recompute_factor,
-        unrolled,
-        with_fit_note,
-        with_loop_warning,
-    )
+    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS, recompute_factor, unrolled, with_loop_warning
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
@@ -306,8 +300,8 @@ def main(argv=None):
     # the costing trainers were built shallow: the job's own depth and model FLOPs come from its full args
     depth, flops_per_token = full_depth_and_flops(cfg, base)
     est = {
-        name: with_fit_note(with_loop_warning(depth_extrapolated_cost(*small, *COSTING_DEPTHS, depth), small), small)
-        for name, small in (("torchtpu", small_tt), ("pure JAX", small_ref))
+        "torchtpu": with_loop_warning(depth_extrapolated_cost(*small_tt, *COSTING_DEPTHS, depth), small_tt),
+        "pure JAX": with_loop_warning(depth_extrapolated_cost(*small_ref, *COSTING_DEPTHS, depth), small_ref),
     }
     full, temps = {}, {}
     if not a.no_full:

@@ -181,7 +181,7 @@ class ServingDryRun:
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     lowered = runner.step.lower_for(packed, bucket)
-                with costing_compiles(self.mesh.jax_mesh, memory_space_assignment=False, past_hbm=False):
+                with costing_compiles(self.mesh.jax_mesh, memory_space_assignment=False):
                     compiled = aot_compile(lowered)
                 rep = compile_report(compiled, self.mesh.jax_mesh)
                 rep["compile_seconds"] = time.perf_counter() - t0

@@ -15,9 +15,9 @@ compile-only devices when `[tpu] topology` names one) and prints:
   model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
   model whose first blocks are dense and the rest Mixture-of-Experts (DeepSeek-V3) keeps all its
   dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
-  MoE block's. The costing copies are compiled past XLA's out-of-memory check (an unrolled copy
-  may need more HBM than the scanned step; topology.COSTING_COMPILER_OPTIONS), and the method line
-  names a copy that does not fit. When XLA gives no time estimate at all, a
+  MoE block's. The costing copies are compiled past XLA's out-of-memory check once the full
+  program has compiled with it (an unrolled copy may need more HBM than the scanned step;
+  topology.PAST_OOM_COMPILER_OPTIONS), and the method line names a copy that does not fit. When XLA gives no time estimate at all, a
   compute-bound bound is printed instead, and it is never called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
@@ -204,7 +204,9 @@ def step_estimate(trainer, report: dict) -> dict:
         for n in depths:
             with phase(f"building the {n}-layer costing copy"):
                 t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
-            with costing_compiles(t.mesh.jax_mesh):
+            # past XLA's out-of-memory errors only once the full program, whose kernels are the copies', has
+            # compiled with the checks (a report of it here); bench.step_estimate, without one, keeps them
+            with costing_compiles(t.mesh.jax_mesh, past_oom="flops_per_device" in report):
                 rep, _, _, when = _step_report(t, label=f"the {n}-layer costing copy")
             small.append(rep)
             if when:
@@ -254,8 +256,8 @@ def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
     """`est` with its method saying which costing programs need more HBM than the chip has.
 
     Costing programs are unrolled: they hold every layer's activations at once, where the scanned
-    step holds one layer's, and may not fit although the step does. They are compiled past XLA's
-    out-of-memory check (topology.COSTING_COMPILER_OPTIONS), and XLA's figures for them are kept;
+    step holds one layer's, and may not fit although the step does. The dry run compiles them past
+    XLA's out-of-memory check (topology.PAST_OOM_COMPILER_OPTIONS), and XLA's figures for them are kept;
     the method line says they come from a program that could not run as compiled."""
     over = [(n, r) for n, r in zip(depths, costing_reports) if r.get("fits") is False and r.get("hbm_bytes_needed")]
     if not over:
