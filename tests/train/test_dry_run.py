@@ -119,7 +119,7 @@ def test_costing_compiles_past_oom_change_nothing_for_a_program_that_fits():
     chip has compile, which is why only programs a checked compile has vetted get it."""
     from jax.experimental import pallas as pl
 
-    from torchtpu.train.dry_run.estimate import with_fit_note
+    from torchtpu.train.dry_run.estimate import out_of_memory_line, with_fit_note
 
     with costing_compiles(topology_mesh(TOPOLOGY, (4,), ("dp",)), past_oom=True):
         past = _report(2, scan=False)
@@ -154,8 +154,14 @@ def test_costing_compiles_past_oom_change_nothing_for_a_program_that_fits():
     lowered = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)).lower(
         jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh, P()))
     )
-    with costing_compiles(mesh), pytest.raises(Exception, match="memory space vmem"):
+    with costing_compiles(mesh), pytest.raises(Exception, match="memory space vmem") as vmem:
         aot_compile(lowered)
+    # the dry run's line for it names VMEM, not HBM, and gives no sharding hint
+    line = out_of_memory_line(str(vmem.value), TOPOLOGY, "shard more")
+    assert "a kernel needs more VMEM" in line and "Ran out of memory in memory space vmem" in line, line
+    assert "shard more" not in line and "\n" not in line
+    line = out_of_memory_line("RESOURCE_EXHAUSTED: Ran out of memory on HBM.\nmore", TOPOLOGY, "shard more")
+    assert line.endswith("the XLA compiler says: RESOURCE_EXHAUSTED: Ran out of memory on HBM; shard more"), line
     with costing_compiles(mesh, past_oom=True):
         assert compile_report(aot_compile(lowered), mesh)["fits"]  # compiled: nothing in the report says
 

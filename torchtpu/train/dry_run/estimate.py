@@ -44,6 +44,7 @@ __all__ = [
     "dry_run",
     "estimate_lines",
     "leading_dense_layers",
+    "out_of_memory_line",
     "recompute_factor",
     "step_estimate",
     "unrolled",
@@ -346,13 +347,7 @@ def dry_run(trainer) -> int:
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
                 raise
-            first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
-            print(
-                f"torchtpu-train: dry run: the step does NOT fit in device memory on {_where(trainer)}: the XLA "
-                f"compiler says: {first}; {_fit_hint(trainer)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(out_of_memory_line(text or type(e).__name__, _where(trainer), _fit_hint(trainer)), file=sys.stderr, flush=True)
             return 1
 
     if accum > 1:
@@ -401,6 +396,25 @@ def dry_run(trainer) -> int:
     else:
         print("dry run: it fits", flush=True)
     return 0
+
+
+def out_of_memory_line(text: str, where: str, hint: str) -> str:
+    """The dry run's one line for XLA's out-of-memory error `text` compiling the step on `where`: HBM
+    (with `hint`, what to shard more), or a kernel's VMEM (on-chip scratch: the kernel's tiles, which no
+    layout changes), naming the op XLA names."""
+    lines = [" ".join(line.split()) for line in text.strip().splitlines() if line.strip()]
+    first = lines[0].rstrip(".") if lines else text
+    if "vmem" not in text.lower():
+        return (
+            f"torchtpu-train: dry run: the step does NOT fit in device memory on {where}: the XLA compiler says: "
+            f"{first}; {hint}"
+        )
+    detail = next((line for line in lines if "memory space vmem" in line), first).split(" custom-call(")[0]
+    said = first if detail == first else f"{first} {detail}"
+    return (
+        f"torchtpu-train: dry run: the step does NOT compile on {where}: a kernel needs more VMEM (on-chip "
+        f"memory) than the chip has, whatever the layout: the XLA compiler says: {said.rstrip('.')}"
+    )
 
 
 def _fit_hint(trainer) -> str:
