@@ -347,7 +347,11 @@ def dry_run(trainer) -> int:
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
                 raise
-            print(out_of_memory_line(text or type(e).__name__, _where(trainer), _fit_hint(trainer)), file=sys.stderr, flush=True)
+            print(
+                out_of_memory_line(text or type(e).__name__, _where(trainer), _fit_hint(trainer)),
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
 
     if accum > 1:
