@@ -17,8 +17,9 @@ compile-only devices when `[tpu] topology` names one) and prints:
   dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
   MoE block's. The costing copies are compiled past XLA's out-of-memory check once the full
   program has compiled with it (an unrolled copy may need more HBM than the scanned step;
-  topology.PAST_OOM_COMPILER_OPTIONS), and the method line names a copy that does not fit. When XLA gives no time estimate at all, a
-  compute-bound bound is printed instead, and it is never called an MFU;
+  topology.PAST_OOM_COMPILER_OPTIONS), and the method line names a copy that does not fit. When
+  XLA gives no time estimate at all, a compute-bound bound is printed instead, and it is never
+  called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
 
@@ -404,8 +405,8 @@ def dry_run(trainer) -> int:
 
 def out_of_memory_line(text: str, where: str, hint: str) -> str:
     """The dry run's one line for XLA's out-of-memory error `text` compiling the step on `where`: HBM
-    (with `hint`, what to shard more), or a kernel's VMEM (on-chip scratch: the kernel's tiles, which no
-    layout changes), naming the op XLA names."""
+    (with `hint`, what to shard more), or a kernel's VMEM (on-chip scratch, which the kernel's tiles
+    fill), naming the op XLA names."""
     lines = [" ".join(line.split()) for line in text.strip().splitlines() if line.strip()]
     first = lines[0].rstrip(".") if lines else text
     if "vmem" not in text.lower():
@@ -417,7 +418,7 @@ def out_of_memory_line(text: str, where: str, hint: str) -> str:
     said = first if detail == first else f"{first} {detail}"
     return (
         f"torchtpu-train: dry run: the step does NOT compile on {where}: a kernel needs more VMEM (on-chip "
-        f"memory) than the chip has, whatever the layout: the XLA compiler says: {said.rstrip('.')}"
+        f"memory) than the chip has: the XLA compiler says: {said.rstrip('.')}"
     )
 
 
