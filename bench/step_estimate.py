@@ -10,7 +10,9 @@ costed as it is). This prints only the second half: the same estimate lines, fro
 costing compiles, in a third of the dry run's time. Use it to compare code or config changes on
 the step estimate; use the dry run for memory. Other arguments go to the trainer's config.
 `--dump <folder>` keeps XLA's dump of the two costing compiles, for `bench.hlo_breakdown`
-(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache).
+(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). Without the full
+program's compile the costing copies keep XLA's out-of-memory checks: a copy larger than HBM (DeepSeek-V3
+671B's) is an error here, and the dry run costs it (topology.PAST_OOM_COMPILER_OPTIONS).
 """
 
 from __future__ import annotations

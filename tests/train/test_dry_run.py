@@ -110,6 +110,62 @@ def test_costing_compiles_count_every_step_of_a_collective_matmul():
     assert costed["estimated_step_seconds"] > plain["estimated_step_seconds"]
 
 
+def test_costing_compiles_past_oom_change_nothing_for_a_program_that_fits():
+    """The dry run compiles its costing copies with `xla_tpu_no_crash_on_oom`
+    (topology.PAST_OOM_COMPILER_OPTIONS): an unrolled copy may need more HBM than the scanned step
+    (DeepSeek-V3 671B's does). A program that fits reports the same figures with the option as
+    without; one that does not fit, which XLA refuses without it, compiles, reports that it does not
+    fit, and the estimate's method says so. The option also lets a kernel needing more VMEM than the
+    chip has compile, which is why only programs a checked compile has vetted get it."""
+    from jax.experimental import pallas as pl
+
+    from torchtpu.train.dry_run.estimate import out_of_memory_line, with_fit_note
+
+    with costing_compiles(topology_mesh(TOPOLOGY, (4,), ("dp",)), past_oom=True):
+        past = _report(2, scan=False)
+    with costing_compiles(topology_mesh(TOPOLOGY, (4,), ("dp",))):
+        checked = _report(2, scan=False)
+    assert past["fits"] and past["estimated_step_seconds"] > 0 and past["flops_per_device"] > 0
+    assert past == checked
+
+    mesh = topology_mesh(TOPOLOGY, (4,), ("dp",))
+    # 32 GiB per device in, 64 GiB out: more than a v5p chip's 95 GiB of HBM
+    x = jax.ShapeDtypeStruct((4 * 65536, 2 * 65536), jnp.float32, sharding=NamedSharding(mesh, P("dp")))
+    lowered = jax.jit(lambda x: (jnp.sin(x), jnp.cos(x))).lower(x)
+    with costing_compiles(mesh), pytest.raises(Exception, match="Ran out of memory"):
+        aot_compile(lowered)
+    with costing_compiles(mesh, past_oom=True):
+        over = compile_report(aot_compile(lowered), mesh)
+    assert over["fits"] is False and over["hbm_bytes_needed"] >= 96 * 1024**3
+    est = {"method": "extrapolated", "estimated_step_seconds": 0.5}
+    assert with_fit_note(est, [past, past]) == est
+    noted = with_fit_note(est, [past, over])
+    assert noted["estimated_step_seconds"] == 0.5
+    assert "the 4-layer one needs 96.00 GiB of 95.00 GiB per device" in noted["method"], noted["method"]
+    assert "2-layer" not in noted["method"]
+
+    # a Pallas kernel whose 64 MiB input and output blocks exceed a v5p core's VMEM
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    block = pl.BlockSpec((4096, 4096), lambda i: (jnp.int32(0), jnp.int32(0)))
+    big = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    call = pl.pallas_call(kernel, out_shape=big, grid=(1,), in_specs=[block], out_specs=block)
+    lowered = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)).lower(
+        jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh, P()))
+    )
+    with costing_compiles(mesh), pytest.raises(Exception, match="memory space vmem") as vmem:
+        aot_compile(lowered)
+    # the dry run's line for it names VMEM, not HBM, and gives no sharding hint
+    line = out_of_memory_line(str(vmem.value), TOPOLOGY, "shard more")
+    assert "a kernel needs more VMEM" in line and "Ran out of memory in memory space vmem" in line, line
+    assert "shard more" not in line and "\n" not in line
+    line = out_of_memory_line("RESOURCE_EXHAUSTED: Ran out of memory on HBM.\nmore", TOPOLOGY, "shard more")
+    assert line.endswith("the XLA compiler says: RESOURCE_EXHAUSTED: Ran out of memory on HBM; shard more"), line
+    with costing_compiles(mesh, past_oom=True):
+        assert compile_report(aot_compile(lowered), mesh)["fits"]  # compiled: nothing in the report says
+
+
 def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monkeypatch):
     """The dry run of the debug model (5 of its 6 layers, full recomputation) on v5p: the estimate it
     extrapolates for the trainer's own scanned step equals XLA's figure for the whole unrolled
@@ -213,9 +269,8 @@ def test_costing_depths_keep_every_leading_dense_block():
 
 
 def test_a_failed_costing_copy_without_a_whole_program_report_raises_its_error():
-    """When a costing copy cannot be built or compiled (DeepSeek-V3 671B's 7-layer copy runs out of
-    HBM), the dry run falls back on the whole program's figures; `bench.step_estimate`, which has
-    none, gets the costing copy's own error."""
+    """When a costing copy cannot be built or compiled, the dry run falls back on the whole program's
+    figures; `bench.step_estimate`, which has none, gets the costing copy's own error."""
     from types import SimpleNamespace
 
     from torchtpu.models.registry import get_family

@@ -391,6 +391,51 @@ def test_deepseek_v3_layer_scan_runs_the_moe_blocks_and_keeps_the_dense_layer_ou
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 
 
+def test_llama4_layer_scan_runs_uniform_blocks_only(tmp_path):
+    """Llama 4 whose blocks are all alike (every block MoE, all with rotary embedding: 17bx16e's
+    interleave_moe_layer_step 1) runs under the layer scan with full recomputation and gives the
+    unrolled run's losses within 1e-5, its tokens per expert every step and its expert biases. The
+    flavors whose blocks differ (dense and MoE interleaved, NoPE layers) are not uniform, so not
+    scanned (test_load_balanced_moe_fsdp8_matches_pytorch trains one, checkpointed block by block)."""
+    import torch
+    from torchtitan.models.llama4.model.model import Transformer
+
+    from torchtpu.models.llama4 import uniform_blocks
+    from torchtpu.models.registry import get_family
+    from torchtpu.train.trainer import Trainer
+
+    family = get_family("llama4")
+    with torch.device("meta"):
+        for flavor, uniform in (("17bx16e", True), ("17bx128e", False), ("17bx16e_irope", False)):
+            args = dataclasses.replace(family.model_args(flavor), n_layers=4, dim=256, n_heads=4, n_kv_heads=2)
+            assert uniform_blocks(Transformer(args)) is uniform, flavor
+
+    overrides = {**_narrow_llama4(), "interleave_moe_layer_step": 1}
+    runs = {}
+    for scan in (False, True):
+        # the unrolled run recomputes nothing (a smaller program to compile; the same numbers)
+        ac = ("--activation_checkpoint.mode", "full" if scan else "none")
+        t = Trainer(
+            load_config(_argv(tmp_path / str(scan), "debugmodel", 3, *ac, family="llama4")), model_overrides=overrides
+        )
+        assert all(block.moe_enabled for block in t.model.layers.values())
+        if scan:
+            _scan_check(t, 0)
+            assert [recomputed for _, recomputed in t.balanced_moe] == [False, False]  # counted once
+        losses = [h["loss"] for h in t.train()]
+        counts = [r["moe/tokens_per_expert"] for r in _metric_records(t)]
+        bias = [t.model.layers[str(i)].moe.expert_bias.cpu() for i in (0, 1)]
+        runs[scan] = losses, counts, bias
+    print(f"scanned {runs[True][0]}\nunrolled {runs[False][0]}")
+    assert _max_diff(runs[True][0], runs[False][0]) <= 1e-5
+    assert runs[True][1] == runs[False][1]
+    top_k = family.model_args("debugmodel").moe_args.top_k
+    assert all(sum(row) == 8 * 32 * top_k for step in runs[True][1] for row in step), runs[True][1]
+    for got, want in zip(runs[True][2], runs[False][2]):
+        assert torch.count_nonzero(want).item() > 0
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_moe_tensor_parallel_gives_the_ep1_losses(tmp_path, moe_fsdp8, ep):
     """torchtitan's tensor-parallel plan for the Qwen3 MoE, TP 2 x FSDP 4 (the same 8 sequences per step):

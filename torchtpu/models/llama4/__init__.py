@@ -15,8 +15,8 @@ the NoPE layers as torchtitan's does; the routed experts run as grouped matmuls 
 The plan (torchtpu.models.moe.parallelize_moe_family) is torchtitan's: the Llama 3 plan for the
 attention, the dense feed-forward and the embeddings (tensor parallelism with sequence parallelism),
 torchtitan's plan for the MoE layers (expert parallelism, tensor parallelism of the router and the
-shared and routed experts), FSDP/HSDP per block with mixed precision, and activation checkpointing.
-Refused with one line: the iRoPE flavors (NoPE layers plus chunked attention, whose fixed-block
+shared and routed experts), FSDP/HSDP per block with mixed precision, activation checkpointing, and
+the layer scan when every block is built alike (`uniform_blocks`: 17bx16e). Refused with one line: the iRoPE flavors (NoPE layers plus chunked attention, whose fixed-block
 masks torchtitan builds for flex_attention).
 """
 
@@ -27,7 +27,7 @@ import torch
 from ..llama3.rope import apply_real_rotary_emb, use_real_rope
 from ..moe import parallelize_moe_family, use_ragged_experts
 
-__all__ = ["RealRopeLlama4Attention", "parallelize_llama4", "prepare_llama4"]
+__all__ = ["RealRopeLlama4Attention", "parallelize_llama4", "prepare_llama4", "uniform_blocks"]
 
 
 def _model_module():
@@ -72,10 +72,22 @@ def prepare_llama4(model: torch.nn.Module) -> torch.nn.Module:
     return use_ragged_experts(model)
 
 
+def uniform_blocks(model: torch.nn.Module) -> bool:
+    """Whether every block of a torchtitan Llama 4 Transformer is built alike: all MoE or all dense
+    (`moe_enabled`: every `interleave_moe_layer_step`-th block is MoE) and all with rotary embedding
+    or all without (`use_rope`: every `every_n_layers_nope`-th block is a NoPE one). True for 17bx16e
+    (interleave_moe_layer_step 1, no NoPE layers); False for the flavors that interleave dense and
+    MoE blocks (debugmodel, 17bx128e) and the iRoPE ones."""
+    return len({(block.moe_enabled, block.attention.use_rope) for block in model.layers.values()}) <= 1
+
+
 def parallelize_llama4(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
     """Shard a torchtitan Llama 4 Transformer over `mesh`; the arguments are parallelize_llama's.
-    The blocks run unrolled, each under the activation checkpointing asked for: dense and MoE
-    blocks interleave, and blocks without rotary embedding (`use_rope`) differ from the others in
-    an attribute the layer scan's check of identical blocks does not see."""
-    kw["scan_layers"] = False
+    The layer scan (`scan_layers`) runs the blocks when they are all built alike (`uniform_blocks`:
+    17bx16e, every block MoE with rotary embedding); otherwise they run unrolled, each under the
+    activation checkpointing asked for: dense and MoE blocks interleave, and blocks without rotary
+    embedding (`use_rope`) differ from the others in an attribute the layer scan's check of
+    identical blocks does not see."""
+    if not uniform_blocks(model):
+        kw["scan_layers"] = False
     return parallelize_moe_family(model, mesh, **kw)

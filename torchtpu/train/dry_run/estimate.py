@@ -15,8 +15,11 @@ compile-only devices when `[tpu] topology` names one) and prints:
   model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
   model whose first blocks are dense and the rest Mixture-of-Experts (DeepSeek-V3) keeps all its
   dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
-  MoE block's. When XLA gives no time estimate at all, a
-  compute-bound bound is printed instead, and it is never called an MFU;
+  MoE block's. The costing copies are compiled past XLA's out-of-memory check once the full
+  program has compiled with it (an unrolled copy may need more HBM than the scanned step;
+  topology.PAST_OOM_COMPILER_OPTIONS), and the method line names a copy that does not fit. When
+  XLA gives no time estimate at all, a compute-bound bound is printed instead, and it is never
+  called an MFU;
 - XLA's FLOPs next to the model's own (torchtitan's 6N + attention per token) and the factor
   activation recomputation should add, so work the program does beyond that shows.
 
@@ -42,9 +45,11 @@ __all__ = [
     "dry_run",
     "estimate_lines",
     "leading_dense_layers",
+    "out_of_memory_line",
     "recompute_factor",
     "step_estimate",
     "unrolled",
+    "with_fit_note",
 ]
 
 
@@ -201,16 +206,19 @@ def step_estimate(trainer, report: dict) -> dict:
         for n in depths:
             with phase(f"building the {n}-layer costing copy"):
                 t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
-            with costing_compiles(t.mesh.jax_mesh):
+            # past XLA's out-of-memory errors only once the full program, whose kernels are the copies', has
+            # compiled with the checks (a report of it here); bench.step_estimate, without one, keeps them
+            with costing_compiles(t.mesh.jax_mesh, past_oom="flops_per_device" in report):
                 rep, _, _, when = _step_report(t, label=f"the {n}-layer costing copy")
             small.append(rep)
             if when:
                 cached.append(f"{n}-layer from {when}")
             del t
-        est = with_loop_warning(depth_extrapolated_cost(small[0], small[1], *depths, depth), small, depths)
+        est = depth_extrapolated_cost(small[0], small[1], *depths, depth)
         lead = leading_dense_layers(trainer.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
+        est = with_fit_note(with_loop_warning(est, small, depths), small, depths)
         if cached:
             est["method"] += f" (costing programs' figures from the dry-run cache: {', '.join(cached)})"
         return est
@@ -243,6 +251,28 @@ def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict
         "method": f"{est['method']}; WARNING: the costing programs hold while loops ({held}), whose bodies "
         "XLA costs once: FLOPs too low, no time estimate",
         "estimated_step_seconds": None,
+    }
+
+
+def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
+    """`est` with its method saying which costing programs need more HBM than the chip has.
+
+    Costing programs are unrolled: they hold every layer's activations at once, where the scanned
+    step holds one layer's, and may not fit although the step does. The dry run compiles them past
+    XLA's out-of-memory check (topology.PAST_OOM_COMPILER_OPTIONS), and XLA's figures for them are kept;
+    the method line says they come from a program that could not run as compiled."""
+    over = [(n, r) for n, r in zip(depths, costing_reports) if r.get("fits") is False and r.get("hbm_bytes_needed")]
+    if not over:
+        return est
+    held = ", ".join(
+        f"the {n}-layer one needs {_gib(r['hbm_bytes_needed'])} of {_gib(r['hbm_bytes_available'])} per device"
+        for n, r in over
+    )
+    return {
+        **est,
+        "method": f"{est['method']}; NOTE: costing program(s) larger than HBM ({held}), compiled past XLA's "
+        "out-of-memory check (xla_tpu_no_crash_on_oom): their figures are XLA's for programs that could not run "
+        "as compiled",
     }
 
 
@@ -318,10 +348,8 @@ def dry_run(trainer) -> int:
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
                 raise
-            first = " ".join(text.strip().splitlines()[0].split()).rstrip(".") if text.strip() else type(e).__name__
             print(
-                f"torchtpu-train: dry run: the step does NOT fit in device memory on {_where(trainer)}: the XLA "
-                f"compiler says: {first}; {_fit_hint(trainer)}",
+                out_of_memory_line(text or type(e).__name__, _where(trainer), _fit_hint(trainer)),
                 file=sys.stderr,
                 flush=True,
             )
@@ -373,6 +401,25 @@ def dry_run(trainer) -> int:
     else:
         print("dry run: it fits", flush=True)
     return 0
+
+
+def out_of_memory_line(text: str, where: str, hint: str) -> str:
+    """The dry run's one line for XLA's out-of-memory error `text` compiling the step on `where`: HBM
+    (with `hint`, what to shard more), or a kernel's VMEM (on-chip scratch, which the kernel's tiles
+    fill), naming the op XLA names."""
+    lines = [" ".join(line.split()) for line in text.strip().splitlines() if line.strip()]
+    first = lines[0].rstrip(".") if lines else text
+    if "vmem" not in text.lower():
+        return (
+            f"torchtpu-train: dry run: the step does NOT fit in device memory on {where}: the XLA compiler says: "
+            f"{first}; {hint}"
+        )
+    detail = next((line for line in lines if "memory space vmem" in line), first).split(" custom-call(")[0]
+    said = first if detail == first else f"{first} {detail}"
+    return (
+        f"torchtpu-train: dry run: the step does NOT compile on {where}: a kernel needs more VMEM (on-chip "
+        f"memory) than the chip has: the XLA compiler says: {said.rstrip('.')}"
+    )
 
 
 def _fit_hint(trainer) -> str:
