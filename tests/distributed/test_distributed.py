@@ -421,6 +421,28 @@ def test_sharded_llama_step_compiles_for_tpu_topologies(topology):
 # ----------------------------------------------------------------------------- per-device code
 
 
+def test_local_map_residuals_are_saved_tensors():
+    """local_map's backward (the shard_map's vjp) takes its residuals through PyTorch's saved-tensor
+    hooks (here moved to the host and back, so it can only have them from the hooks), so activation
+    checkpointing can drop them; the gradient is x * sin(x)'s."""
+    from torchtpu.distributed import local_map
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    x = torch.linspace(-2.0, 2.0, 32).reshape(8, 4)
+    d = distribute_tensor(x, mesh, (Shard(0),)).requires_grad_()
+    packed = []
+
+    def pack(t):
+        packed.append(t.numel())
+        return t.to("cpu")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.to("tpu")):
+        out = local_map(lambda t: t * torch.sin(t), (Shard(0),), [(Shard(0),)], device_mesh=mesh)(d)
+    assert sum(packed) >= x.numel(), packed  # sin(x) and x at least
+    out.sum().backward()
+    torch.testing.assert_close(d.grad.cpu(), torch.sin(x) + x * torch.cos(x), rtol=1e-6, atol=1e-6)
+
+
 def test_local_map_with_functional_collectives_matches_numpy():
     import torch.distributed._functional_collectives as funcol
 

@@ -30,6 +30,7 @@ from ..backend.tensor import TpuTensor, new_base
 from ..backend.views import array_of
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
+from .vjp_saved import save_vjp, saved_vjp
 
 __all__ = ["local_map", "loss_parallel", "vocab_parallel_cross_entropy"]
 
@@ -237,13 +238,13 @@ class _LocalMap(torch.autograd.Function):
             lambda *xs: body(*xs), mesh=mesh.jax_mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False
         )
         res, vjp = jax.vjp(f, *arrays)
-        ctx.vjp = vjp
+        save_vjp(ctx, vjp)  # residuals as saved tensors: activation checkpointing drops and recomputes them
         return tuple(new_base(r, 0, dt) for r, dt in zip(res, info["dtypes"]))
 
     @staticmethod
     def backward(ctx, *grads):
         cot = tuple(array_of(g) for g in grads)
-        gins = ctx.vjp(cot)
+        gins = saved_vjp(ctx)(cot)
         return (None, None, None, None, None, None) + tuple(new_base(g, 0) for g in gins)
 
 

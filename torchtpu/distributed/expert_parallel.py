@@ -64,6 +64,7 @@ from ..backend.tensor import new_base
 from ..backend.views import array_of
 from .batch import data_parallel_axes
 from .mesh import DeviceMesh
+from .vjp_saved import save_vjp, saved_vjp
 
 __all__ = ["expert_parallel_ffn", "expert_axes"]
 
@@ -309,10 +310,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 class _ExpertParallel(torch.autograd.Function):
     """The dispatch as one autograd node. Its backward is the shard_map's `jax.vjp`, whose residuals
-    (the sorted rows, the experts' intermediates, ...) are saved as tpu tensors with
-    `ctx.save_for_backward`, not kept inside the vjp closure: PyTorch's saved-tensor hooks then see
-    them, so non-reentrant activation checkpointing drops them after the forward and recomputes
-    them in backward, as it does every other op's; the backward rebuilds the vjp from them."""
+    (the sorted rows, the experts' intermediates, ...) are PyTorch saved tensors (`vjp_saved`), so
+    non-reentrant activation checkpointing drops them after the forward and recomputes them."""
 
     @staticmethod
     def forward(ctx, f, expert_ids, x, scores, *weights):
@@ -322,18 +321,12 @@ class _ExpertParallel(torch.autograd.Function):
         if not any(ctx.needs_input_grad[2:]):  # no gradient wanted (evaluation): no residuals kept
             return new_base(f(ids, *arrays), 0, x.dtype)
         out, vjp = jax.vjp(lambda *a: f(ids, *a), *arrays)
-        leaves, ctx.treedef = jax.tree_util.tree_flatten(vjp)
-        ctx.saved = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.core.Tracer))]
-        ctx.others = {i: leaf for i, leaf in enumerate(leaves) if i not in set(ctx.saved)}
-        ctx.save_for_backward(*(new_base(leaves[i], 0) for i in ctx.saved))
+        save_vjp(ctx, vjp)
         return new_base(out, 0, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        leaves = dict(ctx.others)
-        leaves.update(zip(ctx.saved, (array_of(t) for t in ctx.saved_tensors)))
-        vjp = jax.tree_util.tree_unflatten(ctx.treedef, [leaves[i] for i in range(len(leaves))])
-        grads = [new_base(g, 0) for g in vjp(array_of(grad))]
+        grads = [new_base(g, 0) for g in saved_vjp(ctx)(array_of(grad))]
         if not ctx.has_scores:
             grads.insert(1, None)
         return (None, None) + tuple(grads)
