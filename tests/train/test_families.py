@@ -361,31 +361,42 @@ def test_deepseek_v3_layer_scan_runs_the_moe_blocks_and_keeps_the_dense_layer_ou
     the 2 MoE blocks (the dense layer stays outside, checkpointed), and gives the unrolled run's
     losses within 1e-5, its tokens per expert every step, and its expert biases (moved by the
     load-balancing update from the counts the scan wrote back)."""
-    import torch
 
     from torchtpu.backend.activation_checkpoint import is_checkpointed
-    from torchtpu.train.trainer import Trainer
+
+    def scanned(t):
+        _scan_check(t, 1)
+        assert is_checkpointed(t.model.layers["0"]) and not is_checkpointed(t.model.layers["1"])
 
     overrides = {**_narrow_deepseek_v3(), "n_layers": 3}
+    _scan_matches_unrolled(tmp_path, "deepseek_v3", overrides, scanned, moe_layers=(1, 2), top_k=3)
+
+
+def _scan_matches_unrolled(tmp_path, family, overrides, scanned, moe_layers, top_k):
+    """`family`'s debugmodel with `overrides`, trained 3 steps unrolled (no recomputation: a smaller
+    program, the same numbers) and under the layer scan with full recomputation (`scanned(trainer)`
+    checks the scan's layout first): the same losses within 1e-5, the same tokens per expert every
+    step (8 x 32 x top_k routed rows per layer), and the same expert biases of `moe_layers`."""
+    import torch
+
+    from torchtpu.train.trainer import Trainer
+
     runs = {}
     for scan in (False, True):
-        # the unrolled run recomputes nothing (a smaller program to compile; the same numbers)
         ac = ("--activation_checkpoint.mode", "full" if scan else "none")
         t = Trainer(
-            load_config(_argv(tmp_path / str(scan), "debugmodel", 3, *ac, family="deepseek_v3")),
-            model_overrides=overrides,
+            load_config(_argv(tmp_path / str(scan), "debugmodel", 3, *ac, family=family)), model_overrides=overrides
         )
         if scan:
-            _scan_check(t, 1)
-            assert is_checkpointed(t.model.layers["0"]) and not is_checkpointed(t.model.layers["1"])
+            scanned(t)
         losses = [h["loss"] for h in t.train()]
         counts = [r["moe/tokens_per_expert"] for r in _metric_records(t)]
-        bias = [t.model.layers[str(i)].moe.expert_bias.cpu() for i in (1, 2)]
+        bias = [t.model.layers[str(i)].moe.expert_bias.cpu() for i in moe_layers]
         runs[scan] = losses, counts, bias
     print(f"scanned {runs[True][0]}\nunrolled {runs[False][0]}")
     assert _max_diff(runs[True][0], runs[False][0]) <= 1e-5
     assert runs[True][1] == runs[False][1]
-    assert all(sum(row) == 8 * 32 * 3 for step in runs[True][1] for row in step), runs[True][1]
+    assert all(sum(row) == 8 * 32 * top_k for step in runs[True][1] for row in step), runs[True][1]
     for got, want in zip(runs[True][2], runs[False][2]):
         assert torch.count_nonzero(want).item() > 0
         torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
@@ -402,7 +413,6 @@ def test_llama4_layer_scan_runs_uniform_blocks_only(tmp_path):
 
     from torchtpu.models.llama4 import uniform_blocks
     from torchtpu.models.registry import get_family
-    from torchtpu.train.trainer import Trainer
 
     family = get_family("llama4")
     with torch.device("meta"):
@@ -410,30 +420,14 @@ def test_llama4_layer_scan_runs_uniform_blocks_only(tmp_path):
             args = dataclasses.replace(family.model_args(flavor), n_layers=4, dim=256, n_heads=4, n_kv_heads=2)
             assert uniform_blocks(Transformer(args)) is uniform, flavor
 
-    overrides = {**_narrow_llama4(), "interleave_moe_layer_step": 1}
-    runs = {}
-    for scan in (False, True):
-        # the unrolled run recomputes nothing (a smaller program to compile; the same numbers)
-        ac = ("--activation_checkpoint.mode", "full" if scan else "none")
-        t = Trainer(
-            load_config(_argv(tmp_path / str(scan), "debugmodel", 3, *ac, family="llama4")), model_overrides=overrides
-        )
+    def scanned(t):
         assert all(block.moe_enabled for block in t.model.layers.values())
-        if scan:
-            _scan_check(t, 0)
-            assert [recomputed for _, recomputed in t.balanced_moe] == [False, False]  # counted once
-        losses = [h["loss"] for h in t.train()]
-        counts = [r["moe/tokens_per_expert"] for r in _metric_records(t)]
-        bias = [t.model.layers[str(i)].moe.expert_bias.cpu() for i in (0, 1)]
-        runs[scan] = losses, counts, bias
-    print(f"scanned {runs[True][0]}\nunrolled {runs[False][0]}")
-    assert _max_diff(runs[True][0], runs[False][0]) <= 1e-5
-    assert runs[True][1] == runs[False][1]
+        _scan_check(t, 0)
+        assert [recomputed for _, recomputed in t.balanced_moe] == [False, False]  # counted once
+
+    overrides = {**_narrow_llama4(), "interleave_moe_layer_step": 1}
     top_k = family.model_args("debugmodel").moe_args.top_k
-    assert all(sum(row) == 8 * 32 * top_k for step in runs[True][1] for row in step), runs[True][1]
-    for got, want in zip(runs[True][2], runs[False][2]):
-        assert torch.count_nonzero(want).item() > 0
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+    _scan_matches_unrolled(tmp_path, "llama4", overrides, scanned, moe_layers=(0, 1), top_k=top_k)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
