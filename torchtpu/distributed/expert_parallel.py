@@ -213,7 +213,7 @@ class _Plan:
             tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
             out = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
             # 4. back to the bucket layout, back to the sending chips: the sorted rows' outputs
-            back = jnp.zeros_like(out).at[group].set(out, unique_indices=True).reshape(n_ep, n, width)
+            back = _place(out, group).reshape(n_ep, n, width)
             done = lax.all_to_all(back, self.ep, 0, 0, tiled=True)[dest, slot]
         done = _unsort(done, order, inverse)  # the rows' outputs in token order
         return done if scores is None else _combine(done, scores, k)
