@@ -23,7 +23,9 @@ writes it, then sends each (token, expert) row to the chip holding its expert an
 all-to-alls (torchtpu.distributed.expert_parallel), where torchtitan's same grouped matmul computes
 it. The combine (the scores' weighting and the sum over the top-k in float32, rounded once, as
 torchtitan's batched matmul; the shared experts added) is torchtitan's arithmetic on the same
-rows, so a step under expert parallelism computes what it computes without.
+rows, so a step under expert parallelism computes what it computes without. Under this dispatch the
+experts' w1 and w3 run as one grouped matmul over their concatenation (`_grouped_experts`: the same
+products, one kernel instead of two, forward and backward).
 With tensor parallelism the mesh dim "ep" spans the "tp" axis too (torchtitan's
 expert_tensor_parallel_degree 1, distributed.mesh.expert_parallel_mesh), and each chip of a
 tensor-parallel group dispatches its own part of the rows.
@@ -49,6 +51,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -96,7 +99,25 @@ def use_ragged_experts(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _grouped_experts(weights, x, tokens_per_expert):
-    return _run_experts_grouped_mm(*weights, x, tokens_per_expert)
+    """torchtitan's `_run_experts_grouped_mm` with w1 and w3 as one grouped matmul: `weights` is
+    (w13, w2), w13 = cat(w1, w3) on the hidden dim (`_fused_weights`). Each hidden unit's product
+    is the same dot over the same inputs as in torchtitan's two calls, then silu(h1) * h3 and w2 as
+    torchtitan computes them. In backward this is one grouped matmul for the rows' gradient
+    (dh1 w1 + dh3 w3 summed inside the kernel instead of a sum of two (rows, dim) products) and one
+    for w1's and w3's gradients, and the rows are read once, not twice."""
+    w13, w2 = weights
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    h13 = torch._grouped_mm(x.bfloat16(), w13.bfloat16().transpose(-2, -1), offs=offsets)
+    h1, h3 = h13.chunk(2, dim=-1)
+    h = F.silu(h1) * h3
+    return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+
+
+def _fused_weights(experts: GroupedExperts) -> list[torch.Tensor]:
+    """(cat(w1, w3) on the hidden dim, w2): `_grouped_experts`'s weights. The concatenation is of
+    each chip's shards (FSDP and expert parallelism split the experts on another dim), before the
+    dispatch gathers them; autograd splits its gradient back into w1's and w3's."""
+    return [torch.cat([experts.w1, experts.w3], dim=1), experts.w2]
 
 
 class ExpertParallelMoE(MoE):
@@ -115,7 +136,7 @@ class ExpertParallelMoE(MoE):
         experts = self.experts
         ffn = functools.partial(
             expert_parallel_ffn,
-            weights=[experts.w1, experts.w2, experts.w3],
+            weights=_fused_weights(experts),
             run_experts=_grouped_experts,
             mesh=mesh,
             num_experts=experts.num_experts,
