@@ -35,7 +35,7 @@ def main() -> None:
     from torchtpu.backend.aot import dump_compiles_to
     from torchtpu.distributed.topology import chip_spec
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import estimate_lines, step_estimate
+    from torchtpu.train.dry_run.estimate import estimate_lines, leading_dense_layers, step_estimate
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])
@@ -46,6 +46,14 @@ def main() -> None:
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))
+    layer = (est.get("per_layer") or {}).get("estimated_step_seconds")
+    if layer is not None and est.get("estimated_step_seconds"):
+        sloped = trainer.model_args.n_layers - leading_dense_layers(trainer.model_args)
+        rest = est["estimated_step_seconds"] - sloped * layer
+        print(
+            f"XLA's time per layer    {layer * 1e3:.2f} ms (the slope, x {sloped} layers); the rest of the "
+            f"micro-batch {rest * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":
