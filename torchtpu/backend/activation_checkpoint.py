@@ -167,7 +167,12 @@ class OpPolicy:
 
 
 def _op_sac_contexts():
-    """PyTorch's selective checkpoint contexts (forward, recomputation) on OpPolicy."""
+    """PyTorch's selective checkpoint contexts (forward, recomputation) on OpPolicy.
+
+    A recomputation that runs other ops than the forward did makes PyTorch's recomputation context
+    raise ("... encountered during backward but not found in storage"), from inside the autograd
+    engine: on tpu that error aborts the process as a CheckpointError does (see
+    _forward_function_modes), never a wrong tensor. The layer scan's own replay raises a ScanError."""
     policies = {False: OpPolicy(), True: OpPolicy()}  # the forward's and the recomputation's count
 
     def policy(ctx, func, *args, **kwargs):
