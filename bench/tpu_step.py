@@ -268,7 +268,7 @@ def main(argv=None):
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS, recompute_factor, unrolled, with_loop_warning
+    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS, recompute_text, unrolled, with_loop_warning
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
@@ -345,7 +345,7 @@ def main(argv=None):
         rows[name] = row
     print(
         f"model FLOPs / chip / micro-batch {model_per_chip:.4g}; recomputation '{ac_settings(cfg)[0]}' expects "
-        f"{recompute_factor(ac_settings(cfg)[0]):.2f}x; costing: {est['torchtpu']['method']}"
+        f"{recompute_text(*ac_settings(cfg))}; costing: {est['torchtpu']['method']}"
     )
     keys = list(rows["torchtpu"])
     print("| figure | torchtpu | pure JAX |\n| --- | --- | --- |")

@@ -8,17 +8,23 @@ jax.lax.scan inside a compiled step, invisible to the user.
 - state_dict() names, shapes and values are the same with the scan on and off; a trainer
   checkpoint saved with the scan resumes without it.
 - Loops the scan cannot stand for raise errors instead of computing something else.
+- Per-op selective checkpointing, scanned and unrolled: the numbers of full recomputation, with the
+  kept matmuls and attention not computed again; a recomputation that runs other kept ops than the
+  forward raises.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtpu  # noqa: F401
 from torchtpu.distributed import init_device_mesh
@@ -413,3 +419,133 @@ def test_scan_needs_full_recomputation():
     mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
     with pytest.raises(ValueError, match="ac_mode='full'"):
         parallelize_llama(_llama().to("tpu"), mesh, ac_mode="none", scan_layers=True)
+
+
+# ----------------------------------------------------------------------------- per-op selective checkpointing
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ops that run (a replayed one does not reach it): entered around backward, what
+    the recomputation computed again."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train_recording_backward(ac_mode, scan, steps=2):
+    """The 2-block Llama 3 debug model under FSDP over the 8 devices, trained `steps` AdamW steps
+    with `ac_mode`: (losses, each step's gradients, the ops the last compiled backward ran)."""
+    from torchtpu.distributed import distribute_tensor
+    from torchtpu.models.llama3 import parallelize_llama
+    from torchtpu.models.llama3.parallelize import batch_placements
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    model = _llama().to("tpu")
+    parallelize_llama(model, mesh, ac_mode=ac_mode, scan_layers=scan)
+    assert is_scanned(model.layers) == scan
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, weight_decay=0.1, capturable=True, foreach=True)
+    counter = _CountOps()
+
+    def step(inp, lab):
+        loss = F.cross_entropy(model(inp).flatten(0, 1).float(), lab.flatten(0, 1))
+        counter.counts.clear()
+        with counter:
+            loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), grads
+
+    cstep = torchtpu.compile(step)
+    losses, grads = [], []
+    for b in _batches()[:steps]:
+        inp, lab = (distribute_tensor(t, mesh, batch_placements(mesh)) for t in (b[:, :-1], b[:, 1:]))
+        loss, g = cstep(inp, lab)
+        losses.append(loss.item())
+        grads.append([x.cpu() for x in g])
+    return losses, grads, counter.counts
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_op_selective_checkpointing_matches_full_and_keeps_matmuls_and_attention(scan):
+    """torchtitan's per-op policy ("op"): the same losses and gradients as full recomputation, and
+    the compiled backward recomputes 3 of a block's 7 matmuls (it keeps the 1st, 3rd, 5th and 7th)
+    and not its attention, which full recomputation runs again."""
+    aten = torch.ops.aten
+    sdpa = aten._scaled_dot_product_fused_attention_overrideable.default
+    full = _train_recording_backward("full", scan)
+    op = _train_recording_backward("op", scan)
+    assert full[0] == op[0]  # the same program but for what is kept: the same losses, to the bit
+    for g_full, g_op in zip(full[1], op[1]):
+        for a, b in zip(g_full, g_op):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    blocks = 1 if scan else 2  # the scan's backward body is traced once for all blocks
+    assert full[2][sdpa] == blocks and op[2][sdpa] == 0
+    # the backward's matmuls: 2 for the output projection, then per block 14 for the gradients of
+    # its 7 matmuls and those it recomputes: 3 with "op"; full recomputation runs 7 again (6
+    # unrolled: PyTorch's checkpoint stops recomputing after the last value the backward needs)
+    assert op[2][aten.mm.default] == 2 + blocks * (14 + 3)
+    assert full[2][aten.mm.default] == 2 + blocks * (14 + (7 if scan else 6))
+
+
+class _GradDependentBlock(nn.Module):
+    """A block whose kept ops (OpPolicy) differ with gradients on, as the backward recomputes it,
+    from those with gradients off, as the scan's forward runs it."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.kind = kind
+
+    def forward(self, x):
+        y = self.lin(x)  # aten.mm, kept (the block's first matmul)
+        if not torch.is_grad_enabled():
+            return y * torch.max(y)  # aten.max, kept
+        if self.kind == "other op":
+            w = self.lin.weight
+            return y @ w @ w  # the 2nd matmul (recomputed), the 3rd (kept) where the forward ran max
+        if self.kind == "other shape":
+            return y * torch.max(y[:, :4])
+        return y  # "fewer": no max
+
+
+class _GradDependentStack(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.layers = nn.ModuleList([_GradDependentBlock(kind) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+_F32 = r" torch\.float32"
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        (
+            "other op",
+            rf"ran aten\.mm\.default on \(5, 8\){_F32}, \(8, 8\){_F32} as kept op 1, where the forward ran "
+            rf"aten\.max\.default on \(5, 8\){_F32}",
+        ),
+        (
+            "other shape",
+            rf"ran aten\.max\.default on \(5, 4\){_F32} as kept op 1, where the forward ran aten\.max\.default on "
+            rf"\(5, 8\){_F32}",
+        ),
+        ("fewer", r"ran 1 of the 2 ops the forward kept \(the next was aten\.max\.default"),
+    ],
+)
+def test_scan_refuses_a_recomputation_that_runs_other_kept_ops(kind, message):
+    model = _GradDependentStack(kind).to("tpu")
+    scan_layers(model.layers, save_ops=True)
+    with pytest.raises(ScanError, match=message):
+        _compiled_grads(model, torch.randn(5, 8).to("tpu"))

@@ -12,6 +12,11 @@ checkpoint restores the RNG and autocast state, not those, and the autograd engi
 without the caller's modes even when backward() is called inside them): without that, a mode
 such as `loss_parallel` around the loss is gone when backward recomputes, and the recomputation
 would compute something else (see _forward_function_modes).
+
+Per-op selective checkpointing (mode "op", torchtitan's `selective_ac_option = "op"`) recomputes a
+block but keeps the outputs of the ops `OpPolicy` names (matmuls, attention, ...), through
+PyTorch's `create_selective_checkpoint_contexts`; the layer scan does the same with its own
+recording and replaying modes (distributed/scan.py), on the same policy.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 from jax import lax
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .optable import lower
+
+aten = torch.ops.aten
 
 _lib = torch.library.Library("torchtpu", "DEF")
 _lib.define("optimization_barrier(Tensor[] xs) -> Tensor[]")
@@ -45,6 +53,11 @@ def _barrier_backward(ctx, grads):
 
 
 torch.library.register_autograd("torchtpu::optimization_barrier", _barrier_backward)
+
+# The barrier runs in the recomputation only (see _Checkpointed.forward): PyTorch's selective
+# checkpointing, which replays the forward's ops by position, must pass it through as it passes the
+# detaches that checkpointing adds, instead of looking for it among the forward's ops.
+torch.utils.checkpoint.SAC_IGNORED_OPS.add(torch.ops.torchtpu.optimization_barrier.default)
 
 
 @lower(torch.ops.torchtpu.optimization_barrier.default)
@@ -110,13 +123,82 @@ def _forward_function_modes(modes: tuple):
         yield
 
 
+# The ops whose outputs per-op selective checkpointing keeps (torchtitan's op save list, as far as
+# its ops reach the dispatcher on tpu): matmuls, attention, the reduce-scatters of tensor
+# parallelism, and max (the absolute maximum of low-precision scaling).
+OP_SAC_SAVED = frozenset(
+    {
+        aten.mm.default,
+        # F.scaled_dot_product_attention on tpu (ops/nn.py: _sdpa_autograd); the math path is
+        # composite and reaches the dispatcher as its pieces, which are recomputed
+        aten._scaled_dot_product_fused_attention_overrideable.default,
+        aten._scaled_dot_product_attention_math.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        aten.max.default,
+    }
+)
+
+
+class OpPolicy:
+    """torchtitan's per-op selective checkpointing policy, for one run of one block: keep the
+    outputs of the ops in OP_SAC_SAVED, except every second `aten.mm` (the 2nd, 4th, ... of the
+    block), and recompute everything else.
+
+    Matmuls are `aten.mm` because that is what torchtitan's blocks' linear layers dispatch on
+    tpu, as on CUDA: nn.Linear without a bias (every torchtitan block's) reaches the dispatcher as
+    `aten.mm` (a 3-D input as view, mm, _unsafe_view: `aten.linear` and `aten.matmul` are
+    composite and never reach it). A linear layer with a bias dispatches `aten.addmm`, which
+    torchtitan's list does not name either; it is recomputed, as it is there.
+
+    The matmuls are counted per run of the block (a fresh policy per forward and one per
+    recomputation), so the forward and its recomputation pick the same ones and the choice is the
+    same in every step."""
+
+    def __init__(self):
+        self.mm = 0
+
+    def saves(self, func) -> bool:
+        if func not in OP_SAC_SAVED:
+            return False
+        if func is aten.mm.default:
+            self.mm += 1
+            return self.mm % 2 == 1
+        return True
+
+
+def _op_sac_contexts():
+    """PyTorch's selective checkpoint contexts (forward, recomputation) on OpPolicy.
+
+    A recomputation that runs other ops than the forward did makes PyTorch's recomputation context
+    raise ("... encountered during backward but not found in storage"), from inside the autograd
+    engine: on tpu that error aborts the process as a CheckpointError does (see
+    _forward_function_modes), never a wrong tensor. The layer scan's own replay raises a ScanError."""
+    policies = {False: OpPolicy(), True: OpPolicy()}  # the forward's and the recomputation's count
+
+    def policy(ctx, func, *args, **kwargs):
+        saves = policies[ctx.is_recompute].saves(func)
+        return CheckpointPolicy.MUST_SAVE if saves else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@contextlib.contextmanager
+def _entered(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
 class _Checkpointed(torch.nn.Module):
     """Wraps a module so its activations are recomputed in backward. Its state_dict() has the
-    wrapped module's names (no wrapper prefix)."""
+    wrapped module's names (no wrapper prefix). With `save_ops`, the recomputation reuses the
+    forward's outputs of the ops OpPolicy keeps (per-op selective checkpointing)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, save_ops: bool = False):
         super().__init__()
         self.module = module
+        self.save_ops = save_ops
         self._register_state_dict_hook(_strip_wrapper)
         self._register_load_state_dict_pre_hook(_add_wrapper)
 
@@ -139,7 +221,10 @@ class _Checkpointed(torch.nn.Module):
         modes = _function_modes()
 
         def contexts():
-            return contextlib.nullcontext(), _forward_function_modes(modes)
+            if not self.save_ops:
+                return contextlib.nullcontext(), _forward_function_modes(modes)
+            forward, recompute = _op_sac_contexts()
+            return forward, _entered(_forward_function_modes(modes), recompute)
 
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts)
 
@@ -149,24 +234,29 @@ def is_checkpointed(module: torch.nn.Module) -> bool:
     return isinstance(module, _Checkpointed)
 
 
-def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
-    """Return `module` wrapped so that its activations are recomputed during backward."""
-    return _Checkpointed(module)
+def checkpoint_module(module: torch.nn.Module, save_ops: bool = False) -> torch.nn.Module:
+    """Return `module` wrapped so that its activations are recomputed during backward; with
+    `save_ops`, all but the outputs of the ops OpPolicy keeps."""
+    return _Checkpointed(module, save_ops)
+
+
+AC_MODES = ("none", "full", "selective", "op")
 
 
 def apply_activation_checkpointing(blocks: torch.nn.Module, mode: str = "full", every: int = 1) -> None:
     """Checkpoint the children of `blocks` (a ModuleDict/ModuleList/Sequential of layers).
 
     mode="full": every block; mode="selective": every `every`-th block (torchtitan's
-    layer-selective policy); mode="none": nothing.
+    layer-selective policy); mode="op": every block, keeping the outputs of the ops OpPolicy
+    names (torchtitan's per-op selective policy); mode="none": nothing.
     """
-    if mode not in ("none", "full", "selective"):
-        raise ValueError(f"activation checkpointing mode {mode!r} is not one of 'none', 'full', 'selective'")
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is not one of {', '.join(map(repr, AC_MODES))}")
     if mode == "selective" and every < 1:
         raise ValueError(f"selective activation checkpointing needs every >= 1, got {every}")
     if mode == "none":
         return
-    step = 1 if mode == "full" else every
+    step = every if mode == "selective" else 1
     for i, (name, child) in enumerate(list(blocks.named_children())):
-        if i % step == step - 1 if mode == "selective" else True:
-            setattr(blocks, name, checkpoint_module(child))
+        if i % step == step - 1:
+            setattr(blocks, name, checkpoint_module(child, save_ops=mode == "op"))

@@ -52,6 +52,7 @@ class ModuleRecord:
     in_use: list[str] = dataclasses.field(default_factory=list)  # put in use by those hooks, this forward
     scan_base: type | None = None  # the class scan_layers replaced
     scan_start: int = 0  # the blocks before this one run as they are; the scan runs the rest
+    scan_saves_ops: bool = False  # the scan keeps the outputs of OpPolicy's ops (per-op selective checkpointing)
     # materialize() of scanned blocks: per parameter slot (its path in a block), the one storage
     # all blocks' parameters of that slot are views of, [n_blocks, *shape] (see _materialize_stacked)
     stacked: dict[str, TpuTensor] = dataclasses.field(default_factory=dict)

@@ -33,6 +33,13 @@ What stays as it was:
   constraints of TP/FSDP gradients and custom autograd functions) applies as in the unrolled
   program. This IS full activation checkpointing of every block: only each block's input is
   kept from the forward. Use the scan where the blocks would be fully recomputed anyway.
+- Per-op selective checkpointing (`scan_layers(blocks, save_ops=True)`, torchtitan's
+  `selective_ac_option = "op"`): the forward loop also returns, stacked per block, the outputs of
+  the ops that activation_checkpoint.OpPolicy keeps (matmuls, attention, ...), recorded in order by
+  a dispatch mode; the backward's recomputation gets those values back in the same order instead
+  of computing those ops again (autograd still records each op, so its backward runs). A
+  recomputation whose kept ops differ from the forward's (another op, or other input shapes or
+  dtypes, at some position) raises a ScanError naming them.
 - Randomness. Each block draws from its own key (the step's key folded with the block index),
   and the backward's recomputation draws the same values as the forward.
 - Buffers (a MoE layer's expert_bias and tokens_per_expert). The loop hands block i its own
@@ -51,17 +58,20 @@ block) raises an error naming it instead of computing something different.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
+from ..backend.activation_checkpoint import OpPolicy
 from ..backend.state import is_tracing, tracing
-from ..backend.tensor import TpuTensor, new_base, storage_of
+from ..backend.tensor import Storage, TpuTensor, new_base, storage_of, storage_order
 from ..backend.views import array_of, row_index, storage_array, write
 from .params import get_layout, module_record, scanned_children
 
@@ -83,14 +93,15 @@ class ScanError(RuntimeError):
 # ----------------------------------------------------------------------------- install
 
 
-def scan_layers(blocks: nn.Module, start: int = 0) -> nn.Module:
+def scan_layers(blocks: nn.Module, start: int = 0, save_ops: bool = False) -> nn.Module:
     """Run the identical blocks of `blocks` (an nn.ModuleDict or nn.ModuleList) under one
     `jax.lax.scan` inside compiled programs. Returns `blocks` (changed in place: same object,
     same children, same state_dict).
 
     With `start`, the first `start` blocks (DeepSeek-V3's dense layers in front of its MoE blocks)
     run as they are, one by one, and the scan runs the blocks from `start` on, which must be
-    identical."""
+    identical. With `save_ops`, the backward's recomputation of each block reuses the forward's
+    outputs of the ops activation_checkpoint.OpPolicy keeps (per-op selective checkpointing)."""
     if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
         raise TypeError(f"scan_layers takes an nn.ModuleDict or nn.ModuleList of blocks, got {type(blocks).__name__}")
     if is_scanned(blocks):
@@ -104,7 +115,7 @@ def scan_layers(blocks: nn.Module, start: int = 0) -> nn.Module:
     _check_identical(children, start)
     base = type(blocks)
     rec = module_record(blocks, create=True)
-    rec.scan_base, rec.scan_start = base, start
+    rec.scan_base, rec.scan_start, rec.scan_saves_ops = base, start, save_ops
     blocks.__class__ = _scanned_class(base)
     return blocks
 
@@ -288,6 +299,7 @@ class _Run:
         rec = module_record(blocks)
         self.before = [m for m in blocks._modules.values() if m is not None][: rec.scan_start]
         self.children = scanned_children(blocks, rec)
+        self.save_ops = rec.scan_saves_ops
         self.result = None
         self.args = None
         self.called = 0
@@ -403,6 +415,7 @@ def _scan_blocks(run: _Run, h, args, kwargs):
         [p.dtype for p in per_block[0]],
         _buffer_slots(template),
         buffers,
+        run.save_ops,
     )
     return _ScanFunction.apply(job, h, *params)
 
@@ -422,6 +435,8 @@ class _Job:
     param_dtypes: list  # dtypes of one block's parameters
     buffer_slots: list  # (owner module, name) of each of the template's buffers
     buffers: list  # per block, its buffers (the tensors the scan writes back)
+    save_ops: bool = False  # per-op selective checkpointing: keep the outputs of OpPolicy's ops
+    kept: list | None = None  # the forward body's _Kept records, in order (set when it is traced)
 
     def extra_arrays(self):
         return [array_of(x) if isinstance(x, TpuTensor) else x for x in self.flat]
@@ -542,6 +557,129 @@ def _stacked_bases(params, n: int, k: int):
     return arrays
 
 
+# ----------------------------------------------------------------------------- per-op selective checkpointing
+
+
+def _signature(args, kwargs):
+    """What must be equal for a kept op's output to stand for its recomputation: its inputs' shapes
+    and dtypes, and its other arguments."""
+    leaves, spec = tree_flatten((args, kwargs))
+    return spec, tuple(
+        ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class _Kept:
+    """One op output the forward body kept: the op, its inputs' signature, the output's structure,
+    and per leaf either its value (a leaf that is no tensor) or its tensor's dtype, strides and
+    storage layout (the array is a row of the forward loop's outputs)."""
+
+    func: object
+    signature: tuple
+    spec: TreeSpec | None
+    leaves: list  # per leaf: its value, or None for a tensor
+    tensors: list  # per leaf: None, or (dtype, strides, storage layout, storage memory order)
+
+    def describe(self) -> str:
+        shapes = [s[1:] for s in self.signature[1] if s[0] == "tensor"]
+        return f"{self.func} on {', '.join(f'{tuple(sh)} {dt}' for sh, dt in shapes) or 'no tensors'}"
+
+
+class _Keep(TorchDispatchMode):
+    """The forward body's mode: runs every op and records, in order, the outputs of those OpPolicy
+    keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = OpPolicy()
+        self.kept: list[_Kept] = []
+        self.arrays: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.policy.saves(func):
+            return out
+        leaves, spec = tree_flatten(out)
+        values, tensors = [], []
+        for x in leaves:
+            if not isinstance(x, torch.Tensor):
+                values.append(x)
+                tensors.append(None)
+                continue
+            if not isinstance(x, TpuTensor):
+                raise ScanError(
+                    f"scan_layers: {func} in a scanned block returned {_describe(x)} on {x.device}; per-op selective "
+                    "checkpointing keeps tpu tensors only (use activation_checkpoint.mode = 'full')"
+                )
+            st = storage_of(x)
+            base = not x._vw
+            values.append(None)
+            tensors.append((x.dtype, tuple(x.stride()), st.dist if base else None, storage_order(st) if base else None))
+            self.arrays.append(array_of(x))
+        self.kept.append(_Kept(func, _signature(args, kwargs), spec, values, tensors))
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """The backward body's mode, during the recomputation: the ops OpPolicy keeps return the
+    forward's outputs (this block's row of them), in the order the forward kept them; every other
+    op runs. Raises a ScanError at the first kept op that is not the forward's."""
+
+    def __init__(self, kept: list[_Kept], arrays: list, device_index: int):
+        super().__init__()
+        self.policy = OpPolicy()
+        self.kept = kept
+        self.arrays = arrays
+        self.device_index = device_index
+        self.pos = 0
+        self.next_array = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.policy.saves(func):
+            return func(*args, **kwargs)
+        i = self.pos
+        here = _Kept(func, _signature(args, kwargs), None, [], [])
+        if i >= len(self.kept):
+            raise ScanError(
+                f"scan_layers: the backward's recomputation of a block ran {here.describe()} as kept op {i}, but the "
+                f"forward kept only {len(self.kept)} ops; the block computes other ops with gradients on "
+                "(use activation_checkpoint.mode = 'full')"
+            )
+        rec = self.kept[i]
+        if rec.func is not func or rec.signature != here.signature:
+            raise ScanError(
+                f"scan_layers: the backward's recomputation of a block ran {here.describe()} as kept op {i}, where "
+                f"the forward ran {rec.describe()}; the block computes other ops with gradients on "
+                "(use activation_checkpoint.mode = 'full')"
+            )
+        self.pos += 1
+        leaves = []
+        for value, meta in zip(rec.leaves, rec.tensors):
+            if meta is None:
+                leaves.append(value)
+                continue
+            dtype, strides, dist, order = meta
+            a = self.arrays[self.next_array]
+            self.next_array += 1
+            st = Storage(a, tuple(a.shape), dtype, self.device_index)
+            st.dist = dist
+            if order is not None:
+                st.order = order
+            leaves.append(TpuTensor(st, (), tuple(a.shape), dtype, strides=strides))
+        return tree_unflatten(leaves, rec.spec)
+
+    def check_complete(self):
+        if self.pos != len(self.kept):
+            raise ScanError(
+                f"scan_layers: the backward's recomputation of a block ran {self.pos} of the {len(self.kept)} ops the "
+                f"forward kept (the next was {self.kept[self.pos].describe()}); the block computes other ops with "
+                "gradients on (use activation_checkpoint.mode = 'full')"
+            )
+
+
 class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, job: _Job, h, *params):
@@ -568,19 +706,24 @@ class _ScanFunction(torch.autograd.Function):
         def body(carry, xs):
             index, xs_weights, block_buffers = xs
             param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
-            with torch.no_grad():
+            keep = _Keep() if job.save_ops else contextlib.nullcontext()
+            with torch.no_grad(), keep:
                 out, buffers_out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index, block_buffers)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
                 raise ScanError(
                     f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
                     f"{h_dtype}, got {_describe(out)}"
                 )
-            # the block's input is the only activation kept for the backward (full recomputation)
-            return array_of(out), (carry, buffers_out)
+            # the block's input is the only activation kept for the backward (full recomputation),
+            # with per-op selective checkpointing also the outputs of the ops OpPolicy keeps
+            kept = []
+            if job.save_ops:
+                job.kept, kept = keep.kept, keep.arrays
+            return array_of(out), (carry, buffers_out, kept)
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
         xs_weights = weights if by_xs else []
-        out, (inputs, buffers_out) = jax.lax.scan(
+        out, (inputs, buffers_out, kept) = jax.lax.scan(
             body, array_of(h), (indices, xs_weights, buffers_in), unroll=_unroll()
         )
         # each block's buffers as its forward left them, written back per block; the backward's
@@ -591,7 +734,7 @@ class _ScanFunction(torch.autograd.Function):
                 for j, b in enumerate(bs):
                     write(b, buffers_out[j][i])
         ctx.job = job
-        ctx.saved = (weights if by_xs else [], params_at, inputs, extra, buffers_in)
+        ctx.saved = (weights if by_xs else [], params_at, inputs, extra, buffers_in, kept)
         ctx.h_dtype = h_dtype
         return _wrap(out, dev, h_dtype)
 
@@ -599,19 +742,23 @@ class _ScanFunction(torch.autograd.Function):
     def backward(ctx, g):
         job = ctx.job
         job.run.check_complete()
-        xs_weights, params_at, inputs, extra, buffers_in = ctx.saved
+        xs_weights, params_at, inputs, extra, buffers_in, kept = ctx.saved
         dev = job.device_index
         h_dtype = ctx.h_dtype
         k = len(job.slots)
         g_arr = array_of(g) if g is not None else jnp.zeros(inputs.shape[1:], inputs.dtype)
 
         def body(g_carry, xs):
-            index, h_in, xs_weights, block_buffers = xs
+            index, h_in, xs_weights, block_buffers, block_kept = xs
             layer_params = params_at(index, xs_weights)
             h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
             param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
             with torch.enable_grad():
-                out, _ = job.call_block(h_t, param_ts, extra, index, block_buffers)
+                replay = _Replay(job.kept, block_kept, dev) if job.save_ops else contextlib.nullcontext()
+                with replay:
+                    out, _ = job.call_block(h_t, param_ts, extra, index, block_buffers)
+                if job.save_ops:
+                    replay.check_complete()
                 grads = torch.autograd.grad(out, [h_t] + param_ts, _wrap(g_carry, dev, h_dtype), allow_unused=True)
             g_h = array_of(grads[0]) if grads[0] is not None else jnp.zeros_like(h_in)
             g_params = [array_of(gp) if gp is not None else jnp.zeros_like(a) for gp, a in zip(grads[1:], layer_params)]
@@ -619,7 +766,7 @@ class _ScanFunction(torch.autograd.Function):
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
         g_h, g_stacked = jax.lax.scan(
-            body, g_arr, (indices, inputs, xs_weights, buffers_in), reverse=True, unroll=_unroll()
+            body, g_arr, (indices, inputs, xs_weights, buffers_in, kept), reverse=True, unroll=_unroll()
         )
         ctx.saved = None
         grads = [None] * (job.n * k)

@@ -6,8 +6,6 @@ dtypes, activation recomputation).
 
 from __future__ import annotations
 
-import warnings
-
 from .config.job_config import ConfigError, JobConfig
 
 __all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac_settings", "torch_dtype"]
@@ -95,14 +93,13 @@ def torch_dtype(name: str):
 
 
 def ac_settings(cfg: JobConfig) -> tuple[str, int]:
+    """(mode, every) for apply_activation_checkpointing and the families' parallelize plans:
+    "none", "full", "selective" with every N-th block ([activation_checkpoint] selective_ac_option
+    = "N"), or "op" (selective_ac_option = "op": every block, keeping the outputs of torchtitan's
+    per-op policy, activation_checkpoint.OpPolicy)."""
     ac = cfg.activation_checkpoint
     if ac.mode != "selective":
         return ac.mode, 1
     if ac.selective_ac_option == "op":
-        warnings.warn(
-            'activation_checkpoint.selective_ac_option = "op" (per-op selective recomputation) is not '
-            'supported by torchtpu yet; recomputing every block (mode "full") instead',
-            stacklevel=2,
-        )
-        return "full", 1
+        return "op", 1
     return "selective", int(ac.selective_ac_option)

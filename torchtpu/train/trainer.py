@@ -246,9 +246,9 @@ class Trainer:
             reduce_dtype=mp_reduce,
             ac_mode=ac_mode,
             ac_every=ac_every,
-            # the layer scan recomputes every block, so it stands in for full checkpointing only;
-            # a single block has nothing to scan
-            scan_layers=cfg.tpu.scan_layers and ac_mode == "full" and self.model_args.n_layers > 1,
+            # the layer scan recomputes every block, so it stands in for full or per-op checkpointing
+            # only; a single block has nothing to scan
+            scan_layers=cfg.tpu.scan_layers and ac_mode in ("full", "op") and self.model_args.n_layers > 1,
         )
         materialize(model)
         if not self.dry:

@@ -11,14 +11,15 @@ same PyTorch parallel styles, so the model shards on a TPU mesh the way it does 
   the sequence before attention/feed-forward and reduce-scatter after them;
 - FSDP over the data-parallel axes ("dp_shard", with "dp_replicate" for HSDP) per transformer
   block and for the rest of the model, with mixed precision;
-- activation checkpointing of blocks (none, full, or every n-th block);
+- activation checkpointing of blocks (none, full, every n-th block, or every block keeping the
+  outputs of torchtitan's per-op policy: matmuls, attention, ...);
 - mixed precision without FSDP (one device, pure data parallelism, tensor parallelism only): the
   same parameter cast FSDP's MixedPrecisionPolicy applies, per block and for the rest of the model,
   so a job computes in the same precision whatever its layout. torchtitan uses torch.autocast
   there (and no mixed precision at all for TP without FSDP); a layout-independent cast keeps
   sharded runs numerically equal to unsharded ones, which autocast's per-op policy would not.
 - optionally the layer scan (`scan_layers`): the identical blocks compile once and run under
-  `jax.lax.scan`, each recomputed in backward (so it takes the place of full activation
+  `jax.lax.scan`, each recomputed in backward (so it takes the place of full or per-op activation
   checkpointing), with every block keeping its own parameters and layouts.
 """
 
@@ -100,17 +101,22 @@ def parallelize_llama(
     `mesh` is the job's root mesh with any of the dims "dp_replicate", "dp_shard", "tp"
     (size-1 dims may be left out).
 
+    `ac_mode`: "none", "full", "selective" (every `ac_every`-th block recomputed) or "op" (every
+    block recomputed but for the outputs of the ops activation_checkpoint.OpPolicy keeps,
+    torchtitan's per-op selective checkpointing).
+
     `scan_layers=True` runs the blocks under one layer scan in compiled programs; the scan
-    recomputes every block in backward, so it needs ac_mode "full" (the recomputation the scan
-    does) and applies no other checkpoint wrapper. `scan_start` blocks in front (DeepSeek-V3's
-    dense layers) stay outside the scan, each under full activation checkpointing.
+    recomputes every block in backward, so it needs ac_mode "full" or "op" (the recomputation the
+    scan does, keeping OpPolicy's op outputs with "op") and applies no other checkpoint wrapper.
+    `scan_start` blocks in front (DeepSeek-V3's dense layers) stay outside the scan, each under
+    the same activation checkpointing.
 
     `block_plan(block, plan)`, if given, returns the tensor-parallel plan for one block from the
     Llama 3 block plan `plan` (another family's attention or Mixture-of-Experts layers)."""
-    if scan_layers and ac_mode != "full":
+    if scan_layers and ac_mode not in ("full", "op"):
         raise ValueError(
-            f"parallelize_llama: scan_layers=True recomputes every block in backward (full activation "
-            f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or scan_layers=False"
+            f"parallelize_llama: scan_layers=True recomputes every block in backward (full or per-op activation "
+            f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or 'op', or scan_layers=False"
         )
     names = mesh.mesh_dim_names
     unknown = [n for n in names if n not in JOB_MESH_DIMS]
@@ -131,7 +137,7 @@ def parallelize_llama(
         apply_activation_checkpointing(model.layers, ac_mode, ac_every)
     elif scan_layers:
         for name, layer in list(model.layers.named_children())[:scan_start]:
-            setattr(model.layers, name, checkpoint_module(layer))
+            setattr(model.layers, name, checkpoint_module(layer, save_ops=ac_mode == "op"))
     dp = [n for n in DATA_PARALLEL_DIMS if _has(mesh, n)]
     fsdp_applied = False
     if dp:
@@ -151,7 +157,7 @@ def parallelize_llama(
         apply_param_cast(model, param_dtype)
     if scan_layers:
         # last: the scan checks that the blocks' layouts and hooks are identical
-        scan_blocks(model.layers, start=scan_start)
+        scan_blocks(model.layers, start=scan_start, save_ops=ac_mode == "op")
     return model
 
 

@@ -444,8 +444,10 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = _opt(
         "2",
-        'For mode = "selective": "N" checkpoints every N-th block; "op" '
-        "saves the outputs of expensive ops and recomputes the rest.",
+        'For mode = "selective": "N" recomputes every N-th block; "op" recomputes every '
+        "block but keeps the outputs of torchtitan's per-op policy (every other matmul, "
+        "attention, reduce-scatters, max) instead of recomputing those ops, with the layer "
+        "scan and without it.",
         check=_selective_ac_option,
     )
 
@@ -557,7 +559,9 @@ class Tpu:
         True,
         "Compile the model's identical transformer blocks once and run them under "
         "jax.lax.scan (compile time independent of depth). Applies with [activation_checkpoint] "
-        'mode = "full" (the scan recomputes each block in backward); false: blocks unrolled.',
+        'mode = "full" and with mode = "selective", selective_ac_option = "op" (the scan '
+        'recomputes each block in backward, keeping the per-op policy\'s outputs with "op"); '
+        "false: blocks unrolled.",
     )
     loss_chunk_size: int = _opt(
         2048,

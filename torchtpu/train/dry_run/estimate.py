@@ -47,6 +47,7 @@ __all__ = [
     "leading_dense_layers",
     "out_of_memory_line",
     "recompute_factor",
+    "recompute_text",
     "step_estimate",
     "unrolled",
     "with_fit_note",
@@ -89,12 +90,26 @@ def mesh_line(trainer) -> str:
     )
 
 
-def recompute_factor(ac_mode: str) -> float:
-    """FLOPs of a step with activation recomputation over one without, for a decoder whose
-    FLOPs are in its layers: full recomputation runs each layer's forward (1/3 of forward +
-    backward) twice, so 4/3; selective recomputation of some ops lies in between (1 is reported
-    as the lower end); none is 1."""
-    return 4 / 3 if ac_mode == "full" else 1.0
+def recompute_factor(ac_mode: str, every: int = 1) -> tuple[float, float]:
+    """(low, high) FLOPs of a step with activation recomputation over one without, for a decoder
+    whose FLOPs are in its layers' matmuls and attention. Recomputing a layer runs its forward
+    (1/3 of forward + backward) twice: full recomputation 4/3; "selective" every n-th block
+    1 + 1/(3n); "op" recomputes every block but for the matmuls and attention the policy keeps
+    (every other matmul; which ones, and so the FLOPs, depend on the block), so between 1 and 4/3;
+    none 1."""
+    if ac_mode == "full":
+        return 4 / 3, 4 / 3
+    if ac_mode == "selective":
+        return 1 + 1 / (3 * every), 1 + 1 / (3 * every)
+    if ac_mode == "op":
+        return 1.0, 4 / 3
+    return 1.0, 1.0
+
+
+def recompute_text(ac_mode: str, every: int = 1) -> str:
+    """recompute_factor as a reader sees it: "1.33x", or "1.00x to 1.33x"."""
+    low, high = recompute_factor(ac_mode, every)
+    return f"{low:.2f}x" if low == high else f"{low:.2f}x to {high:.2f}x"
 
 
 def _micro_batch(trainer):
@@ -291,7 +306,7 @@ def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
         f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
         "tokens, torchtitan's 6N + attention)"
     )
-    ac_mode, _ = ac_settings(trainer.cfg)
+    ac_mode, ac_every = ac_settings(trainer.cfg)
     lines.append(f"costing method          {est['method']}")
     flops = est.get("flops_per_device")
     if flops:
@@ -299,7 +314,7 @@ def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
         lines.append(
             f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
             f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
-            f"{recompute_factor(ac_mode):.2f}x)"
+            f"{recompute_text(ac_mode, ac_every)})"
         )
     seconds = est.get("estimated_step_seconds")
     if seconds and seconds > 0:
