@@ -81,7 +81,8 @@ def procs(tmp_path_factory):
     debug = str(CONFIGS / "debug_model.toml")
     cases = {
         "unknown_key": [PY, "-m", "torchtpu.train", "--config", str(bad)],
-        "runtime": [PY, "-c", _RAISING_TRAINER, "--config", debug],
+        # a dump folder of its own: the CLI locks it, and another worker may run the debug config at once
+        "runtime": [PY, "-c", _RAISING_TRAINER, "--config", debug, "--job.dump_folder", str(tmp / "runtime")],
     }
     env = dict(os.environ, PYTHONWARNINGS="ignore")
 
@@ -145,7 +146,7 @@ def test_cli_config_errors_exit_2_with_one_line(procs, case, needles):
         assert needle in lines[0]
 
 
-def test_cli_other_errors_exit_1_traceback_only_with_debug(procs, monkeypatch, capsys):
+def test_cli_other_errors_exit_1_traceback_only_with_debug(procs, monkeypatch, capsys, tmp_path):
     p = procs["runtime"]
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
@@ -156,9 +157,10 @@ def test_cli_other_errors_exit_1_traceback_only_with_debug(procs, monkeypatch, c
         raise RuntimeError("the step blew up\nsecond line")
 
     monkeypatch.setitem(sys.modules, "torchtpu.train.trainer", types.SimpleNamespace(main=main))
-    status, out, err = run_cli(["--config", str(CONFIGS / "debug_model.toml")], capsys)
+    own = ["--job.dump_folder", str(tmp_path / "out")]
+    status, out, err = run_cli(["--config", str(CONFIGS / "debug_model.toml"), *own], capsys)
     assert status == 1 and err.count("\n") == 1 and "Traceback" not in err
-    status, out, err = run_cli(["--config", str(CONFIGS / "debug_model.toml"), "--debug"], capsys)
+    status, out, err = run_cli(["--config", str(CONFIGS / "debug_model.toml"), "--debug", *own], capsys)
     assert status == 1 and "Traceback" in err
     assert "RuntimeError: the step blew up" in err.strip().splitlines()[-1]
 
