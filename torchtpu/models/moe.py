@@ -114,9 +114,11 @@ def _grouped_experts(weights, x, tokens_per_expert):
 
 
 def _fused_weights(experts: GroupedExperts) -> list[torch.Tensor]:
-    """(cat(w1, w3) on the hidden dim, w2): `_grouped_experts`'s weights. The concatenation is of
-    each chip's shards (FSDP and expert parallelism split the experts on another dim), before the
-    dispatch gathers them; autograd splits its gradient back into w1's and w3's."""
+    """(cat(w1, w3) on the hidden dim, w2): `_grouped_experts`'s weights, concatenated before the
+    dispatch gathers them. Where w1 and w3 are split on another dim than the hidden one (the expert
+    dim, as FSDP and expert parallelism split them when it divides), each chip concatenates its own
+    shards; split on the hidden dim, XLA moves rows to concatenate. Autograd splits the gradient back
+    into w1's and w3's."""
     return [torch.cat([experts.w1, experts.w3], dim=1), experts.w2]
 
 
