@@ -241,6 +241,8 @@ def checkpoint_module(module: torch.nn.Module, save_ops: bool = False) -> torch.
 
 
 AC_MODES = ("none", "full", "selective", "op")
+# the modes that recompute every block, which the layer scan's own recomputation stands in for
+EVERY_BLOCK_AC_MODES = ("full", "op")
 
 
 def apply_activation_checkpointing(blocks: torch.nn.Module, mode: str = "full", every: int = 1) -> None:

@@ -237,6 +237,8 @@ class Trainer:
         self.num_params, self.flops_per_token = family.flops_per_token(model, self.model_args, cfg.training.seq_len)
         mp_param, mp_reduce = mixed_precision_dtypes(cfg)
         ac_mode, ac_every = ac_settings(cfg)
+        from torchtpu.backend.activation_checkpoint import EVERY_BLOCK_AC_MODES
+
         family.parallelize(
             model,
             self.mesh,
@@ -248,7 +250,7 @@ class Trainer:
             ac_every=ac_every,
             # the layer scan recomputes every block, so it stands in for full or per-op checkpointing
             # only; a single block has nothing to scan
-            scan_layers=cfg.tpu.scan_layers and ac_mode in ("full", "op") and self.model_args.n_layers > 1,
+            scan_layers=cfg.tpu.scan_layers and ac_mode in EVERY_BLOCK_AC_MODES and self.model_args.n_layers > 1,
         )
         materialize(model)
         if not self.dry:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module
+from ...backend.activation_checkpoint import EVERY_BLOCK_AC_MODES, apply_activation_checkpointing, checkpoint_module
 from ...distributed import (
     ColwiseParallel,
     MixedPrecisionPolicy,
@@ -113,7 +113,7 @@ def parallelize_llama(
 
     `block_plan(block, plan)`, if given, returns the tensor-parallel plan for one block from the
     Llama 3 block plan `plan` (another family's attention or Mixture-of-Experts layers)."""
-    if scan_layers and ac_mode not in ("full", "op"):
+    if scan_layers and ac_mode not in EVERY_BLOCK_AC_MODES:
         raise ValueError(
             f"parallelize_llama: scan_layers=True recomputes every block in backward (full or per-op activation "
             f"checkpointing), but ac_mode={ac_mode!r}; use ac_mode='full' or 'op', or scan_layers=False"
