@@ -156,7 +156,7 @@ def with_torchtpu_kernel_costs(fn):
             if eqn.primitive.name == "pallas_call" and len(eqn.invars[0].aval.shape) == 4:  # flash: q first
                 q, k = eqn.invars[0].aval, eqn.invars[1].aval
                 b, h, length, d = q.shape
-                costs = kernel_costs(b, h, length, k.shape[2], d, causal=True, itemsize=q.dtype.itemsize)
+                costs = kernel_costs(b, h, length, k.shape[2], d, causal=True, itemsize=q.dtype.itemsize, library=True)
                 # forward: q, k, v in; dK/dV: two results; dQ: one result from q, k, v, l, m, do, di
                 kind = "backward_dkv" if len(eqn.outvars) == 2 else "backward_dq" if len(eqn.invars) > 3 else "forward"
                 eqn = eqn.replace(params={**eqn.params, "cost_estimate": costs[kind]})

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
-from torchtpu.backend.ops import attention_tpu
+from torchtpu.backend.ops import attention_kernels, attention_tpu
 from torchtpu.backend.ops import nn as nn_ops
 
 
@@ -56,6 +56,20 @@ def test_kernels_match_torch_cpu(causal, heads, mask):
     m = _masks(mask, b, h, lq, lk)
     if m is not None:
         kw["attn_mask"] = m
+    want = _run("cpu", q, k, v, **kw)
+    with attention_tpu.interpret_kernels():
+        got = _run("tpu", q, k, v, **kw)
+    for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4, msg=lambda s, name=name: f"{name}: {s}")
+
+
+@pytest.mark.parametrize("lq, lk", [(384, 384), (512, 384), (384, 768)], ids=str)
+def test_several_blocks_per_row_and_column_match_torch_cpu(lq, lk):
+    """Several query and key blocks of different sizes (128 x 128, 512 x 128, 128 x 256), causal,
+    four query heads on two key/value heads: the dK/dV kernel sums each group's query heads over
+    all their query blocks, and causally skipped block pairs are skipped in all three kernels."""
+    q, k, v = _inputs(1, 4, 2, lq, lk, 64, seed=17)
+    kw = dict(is_causal=True, enable_gqa=True)
     want = _run("cpu", q, k, v, **kw)
     with attention_tpu.interpret_kernels():
         got = _run("tpu", q, k, v, **kw)
@@ -161,13 +175,15 @@ def test_declared_costs():
     assert causal["forward"].flops == int(2 * mm * 10 / 16)
 
 
-def test_sharded_program_runs_kernels_per_shard():
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv_split", "kv_repeated"])
+def test_sharded_program_runs_kernels_per_shard(kv_heads):
     """Inside a compiled program over a (dp_shard 4, tp 2) mesh of CPU devices the kernels run
-    per shard (batch over dp_shard, heads over tp) and give the unsharded values."""
-    from torchtpu.distributed import Shard, distribute_tensor, init_device_mesh
+    per shard (batch over dp_shard, heads over tp) and give the unsharded values; with one
+    key/value head, which tp 2 cannot split, k and v are repeated per query head first."""
+    from torchtpu.distributed import Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("tpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
-    q, k, v = _inputs(4, 4, 2, 128, 128, 64, seed=11)
+    q, k, v = _inputs(4, 4, kv_heads, 128, 128, 64, seed=11)
     kw = dict(is_causal=True, enable_gqa=True)
     want = _run("cpu", q, k, v, **kw)
     weights = torch.linspace(-1, 1, q.numel()).reshape(q.shape)
@@ -177,8 +193,10 @@ def test_sharded_program_runs_kernels_per_shard():
         grads = torch.autograd.grad((out * w).sum(), (q, k, v))
         return (out.detach(),) + grads
 
-    placed = [distribute_tensor(t, mesh, (Shard(0), Shard(1))).requires_grad_() for t in (q, k, v)]
-    w = distribute_tensor(weights, mesh, (Shard(0), Shard(1)))
+    heads = (Shard(0), Shard(1))
+    kv = heads if kv_heads == 2 else (Shard(0), Replicate())
+    placed = [distribute_tensor(t, mesh, p).requires_grad_() for t, p in ((q, heads), (k, kv), (v, kv))]
+    w = distribute_tensor(weights, mesh, heads)
     compiled = torchtpu.compile(step)
     with attention_tpu.interpret_kernels():
         compiled(*placed, w)  # eager warm-up
@@ -265,8 +283,8 @@ _KERNEL = 'custom_call_target="tpu_custom_call"'
 
 def _kernel_calls(hlo: str) -> dict:
     calls = [line for line in hlo.splitlines() if _KERNEL in line]
-    dkv = sum("flash_mha_bwd_dkv" in line for line in calls)
-    dq = sum("flash_mha_bwd_dq" in line for line in calls)
+    dkv = sum(attention_kernels.KERNEL_NAMES["dkv"] in line for line in calls)
+    dq = sum(attention_kernels.KERNEL_NAMES["dq"] in line for line in calls)
     return {"forward": len(calls) - dkv - dq, "backward_dkv": dkv, "backward_dq": dq}
 
 
@@ -280,13 +298,18 @@ def test_tpu_step_contains_kernels_and_cpu_step_does_not():
     mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"), devices=devices)
     hlo = _llama_step_for(mesh).as_text()
     assert _kernel_calls(hlo) == {"forward": 2, "backward_dkv": 2, "backward_dq": 2}
-    # per shard: batch 4 / dp_shard 2, heads 4 / tp 2
+    # per shard: batch 4 / dp_shard 2, query heads 4 / tp 2, key/value heads 2 / tp 2: the
+    # dK/dV kernel gives the key/value heads' gradients (k and v are not repeated per query head)
     results = [line.split(" custom-call(")[0] for line in hlo.splitlines() if _KERNEL in line]
-    assert all("bf16[2,2,256,128]" in r for r in results), results
+    dkv = [r for r in results if attention_kernels.KERNEL_NAMES["dkv"] in r]
+    assert all(r.count("bf16[2,1,256,128]") == 2 for r in dkv), dkv
+    assert all("bf16[2,2,256,128]" in r for r in results if r not in dkv), results
+    fwd = [r for r in results if attention_kernels.KERNEL_NAMES["forward"] in r]
+    assert len(fwd) == 2 and all("f32[2,2,1,256]" in r for r in fwd), fwd  # the log-sum-exp as one row
 
     cpu_mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"), devices=jax.devices("cpu")[:4])
     cpu_hlo = _llama_step_for(cpu_mesh).as_text()
-    assert "tpu_custom_call" not in cpu_hlo and "flash_mha_bwd" not in cpu_hlo
+    assert "tpu_custom_call" not in cpu_hlo and "torchtpu_flash" not in cpu_hlo
 
 
 def test_kernels_split_by_the_mesh_of_their_inputs():

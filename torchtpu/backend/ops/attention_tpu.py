@@ -1,33 +1,30 @@
-"""Attention on TPU through JAX's Pallas flash-attention kernels (pure JAX functions).
+"""Attention on TPU through Pallas flash-attention kernels (pure JAX functions).
 
 `F.scaled_dot_product_attention` on tpu lowers to the fused attention in nn.py. When the
 program is compiled for TPU, nn.py routes it here (through `jax.lax.platform_dependent`, so
 one traced program still compiles for CPU or GPU with the blocked pure-JAX attention):
 
-- forward: `jax.experimental.pallas.ops.tpu.flash_attention`'s forward kernel, which also
-  gives the softmax statistics; the log-sum-exp goes back to PyTorch's autograd as the fused
-  op's `logsumexp` output;
-- backward: the library's two backward kernels (dK/dV and dQ), fed that log-sum-exp
-  (as m = lse, l = 1, which makes their exp(s - m) / l the softmax itself), so nothing of the
+- forward: torchtpu's forward kernel (attention_kernels.py), which also writes the softmax's
+  log-sum-exp; it goes back to PyTorch's autograd as the fused op's `logsumexp` output;
+- backward: its two backward kernels (dK/dV and dQ), fed that log-sum-exp, so nothing of the
   forward is recomputed beyond the scores the kernels recompute block by block.
 
-The kernels are the module's private functions (`_flash_attention_impl`,
-`_flash_attention_bwd_dkv`, `_flash_attention_bwd_dq`) of the pinned jax 0.10.2: the public
-`flash_attention` hides the residuals the separate PyTorch backward needs. A jax upgrade must
-re-run tests/backend/test_pallas_attention.py.
+The kernels take grouped-query attention's key/value heads as they are (each query head reads
+its group's head; dK/dV sums a group's gradients inside the kernel) and keep the softmax
+statistics as rows (see attention_kernels.py).
 
 Each kernel carries the cost it declares to XLA (`kernel_costs`): the FLOPs of the score and
 output matmuls over the blocks it actually visits (a causal kernel skips the blocks above the
-diagonal), its exponentials and the bytes it reads and writes. The library's backward kernels
-declare none, so their cost is attached here; XLA's cost analysis then counts all three.
+diagonal), its exponentials and the bytes it reads and writes; XLA's cost analysis counts
+them.
 
-Head dims: the kernels take one head dim for q, k and v, of 64, 128 or 256 (a dim above 128
-must be a multiple of 128). Other head dims from 64 to 256, and a value head dim that differs
-from the query/key one (DeepSeek-V3's multi-head latent attention: 192 and 128), run the kernels
-on zero-padded operands: q and k padded to the next of those sizes leave q.k unchanged (the
-softmax scale stays the one of the original head dim, the kernels' sm_scale), v padded to the
-same size gives extra output columns that are sliced off, and the gradients' padding columns are
-sliced away. The declared costs are the padded work (`padded_head_dim`).
+Head dims: the kernels take one head dim for q, k and v, of 64, 128 or 256. Other head dims
+from 64 to 256, and a value head dim that differs from the query/key one (DeepSeek-V3's
+multi-head latent attention: 192 and 128), run the kernels on zero-padded operands: q and k
+padded to the next of those sizes leave q.k unchanged (the softmax scale stays the one of the
+original head dim), v padded to the same size gives extra output columns that are sliced off,
+and the gradients' padding columns are sliced away. The declared costs are the padded work
+(`padded_head_dim`).
 
 Where the kernel cannot apply (see `unsupported_reason`), nn.py keeps the blocked path:
 sequence lengths that are not multiples of 128, query/key head dims below 64 or any head dim
@@ -37,7 +34,9 @@ Sharding: a Pallas kernel is a custom call that XLA's partitioner cannot split, 
 program over a device mesh the kernel runs per shard under `jax.shard_map`: batch over the
 mesh's data-parallel axes, heads over "tp" (the layout FSDP and tensor parallelism give
 attention's inputs). Attention is independent per (batch, head), so any such split gives the
-same values; a layout that differs from XLA's only costs a reshard. The mesh is the one JAX
+same values; a layout that differs from XLA's only costs a reshard. Key/value heads split over
+"tp" as the query heads are; where "tp" does not divide them, they are repeated to one per
+query head first (and their gradients summed back). The mesh is the one JAX
 records in the inputs' types inside a jit over mesh-sharded arrays (torchtpu.compile, eager
 ops, torch.compile alike). A multi-device program whose attention inputs carry no mesh cannot
 run the kernel: JAX then raises "Mosaic kernels cannot be automatically partitioned"; run it
@@ -53,8 +52,9 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import flash_attention as _fa
 from jax.sharding import PartitionSpec as P
+
+from torchtpu.backend.ops import attention_kernels
 
 __all__ = [
     "enabled",
@@ -71,7 +71,7 @@ __all__ = [
     "bind_pallas",
 ]
 
-MASK_VALUE = _fa.DEFAULT_MASK_VALUE  # the kernels' "minus infinity" (finite, so exp() stays defined)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernels' "minus infinity" (finite: exp() stays defined)
 _LANES = 128  # Mosaic tiles: sequence blocks are multiples of 128
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -127,16 +127,6 @@ def _block(n: int) -> int:
     return _LANES
 
 
-# BlockSizes' fields by the axis they block: the forward and both backward kernels use one
-# block size for queries and one for keys
-_QUERY_BLOCKS = ("block_q", "block_q_major_dkv", "block_q_dkv", "block_q_dq")
-_KEY_BLOCKS = ("block_k_major", "block_k", "block_k_major_dkv", "block_k_dkv", "block_k_major_dq", "block_k_dq")
-
-
-def _block_sizes(L: int, S: int) -> _fa.BlockSizes:
-    return _fa.BlockSizes(block_b=1, **dict.fromkeys(_QUERY_BLOCKS, _block(L)), **dict.fromkeys(_KEY_BLOCKS, _block(S)))
-
-
 # ----------------------------------------------------------------------------- declared costs
 
 
@@ -160,6 +150,7 @@ def kernel_costs(
     causal: bool,
     itemsize: int = 2,
     with_bias: bool = False,
+    library: bool = False,
 ) -> dict:
     """The costs the three kernels declare to XLA for attention of these sizes (per program
     that runs them: pass per-shard sizes for a sharded program), as
@@ -168,26 +159,30 @@ def kernel_costs(
     FLOPs are 2*M*N*K per matmul over the visited blocks: forward s = qk^T and o = pv (2);
     dK/dV kernel s, dv += p^T do, dp = do v^T, dk += ds^T q (4); dQ kernel s, dp, dq += ds k (3).
     Transcendentals are the exp of each visited score (once per kernel). Bytes are each
-    kernel's inputs and outputs, once. `head_dim` is the one the kernels run at
-    (`padded_head_dim` of the q/k and v head dims): zero-padded columns are computed too."""
+    kernel's inputs and outputs, once, keys and values once per query head (each query head's
+    pass reads its key/value head's blocks), and the float32 softmax statistics: torchtpu's
+    kernels write one row (the log-sum-exp) and read two (it and di); with `library`, the
+    costs of JAX's library kernels for the same attention, which write l and m and read l, m
+    and di, each broadcast to 128 lanes. `head_dim` is the one the kernels run at (`padded_head_dim` of the q/k and v head
+    dims): zero-padded columns are computed too."""
     from jax.experimental import pallas as pl
 
-    bs = _block_sizes(q_len, kv_len)
-    frac = _visited_fraction(q_len, kv_len, bs.block_q, bs.block_k_major, causal)
+    frac = _visited_fraction(q_len, kv_len, _block(q_len), _block(kv_len), causal)
     pairs = batch * heads * q_len * kv_len * frac
     mm = 2.0 * pairs * head_dim  # one (L, S, D) matmul
     qkv = batch * heads * head_dim * itemsize
     q_bytes, kv_bytes = qkv * q_len, qkv * kv_len
-    stats = batch * heads * q_len * _LANES * 4  # the kernels' lane-broadcast l, m, di rows
+    stats = batch * heads * q_len * (_LANES if library else 1) * 4  # one float32 statistic per query row
+    n_fwd, n_bwd = (2, 3) if library else (1, 2)
     bias = batch * heads * q_len * kv_len * 4 if with_bias else 0
 
     def est(flops, trans, nbytes):
         return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))
 
     return {
-        "forward": est(2 * mm, pairs, 2 * q_bytes + 2 * kv_bytes + 2 * stats + bias),
-        "backward_dkv": est(4 * mm, pairs, 2 * q_bytes + 4 * kv_bytes + 3 * stats + bias),
-        "backward_dq": est(3 * mm, pairs, 3 * q_bytes + 2 * kv_bytes + 3 * stats + bias + (bias if with_bias else 0)),
+        "forward": est(2 * mm, pairs, 2 * q_bytes + 2 * kv_bytes + n_fwd * stats + bias),
+        "backward_dkv": est(4 * mm, pairs, 2 * q_bytes + 4 * kv_bytes + n_bwd * stats + bias),
+        "backward_dq": est(3 * mm, pairs, 3 * q_bytes + 2 * kv_bytes + n_bwd * stats + 2 * bias),
     }
 
 
@@ -308,11 +303,18 @@ def _rows_alive(keep, causal):
     return jnp.any(keep, axis=-1)
 
 
-def _repeat_heads(k, v, heads):
-    rep = heads // k.shape[1]
-    if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
-        k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    return k, v, rep
+def _kv_heads_for(split, heads: int, kv_heads: int) -> int:
+    """How many key/value heads the kernels get: k and v as they are (each query head reads its
+    group's head), unless the heads are split over the tensor-parallel axis and that split
+    does not divide the key/value heads; then they are repeated to one per query head first."""
+    if split is None or split.heads is None or kv_heads % dict(split.mesh.shape)[split.heads] == 0:
+        return kv_heads
+    return heads
+
+
+def _repeat_heads(x, heads):
+    rep = heads // x.shape[1]
+    return x if rep == 1 else jnp.repeat(x, rep, axis=1)
 
 
 def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
@@ -320,16 +322,17 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
     lse (B, H, L) float32 (-inf for rows with no key). `mask`: boolean (True = attend) or
     additive float, broadcastable to (B, H, L, S)."""
     B, H, L, D = q.shape
-    S, Dv = k.shape[2], v.shape[-1]
+    S, Hkv, Dv = k.shape[2], k.shape[1], v.shape[-1]
     Dp = padded_head_dim(D, Dv)
     interpret = interpreting()
-    k, v, _ = _repeat_heads(k, v, H)
-    bs = _block_sizes(L, S)
+    bq, bk = _block(L), _block(S)
     bias = alive = None
     if mask is not None:
         bias, keep = _bias_of(mask, (B, H, L, S), scale)
         alive = _rows_alive(keep, causal)
     split = _split_for(B, H, q, k, v)
+    kv_heads = _kv_heads_for(split, H, Hkv)
+    k, v = _repeat_heads(k, kv_heads), _repeat_heads(v, kv_heads)
     b_loc, h_loc = _local(B, H, split)
     costs = kernel_costs(b_loc, h_loc, L, S, Dp, causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None)
 
@@ -338,13 +341,13 @@ def attention_forward(q, k, v, mask=None, *, causal: bool, scale: float):
         q, k, v = (_pad_last(x, Dp) for x in (q, k, v))
 
         def impl(q, k, v, bias):
-            return _fa._flash_attention_impl(
-                q, k, v, bias, None, True, causal, scale, bs.block_b, bs.block_q, bs.block_k_major, bs.block_k, False
+            return attention_kernels.forward(
+                q, k, v, bias, causal=causal, scale=scale, mask_value=MASK_VALUE, block_q=bq, block_k=bk
             )
 
         with jax.enable_x64(False):  # Mosaic index maps are 32-bit
-            o, l, m = bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
-        return o[..., :Dv], m + jnp.log(l)
+            o, lse = bind_pallas(impl, (q, k, v, bias), [costs["forward"]], interpret)
+        return o[..., :Dv], lse[:, :, 0]
 
     operands = (q, k, v) + ((bias,) if bias is not None else ())
     out, lse = _per_shard(kernel, split, [4] * len(operands), [4, 3])(*operands)
@@ -360,8 +363,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     S, Hkv, Dv = k.shape[2], k.shape[1], v.shape[-1]
     Dp = padded_head_dim(D, Dv)
     interpret = interpreting()
-    k_full, v_full, rep = _repeat_heads(k, v, H)
-    bs = _block_sizes(L, S)
+    bq, bk = _block(L), _block(S)
     g = grad_out.astype(q.dtype)
     bias = None
     if mask is not None:
@@ -373,46 +375,34 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     m = jnp.where(alive, lse, 0.0).astype(jnp.float32)
     di = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
     split = _split_for(B, H, q, k, v)
+    kv_heads = _kv_heads_for(split, H, Hkv)
+    k_in, v_in = _repeat_heads(k, kv_heads), _repeat_heads(v, kv_heads)
     b_loc, h_loc = _local(B, H, split)
     costs = kernel_costs(b_loc, h_loc, L, S, Dp, causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None)
 
     def kernels(q, k, v, g, m, di, *rest):
         bias = rest[0] if rest else None
         q, k, v, g = (_pad_last(x, Dp) for x in (q, k, v, g))
-        ones = jnp.ones_like(m)
-        # what both backward kernels take besides their operands and block sizes
-        options = dict(sm_scale=scale, causal=causal, mask_value=MASK_VALUE)
+        rows = m[:, :, None, :], di[:, :, None, :]  # (b, h, 1, L): the kernels read them as rows
+        options = dict(causal=causal, scale=scale, mask_value=MASK_VALUE, block_q=bq, block_k=bk)
 
         def dkv(q, k, v, bias, m, g, di):
-            return _fa._flash_attention_bwd_dkv(
-                *(q, k, v, bias, None, ones, m, g, di),
-                block_q_major=bs.block_q_major_dkv,
-                block_q=bs.block_q_dkv,
-                block_k_major=bs.block_k_major_dkv,
-                block_k=bs.block_k_dkv,
-                **options,
-            )
+            return attention_kernels.backward_dkv(q, k, v, bias, m, g, di, **options)
 
         def dq(q, k, v, bias, m, g, di):
-            return _fa._flash_attention_bwd_dq(
-                *(q, k, v, bias, None, ones, m, g, di),
-                block_q_major=bs.block_q_dq,
-                block_k_major=bs.block_k_major_dq,
-                block_k=bs.block_k_dq,
-                debug=False,
-                **options,
-            )[0]
+            return (attention_kernels.backward_dq(q, k, v, bias, m, g, di, **options),)
 
         with jax.enable_x64(False):
-            args = (q, k, v, bias, m, g, di)
+            args = (q, k, v, bias, rows[0], g, rows[1])
             dk, dv = bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
-            (dq_,) = bind_pallas(lambda *a: (dq(*a),), args, [costs["backward_dq"]], interpret)
+            (dq_,) = bind_pallas(dq, args, [costs["backward_dq"]], interpret)
         return dq_[..., :D], dk[..., :D], dv[..., :Dv]  # the padding's gradients are dropped
 
-    operands = (q, k_full, v_full, g, m, di) + ((bias,) if bias is not None else ())
+    operands = (q, k_in, v_in, g, m, di) + ((bias,) if bias is not None else ())
     ndims = [4, 4, 4, 4, 3, 3] + ([4] if bias is not None else [])
     dq, dk, dv = _per_shard(kernels, split, ndims, [4, 4, 4])(*operands)
-    if rep > 1:  # fold the repeated heads' gradients back onto their kv head
+    rep = kv_heads // Hkv
+    if rep > 1:  # k, v were repeated for a head split: fold each repeat's gradient back
         dk = dk.reshape(B, Hkv, rep, S, -1).sum(2)
         dv = dv.reshape(B, Hkv, rep, S, -1).sum(2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
