@@ -509,3 +509,38 @@ def test_silu_backward_in_bfloat16_is_pytorchs_and_twice_differentiable():
 
     for a, b in zip(second("tpu"), second("cpu")):
         assert_close_to_cpu(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mish_backward_in_bfloat16_is_pytorchs_and_twice_differentiable():
+    """mish's backward (also a composite op) in bfloat16 is PyTorch's CPU value exactly (as its
+    composite pieces in bfloat16 it is off in half of these values, by up to hundreds of ulps),
+    and it is differentiable (for a double backward through it)."""
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(512, generator=g)).to(torch.bfloat16)
+    grad = torch.randn(512, generator=g).to(torch.bfloat16)
+    want = torch.ops.aten.mish_backward(grad, x)
+    assert_close_to_cpu(torch.ops.aten.mish_backward(grad.to("tpu"), x.to("tpu")), want, rtol=0, atol=0)
+
+    def derivatives(dev, dtype):
+        gs, xs = (t.to(dev, dtype).requires_grad_() for t in (grad, x))
+        if dev == "tpu":  # mish_backward itself, through the tpu autograd kernel
+            y = torch.ops.aten.mish_backward(gs, xs)
+        else:  # PyTorch's differentiable form of mish's backward
+            (y,) = torch.autograd.grad(torch.nn.functional.mish(xs), xs, gs, create_graph=True)
+        return torch.autograd.grad((y * y).sum(), (gs, xs))
+
+    for a, b in zip(derivatives("tpu", torch.float32), derivatives("cpu", torch.float64)):
+        assert_close_to_cpu(a, b.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_hardswish_gradient_at_its_kinks_is_pytorchs():
+    """At x = -3 and x = 3 hardswish's gradient is PyTorch's choice (0 and 1), not the middle
+    piece's -0.5 and 1.5."""
+    x = torch.tensor([-3.5, -3.0, -1.5, 0.0, 3.0, 3.5])
+    grads = []
+    for dev in ("cpu", "tpu"):
+        xs = x.detach().to(dev).requires_grad_()
+        torch.nn.functional.hardswish(xs).sum().backward()
+        grads.append(xs.grad.cpu())
+    assert grads[0][[1, 4]].tolist() == [0.0, 1.0]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-7)
