@@ -163,8 +163,8 @@ def kernel_costs(
     pass reads its key/value head's blocks), and the float32 softmax statistics: torchtpu's
     kernels write one row (the log-sum-exp) and read two (it and di); with `library`, the
     costs of JAX's library kernels for the same attention, which write l and m and read l, m
-    and di, each broadcast to 128 lanes. `head_dim` is the one the kernels run at (`padded_head_dim` of the q/k and v head
-    dims): zero-padded columns are computed too."""
+    and di, each broadcast to 128 lanes. `head_dim` is the one the kernels run at
+    (`padded_head_dim` of the q/k and v head dims): zero-padded columns are computed too."""
     from jax.experimental import pallas as pl
 
     frac = _visited_fraction(q_len, kv_len, _block(q_len), _block(kv_len), causal)
