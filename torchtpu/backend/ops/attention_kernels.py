@@ -82,10 +82,9 @@ def _specs(*pairs):
     return [None if shape is None else pl.BlockSpec(shape, index) for shape, index in pairs]
 
 
+# ----------------------------------------------------------------------------- forward
 # Grid indices are non-negative int32 scalars: their divisions are lax.div / lax.rem (jnp's
 # floor division adds sign corrections Mosaic does not lower without a TPU attached).
-
-# ----------------------------------------------------------------------------- forward
 
 
 def _forward_kernel(
@@ -134,8 +133,8 @@ def forward(q, k, v, bias, *, causal: bool, scale: float, mask_value: float, blo
     rep, nq, nk = H // Hkv, L // block_q, S // block_k
 
     def kv_block(qi, ki):
-        # a skipped pair re-points at the last block the row needs, which the next runs step
-        # reads anyway, so that skipped steps fetch nothing new
+        # a skipped pair (past the diagonal) points at the last key block its query block needs,
+        # which the step before fetched: skipped steps fetch nothing new
         return jnp.minimum(ki, _last_k_block(qi, block_q, block_k)) if causal else ki
 
     q_spec = ((1, 1, block_q, D), lambda b, h, qi, ki: (b, h, qi, 0))
