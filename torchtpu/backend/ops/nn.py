@@ -794,7 +794,7 @@ def _fused_backward(grad_out, query, key, value, mask, is_causal, scale):
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
-# On TPU the fused attention runs JAX's Pallas flash-attention kernels (attention_tpu.py);
+# On TPU the fused attention runs torchtpu's Pallas flash-attention kernels (attention_tpu.py);
 # the blocked path above stays for every other platform and for what the kernels do not take
 # (attention_tpu.unsupported_reason: sequence lengths off multiples of 128, query/key head dims
 # below 64 or head dims above 256, other dtypes; head dims between are zero-padded to the
