@@ -10,7 +10,10 @@ costed as it is). This prints only the second half: the same estimate lines, fro
 costing compiles, in a third of the dry run's time. Use it to compare code or config changes on
 the step estimate; use the dry run for memory. Other arguments go to the trainer's config.
 `--dump <folder>` keeps XLA's dump of the two costing compiles, for `bench.hlo_breakdown`
-(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). Without the full
+(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). `--scanned-copies`
+costs copies that keep a scanned job's layer scan, its loops unrolled into straight-line code, instead
+of the unscanned model: the scanned program's own structure (stacked weights, kept outputs, the
+backward's recomputation), which XLA may cost differently from the unscanned blocks. Without the full
 program's compile the costing copies keep XLA's out-of-memory checks: a copy larger than HBM (DeepSeek-V3
 671B's) is an error here, and the dry run costs it (topology.PAST_OOM_COMPILER_OPTIONS).
 """
@@ -29,6 +32,11 @@ def main() -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--topology", required=True)
     ap.add_argument("--dump", help="a folder for XLA's dump of the costing compiles (bench.hlo_breakdown reads it)")
+    ap.add_argument(
+        "--scanned-copies",
+        action="store_true",
+        help="cost copies that keep the layer scan, its loops unrolled (the scanned program's structure)",
+    )
     args, rest = ap.parse_known_args()
     import contextlib
 
@@ -42,7 +50,7 @@ def main() -> None:
     trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
     with dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext():
-        est = step_estimate(trainer, {})
+        est = step_estimate(trainer, {}, scanned_copies=args.scanned_copies)
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))

@@ -69,8 +69,8 @@ def test_scanned_sharded_llama_matches_one_device(name, params_by, monkeypatch):
     assert "all-gather" in hlo
 
 
-def _dots_of_step(n_layers):
-    """The compiled train step of a debugmodel Llama with n_layers blocks, scanned, on one device."""
+def _scanned_step(n_layers):
+    """(losses, compiled step) of 2 steps of a debugmodel Llama with n_layers blocks, scanned, FSDP 8."""
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     from torchtpu.models.llama3 import parallelize_llama
@@ -83,9 +83,28 @@ def _dots_of_step(n_layers):
     model = model.to("tpu")
     mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
     parallelize_llama(model, mesh, ac_mode="full", scan_layers=True)
-    _, cstep, _ = _train(model, _batches()[:2], mesh)
-    hlo = cstep.as_text()
+    losses, cstep, _ = _train(model, _batches()[:2], mesh)
+    return losses, cstep
+
+
+def _dots_of_step(n_layers):
+    """The compiled train step of a debugmodel Llama with n_layers blocks, scanned."""
+    hlo = _scanned_step(n_layers)[1].as_text()
     return len(re.findall(r"\bdot\(", hlo)), len(re.findall(r"\bwhile\(", hlo))
+
+
+def test_straight_line_loops_unroll_the_scan_with_its_losses():
+    """Under `straight_line_loops` (the step estimate's `scanned_copies`) the scanned step holds no
+    loop, more dot ops than the loop's one block (one set per block), and gives the loop's losses."""
+    from torchtpu.distributed.scan import straight_line_loops
+
+    looped, cstep = _scanned_step(2)
+    with straight_line_loops():
+        straight, sstep = _scanned_step(2)
+    hlo, shlo = cstep.as_text(), sstep.as_text()
+    assert re.findall(r"\bwhile\(", hlo) and not re.findall(r"\bwhile\(", shlo)
+    assert len(re.findall(r"\bdot\(", shlo)) > len(re.findall(r"\bdot\(", hlo))
+    np.testing.assert_allclose(straight, looped, rtol=1e-6)
 
 
 def test_scanned_program_holds_one_block():

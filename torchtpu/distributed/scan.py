@@ -537,9 +537,26 @@ def loop_unrolled() -> bool:
     return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
 
 
+_STRAIGHT_LINE = [False]
+
+
+@contextlib.contextmanager
+def straight_line_loops():
+    """Within this block, programs traced run the blocks' loops fully unrolled (`lax.scan`'s
+    unroll=True): the scanned program's own structure (stacked weights, the forward's kept
+    outputs, the backward's recomputation) as straight-line code, whose cost XLA counts in full
+    where it counts a loop body once (the step estimate's costing copies)."""
+    prev = _STRAIGHT_LINE[0]
+    _STRAIGHT_LINE[0] = True
+    try:
+        yield
+    finally:
+        _STRAIGHT_LINE[0] = prev
+
+
 def _unroll():
-    """`lax.scan`'s `unroll` for the blocks' loops (see loop_unrolled)."""
-    return True if loop_unrolled() else 1
+    """`lax.scan`'s `unroll` for the blocks' loops (see loop_unrolled, straight_line_loops)."""
+    return True if loop_unrolled() or _STRAIGHT_LINE[0] else 1
 
 
 def _stacked_bases(params, n: int, k: int):

@@ -196,12 +196,18 @@ def costing_depths(model_args) -> tuple[int, int]:
     return (lead + COSTING_DEPTHS[0], lead + COSTING_DEPTHS[1])
 
 
-def step_estimate(trainer, report: dict) -> dict:
+def step_estimate(trainer, report: dict, scanned_copies: bool = False) -> dict:
     """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
 
     Compiles the same job unrolled at `costing_depths` layers (programs whose cost XLA counts
     fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
-    If that fails, the full program's own XLA figures are used, flagged when it has loops."""
+    If that fails, the full program's own XLA figures are used, flagged when it has loops.
+    `scanned_copies`: the copies keep a scanned job's layer scan, its loops unrolled into
+    straight-line code (`scan.straight_line_loops`): the scan's own structure (stacked weights,
+    kept outputs, the backward's recomputation) instead of the unscanned model's."""
+    import contextlib
+
+    from torchtpu.distributed.scan import straight_line_loops
     from torchtpu.distributed.topology import costing_compiles, depth_extrapolated_cost
 
     depth = trainer.model_args.n_layers
@@ -217,19 +223,23 @@ def step_estimate(trainer, report: dict) -> dict:
         }
     try:
         small, cached = [], []
-        cfg = unrolled(trainer.cfg)
+        scanned_copies = scanned_copies and trainer.cfg.tpu.scan_layers
+        cfg = trainer.cfg if scanned_copies else unrolled(trainer.cfg)
+        straight = straight_line_loops if scanned_copies else contextlib.nullcontext
         for n in depths:
-            with phase(f"building the {n}-layer costing copy"):
+            with phase(f"building the {n}-layer costing copy"), straight():
                 t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
             # past XLA's out-of-memory errors only once the full program, whose kernels are the copies', has
             # compiled with the checks (a report of it here); bench.step_estimate, without one, keeps them
-            with costing_compiles(t.mesh.jax_mesh, past_oom="flops_per_device" in report):
+            with costing_compiles(t.mesh.jax_mesh, past_oom="flops_per_device" in report), straight():
                 rep, _, _, when = _step_report(t, label=f"the {n}-layer costing copy")
             small.append(rep)
             if when:
                 cached.append(f"{n}-layer from {when}")
             del t
         est = depth_extrapolated_cost(small[0], small[1], *depths, depth)
+        if scanned_copies:
+            est["method"] += " (the copies keep the layer scan, unrolled into straight-line code)"
         lead = leading_dense_layers(trainer.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
