@@ -126,8 +126,10 @@ def _forward_kernel(
         lse_ref[0, 0] = lse_col.T[:1, :]  # (1, bq)
 
 
-def forward(q, k, v, bias, *, causal: bool, scale: float, mask_value: float, block_q: int, block_k: int):
-    """(out (B, H, L, D) in q's dtype, lse (B, H, 1, L) float32)."""
+def _query_major(q, k, bias, causal, block_q, block_k):
+    """The grid (B, H, query blocks, key blocks) of the forward and dQ kernels and their block
+    specs: q-shaped blocks, key/value blocks of each query head's group, the bias, and the (1, bq)
+    statistic rows."""
     B, H, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep, nq, nk = H // Hkv, L // block_q, S // block_k
@@ -139,17 +141,26 @@ def forward(q, k, v, bias, *, causal: bool, scale: float, mask_value: float, blo
 
     q_spec = ((1, 1, block_q, D), lambda b, h, qi, ki: (b, h, qi, 0))
     kv_spec = ((1, 1, block_k, D), lambda b, h, qi, ki: (b, lax.div(h, rep), kv_block(qi, ki), 0))
+    row_spec = ((1, 1, 1, block_q), lambda b, h, qi, ki: (b, h, 0, qi))
     bias_spec = (
         (None, None) if bias is None else ((1, 1, block_q, block_k), lambda b, h, qi, ki: (b, h, qi, kv_block(qi, ki)))
     )
+    return (B, H, nq, nk), q_spec, kv_spec, bias_spec, row_spec
+
+
+def forward(q, k, v, bias, *, causal: bool, scale: float, mask_value: float, block_q: int, block_k: int):
+    """(out (B, H, L, D) in q's dtype, lse (B, H, 1, L) float32)."""
+    grid, q_spec, kv_spec, bias_spec, row_spec = _query_major(q, k, bias, causal, block_q, block_k)
+    B, H, L, D = q.shape
+    nk = grid[3]
     kernel = functools.partial(_forward_kernel, causal=causal, scale=scale, mask_value=mask_value, nk=nk)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,
-            grid=(B, H, nq, nk),
+            grid=grid,
             in_specs=_specs(q_spec, kv_spec, kv_spec, bias_spec),
-            out_specs=_specs(q_spec, ((1, 1, 1, block_q), lambda b, h, qi, ki: (b, h, 0, qi))),
+            out_specs=_specs(q_spec, row_spec),
             scratch_shapes=[
                 pltpu.VMEM((block_q, _LANES), jnp.float32),
                 pltpu.VMEM((block_q, _LANES), jnp.float32),
@@ -312,25 +323,14 @@ def _dq_kernel(
 
 def backward_dq(q, k, v, bias, lse, do, di, *, causal, scale, mask_value, block_q, block_k):
     """dq of q's shape and dtype. lse, di: (B, H, 1, L) float32."""
-    B, H, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    rep, nq, nk = H // Hkv, L // block_q, S // block_k
-
-    def kv_block(qi, ki):
-        return jnp.minimum(ki, _last_k_block(qi, block_q, block_k)) if causal else ki
-
-    q_spec = ((1, 1, block_q, D), lambda b, h, qi, ki: (b, h, qi, 0))
-    kv_spec = ((1, 1, block_k, D), lambda b, h, qi, ki: (b, lax.div(h, rep), kv_block(qi, ki), 0))
-    row_spec = ((1, 1, 1, block_q), lambda b, h, qi, ki: (b, h, 0, qi))
-    bias_spec = (
-        (None, None) if bias is None else ((1, 1, block_q, block_k), lambda b, h, qi, ki: (b, h, qi, kv_block(qi, ki)))
-    )
+    grid, q_spec, kv_spec, bias_spec, row_spec = _query_major(q, k, bias, causal, block_q, block_k)
+    D, nk = q.shape[3], grid[3]
     kernel = functools.partial(_dq_kernel, causal=causal, scale=scale, mask_value=mask_value, nk=nk)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,
-            grid=(B, H, nq, nk),
+            grid=grid,
             in_specs=_specs(q_spec, kv_spec, kv_spec, bias_spec, row_spec, q_spec, row_spec),
             out_specs=_specs(q_spec),
             scratch_shapes=[
