@@ -353,35 +353,42 @@ _register_zero_tensor()
 # in float32) and differentiate it for a double backward.
 
 
-class _SiluBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, grad_output, x):
+class _Float32Backward(torch.autograd.Function):
+    """An activation's backward op `OP` (grad_output, x) run below autograd (its tpu lowering),
+    with `_derivatives` giving its own gradients for a double backward."""
+
+    OP = None
+
+    @classmethod
+    def forward(cls, ctx, grad_output, x):
         ctx.save_for_backward(grad_output, x)
         with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.aten.silu_backward(grad_output, x)
+            return cls.OP(grad_output, x)
+
+    @classmethod
+    def backward(cls, ctx, gg):
+        return cls._derivatives(gg, *ctx.saved_tensors)
+
+
+class _SiluBackward(_Float32Backward):
+    OP = torch.ops.aten.silu_backward
 
     @staticmethod
-    def backward(ctx, gg):
+    def _derivatives(gg, g, x):
         # d/dg and d/dx of g * s * (1 + x (1 - s)), s = sigmoid(x)
-        g, x = ctx.saved_tensors
         s = torch.sigmoid(x)
         dg = gg * s * (1 + x * (1 - s))
         dx = gg * g * s * (1 - s) * (2 + x * (1 - 2 * s))
         return dg, dx
 
 
-class _MishBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, grad_output, x):
-        ctx.save_for_backward(grad_output, x)
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.aten.mish_backward(grad_output, x)
+class _MishBackward(_Float32Backward):
+    OP = torch.ops.aten.mish_backward
 
     @staticmethod
-    def backward(ctx, gg):
+    def _derivatives(gg, g, x):
         # d/dg and d/dx of g * (t + x s (1 - t^2)), s = sigmoid(x), t = tanh(softplus(x)),
         # dt/dx = u = s (1 - t^2) = s / cosh(softplus(x))^2
-        g, x = ctx.saved_tensors
         s = torch.sigmoid(x)
         sp = torch.nn.functional.softplus(x)
         t = torch.tanh(sp)
