@@ -10,10 +10,13 @@ costed as it is). This prints only the second half: the same estimate lines, fro
 costing compiles, in a third of the dry run's time. Use it to compare code or config changes on
 the step estimate; use the dry run for memory. Other arguments go to the trainer's config.
 `--dump <folder>` keeps XLA's dump of the two costing compiles, for `bench.hlo_breakdown`
-(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). `--scanned-copies`
-costs copies that keep a scanned job's layer scan, its loops unrolled into straight-line code, instead
-of the unscanned model: the scanned program's own structure (stacked weights, kept outputs, the
-backward's recomputation), which XLA may cost differently from the unscanned blocks. Without the full
+(with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). A scanned job's
+copies keep the layer scan, unrolled into straight-line code, as the dry run's do; `--unscanned-copies`
+costs copies of the unscanned model instead (the dry run's method for jobs without the scan), which
+XLA costs lower. `--loop` also prints XLA's own cost of the scanned step as it runs, a loop: the
+same job compiled with its loops at the two depths (XLA costs a loop body once), whose difference is
+what the part outside the loop grows per layer, and whose body is then the 2-layer loop program less
+that part (the copies' intercept). Without the full
 program's compile the costing copies keep XLA's out-of-memory checks: a copy larger than HBM (DeepSeek-V3
 671B's) is an error here, and the dry run costs it (topology.PAST_OOM_COMPILER_OPTIONS).
 """
@@ -33,9 +36,12 @@ def main() -> None:
     ap.add_argument("--topology", required=True)
     ap.add_argument("--dump", help="a folder for XLA's dump of the costing compiles (bench.hlo_breakdown reads it)")
     ap.add_argument(
-        "--scanned-copies",
+        "--unscanned-copies",
         action="store_true",
-        help="cost copies that keep the layer scan, its loops unrolled (the scanned program's structure)",
+        help="cost copies of the unscanned model (XLA shares the forward's values with the recomputation there)",
+    )
+    ap.add_argument(
+        "--loop", action="store_true", help="also XLA's cost of the scanned step's loop (two more compiles)"
     )
     args, rest = ap.parse_known_args()
     import contextlib
@@ -50,7 +56,7 @@ def main() -> None:
     trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
     with dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext():
-        est = step_estimate(trainer, {}, scanned_copies=args.scanned_copies)
+        est = step_estimate(trainer, {}, scanned_copies=False if args.unscanned_copies else None)
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))
@@ -62,6 +68,38 @@ def main() -> None:
             f"XLA's time per layer    {layer * 1e3:.2f} ms (the slope, x {sloped} layers); the rest of the "
             f"micro-batch {rest * 1e3:.1f} ms"
         )
+        if args.loop and trainer.cfg.tpu.scan_layers:
+            _loop_cost(cfg, trainer, rest, sloped, peak)
+
+
+def _loop_cost(cfg, trainer, rest: float, sloped: int, peak: float) -> None:
+    """XLA's cost of the step with the layer scan as a loop: X(n) = rest + n (grow + body) over the
+    copies' depths n, the loop body counted once: grow from two depths, body from the shallower."""
+    from torchtpu.distributed.topology import costing_compiles
+    from torchtpu.train.dry_run.estimate import _step_report, costing_depths, leading_dense_layers
+
+    lead = leading_dense_layers(trainer.model_args)
+    seconds = {}
+    for n in costing_depths(trainer.model_args):
+        t = type(trainer)(cfg, n_layers=n)
+        with costing_compiles(t.mesh.jax_mesh, past_oom=False):
+            rep, _, _, _ = _step_report(t, label=f"the {n}-layer program with its loops")
+        loops = [lp.get("trip_count") for lp in rep.get("while_loops") or []]
+        if not rep.get("estimated_step_seconds") or set(loops) != {n - lead}:
+            print(f"XLA's cost of the loop  none (the {n}-layer program's loops: {loops})")
+            return
+        seconds[n] = rep["estimated_step_seconds"]
+        del t
+    (n2, x2), (n4, x4) = sorted(seconds.items())
+    grow = (x4 - x2) / (n4 - n2)
+    body = x2 - rest - (n2 - lead) * grow
+    step = (rest + sloped * (grow + body)) * trainer.dims.grad_accum_steps
+    mfu = trainer.flops_per_token * trainer.dims.tokens_per_step / (step * trainer.dims.world_size * peak)
+    print(
+        f"XLA's cost of the loop  {step:.3f} s per step, MFU {100 * mfu:.1f}%: the loop body {body * 1e3:.2f} ms "
+        f"per layer, the part outside it {grow * 1e3:.2f} ms more per layer ({n2}- and {n4}-layer programs "
+        f"with their loops: {x2 * 1e3:.1f} and {x4 * 1e3:.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The dry run's step-time estimate: honest through loops over layers (torchtpu/train/dry_run/estimate.py).
 
 XLA's cost analysis costs a while-loop body once, so a program whose layers run under lax.scan
-reports a fraction of its work. The dry run costs the step from unrolled 2- and 4-layer
-programs and extrapolates to the model's depth; these tests check that against XLA's own figures for
-the unrolled program, on TPU v5p programs compiled ahead of time.
+reports a fraction of its work. The dry run costs the step from 2- and 4-layer copies without loops
+(a scanned job's keep its scan, unrolled into straight-line code) and extrapolates to the model's
+depth; these tests check that against XLA's own figures for the whole program without loops, on TPU
+v5p programs compiled ahead of time.
 """
 
 import jax
@@ -166,18 +167,18 @@ def test_costing_compiles_past_oom_change_nothing_for_a_program_that_fits():
         assert compile_report(aot_compile(lowered), mesh)["fits"]  # compiled: nothing in the report says
 
 
-def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monkeypatch):
+def test_trainer_estimate_matches_the_straight_line_debug_step(tmp_path, capsys, monkeypatch):
     """The dry run of the debug model (5 of its 6 layers, full recomputation) on v5p: the estimate it
-    extrapolates for the trainer's own scanned step equals XLA's figure for the whole unrolled
-    program within 5%, and the report prints the estimate, tokens/s per chip, MFU, the method and
-    the largest temporaries.
+    extrapolates for the trainer's own scanned step equals XLA's figure for the whole 5-layer scanned
+    program with its loops unrolled into straight-line code within 5%, and the report prints the
+    estimate, tokens/s per chip, MFU, the method and the largest temporaries.
 
     The estimate is the one `dry_run` itself computes (recorded on its way through, not computed
-    again): at 5 layers it comes from the 2- and 4-layer unrolled programs of the same job whatever
-    the full program looks like, so the scanned trainer's estimate is also the unrolled trainer's,
-    and each TPU program here is compiled once (the full unrolled step, the scanned step, 2 and 4
-    layers)."""
+    again): at 5 layers it comes from the 2- and 4-layer straight-line copies of the same scanned
+    job, and each TPU program here is compiled once (the whole straight-line step, the scanned step,
+    2 and 4 layers)."""
     import torchtpu.train.dry_run.estimate as dry_run_module
+    from torchtpu.distributed.scan import straight_line_loops
     from torchtpu.train.config.manager import load_config
     from torchtpu.train.dry_run.estimate import compile_step, dry_run, step_estimate
     from torchtpu.train.trainer import Trainer
@@ -193,13 +194,15 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
         "--activation_checkpoint.mode",
         "full",
     ]
-    t = Trainer(load_config(argv + ["--tpu.scan_layers", "false"]), n_layers=DEBUG_DEPTH)
-    full = compile_report(compile_step(t), t.mesh.jax_mesh)
+    with straight_line_loops():
+        t = Trainer(load_config(argv), n_layers=DEBUG_DEPTH)
+        assert t.cfg.tpu.scan_layers
+        full = compile_report(compile_step(t), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
     del t
 
     # the trainer's own layer scan (on by default with full recomputation): XLA's raw figures for the
-    # scanned program count the loop body once; the dry run's estimate still equals the unrolled one
+    # scanned program count the loop body once; the dry run's estimate equals the straight-line one
     seen = []
 
     def recorded_step_estimate(trainer, report):
@@ -215,6 +218,7 @@ def test_trainer_estimate_matches_the_unrolled_debug_step(tmp_path, capsys, monk
     assert scan_layers
     assert scanned["while_loops"] and scanned["flops_per_device"] < 0.6 * full["flops_per_device"]
     assert f"unrolled 2- and 4-layer programs, extrapolated to {DEBUG_DEPTH} layers" in est["method"]
+    assert "the copies keep the layer scan, unrolled into straight-line code" in est["method"]
     for key in ("flops_per_device", "estimated_step_seconds"):
         assert est[key] == pytest.approx(full[key], rel=0.05), (key, est[key], full[key])
 

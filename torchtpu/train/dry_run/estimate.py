@@ -196,15 +196,20 @@ def costing_depths(model_args) -> tuple[int, int]:
     return (lead + COSTING_DEPTHS[0], lead + COSTING_DEPTHS[1])
 
 
-def step_estimate(trainer, report: dict, scanned_copies: bool = False) -> dict:
+def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> dict:
     """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
 
-    Compiles the same job unrolled at `costing_depths` layers (programs whose cost XLA counts
-    fully) and extrapolates; a model at most that deep is costed as it is when it has no loops.
-    If that fails, the full program's own XLA figures are used, flagged when it has loops.
-    `scanned_copies`: the copies keep a scanned job's layer scan, its loops unrolled into
-    straight-line code (`scan.straight_line_loops`): the scan's own structure (stacked weights,
-    kept outputs, the backward's recomputation) instead of the unscanned model's."""
+    Compiles the same job at `costing_depths` layers as programs whose cost XLA counts fully, and
+    extrapolates; a model at most that deep is costed as it is when it has no loops. If that
+    fails, the full program's own XLA figures are used, flagged when it has loops.
+
+    A job that runs its blocks under the layer scan is costed with copies that keep the scan, its
+    loops unrolled into straight-line code (`scan.straight_line_loops`): the scan's own program
+    (stacked weights, the forward's kept outputs written into their stacks, the backward's
+    recomputation as it runs). Copies of the unscanned model instead let XLA share the forward's
+    values with the recomputation and cost less than the scanned step does (docs/dry-run.md).
+    `scanned_copies=False` costs the unscanned model anyway (bench.step_estimate
+    --unscanned-copies, to compare); a job without the scan is always costed unscanned."""
     import contextlib
 
     from torchtpu.distributed.scan import straight_line_loops
@@ -223,7 +228,7 @@ def step_estimate(trainer, report: dict, scanned_copies: bool = False) -> dict:
         }
     try:
         small, cached = [], []
-        scanned_copies = scanned_copies and trainer.cfg.tpu.scan_layers
+        scanned_copies = (scanned_copies is None or scanned_copies) and trainer.cfg.tpu.scan_layers
         cfg = trainer.cfg if scanned_copies else unrolled(trainer.cfg)
         straight = straight_line_loops if scanned_copies else contextlib.nullcontext
         for n in depths:
@@ -240,6 +245,8 @@ def step_estimate(trainer, report: dict, scanned_copies: bool = False) -> dict:
         est = depth_extrapolated_cost(small[0], small[1], *depths, depth)
         if scanned_copies:
             est["method"] += " (the copies keep the layer scan, unrolled into straight-line code)"
+        elif trainer.cfg.tpu.scan_layers:
+            est["method"] += " (copies of the unscanned model: the step runs the layer scan)"
         lead = leading_dense_layers(trainer.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
