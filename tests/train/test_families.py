@@ -541,3 +541,23 @@ def test_expert_parallel_step_compiles_for_tpu_with_all_to_all_and_grouped_matmu
     assert text.count(" all-to-all(") >= 8, text.count(" all-to-all(")
     assert "ragged-dot" in text and 'custom_call_target="tpu_custom_call"' in text
     assert " while(" not in text
+
+
+def test_scanned_moe_step_gathers_each_layers_experts_without_a_relayout(tmp_path):
+    """The 2-layer Qwen3 MoE step under the layer scan and FSDP 4, compiled ahead of time for
+    v5p:2x2x1: FSDP's all-gathers inside the loops take each layer's weight rows without the stacked
+    dim (scan._layer_rows), so none gathers a (1, ...) array, whose gathered-dim-major layout XLA
+    then copies whole into the usual one (the experts' weights, forward and backward)."""
+    import re
+
+    from torchtpu.train.dry_run.estimate import compile_step
+    from torchtpu.train.trainer import Trainer
+
+    argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.topology", "v5p:2x2x1")
+    cfg = load_config([*argv, "--tpu.scan_layers", "true", "--activation_checkpoint.mode", "full"])
+    t = Trainer(cfg, model_overrides=_narrow_moe())
+    text = compile_step(t).as_text()
+    assert " while(" in text
+    gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", text)
+    assert any(g.startswith("bf16[8,") for g in gathered), gathered  # the 8 experts' weights, gathered
+    assert not [g for g in gathered if re.match(r"\w+\[1,", g)], gathered
