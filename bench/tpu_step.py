@@ -16,7 +16,9 @@
 
 Both are costed the same way (torchtpu.distributed.topology.depth_extrapolated_cost: XLA's cost
 model on shallow unrolled programs, extrapolated to the model's depth, which a scan cannot
-fool: the dry run's method, from unrolled 2- and 4-layer programs; the reference's Pallas kernels declare
+fool: unrolled 2- and 4-layer programs of both, like for like; the dry run costs a scanned job with
+copies that keep its scan, unrolled into straight-line code, which XLA costs somewhat higher
+(docs/dry-run.md, "How the step is costed"); the reference's Pallas kernels declare
 to XLA the costs torchtpu's declare for the same shapes, see with_torchtpu_kernel_costs; both
 costing programs are compiled without collective-matmul loops, whose bodies XLA would cost once,
 see topology.COSTING_COMPILER_OPTIONS); HBM per chip, collectives and compile time come from the
