@@ -49,7 +49,7 @@ def main() -> None:
     from torchtpu.backend.aot import dump_compiles_to
     from torchtpu.distributed.topology import chip_spec
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import estimate_lines, leading_dense_layers, step_estimate
+    from torchtpu.train.dry_run.estimate import _runs_layer_scan, estimate_lines, leading_dense_layers, step_estimate
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])
@@ -68,7 +68,7 @@ def main() -> None:
             f"XLA's time per layer    {layer * 1e3:.2f} ms (the slope, x {sloped} layers); the rest of the "
             f"micro-batch {rest * 1e3:.1f} ms"
         )
-        if args.loop and trainer.cfg.tpu.scan_layers:
+        if args.loop and _runs_layer_scan(trainer):
             _loop_cost(cfg, trainer, rest, sloped, peak)
 
 

@@ -294,3 +294,21 @@ def test_a_failed_costing_copy_without_a_whole_program_report_raises_its_error()
     est = step_estimate(ShallowCopyFails(), {**whole, "while_loops": [{"name": "while.1"}]})
     assert est["flops_per_device"] == 1e14 and est["estimated_step_seconds"] is None
     assert "depth extrapolation failed: RuntimeError: RESOURCE_EXHAUSTED" in est["method"]
+
+
+def test_only_a_model_that_runs_the_layer_scan_is_costed_with_scanned_copies(tmp_path):
+    """The costing copies keep the scan only where the built model runs it: Llama 4's debug flavor
+    (dense and MoE blocks interleaved) turns the scan off although `[tpu] scan_layers` is on, and is
+    costed with unscanned copies; the Llama 3 debug model with the scan is costed with scanned ones."""
+    from torchtpu.train.config.manager import load_config
+    from torchtpu.train.dry_run.estimate import _runs_layer_scan
+    from torchtpu.train.trainer import Trainer
+
+    def trainer(config, *extra):
+        argv = ["--config", f"train_configs/{config}", "--job.dump_folder", str(tmp_path), "--dry-run"]
+        return Trainer(load_config([*argv, "--tpu.topology", TOPOLOGY, *extra]), n_layers=2)
+
+    llama4 = trainer("llama4_debug.toml")
+    assert llama4.cfg.tpu.scan_layers and not _runs_layer_scan(llama4)
+    assert _runs_layer_scan(trainer("debug_model.toml", "--activation_checkpoint.mode", "full"))
+    assert not _runs_layer_scan(trainer("debug_model.toml", "--tpu.scan_layers", "false"))

@@ -228,7 +228,8 @@ def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> 
         }
     try:
         small, cached = [], []
-        scanned_copies = (scanned_copies is None or scanned_copies) and trainer.cfg.tpu.scan_layers
+        scanned = _runs_layer_scan(trainer)
+        scanned_copies = (scanned_copies is None or scanned_copies) and scanned
         cfg = trainer.cfg if scanned_copies else unrolled(trainer.cfg)
         straight = straight_line_loops if scanned_copies else contextlib.nullcontext
         for n in depths:
@@ -245,7 +246,7 @@ def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> 
         est = depth_extrapolated_cost(small[0], small[1], *depths, depth)
         if scanned_copies:
             est["method"] += " (the copies keep the layer scan, unrolled into straight-line code)"
-        elif trainer.cfg.tpu.scan_layers:
+        elif scanned:
             est["method"] += " (copies of the unscanned model: the step runs the layer scan)"
         lead = leading_dense_layers(trainer.model_args)
         if lead:
@@ -269,6 +270,17 @@ def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> 
             "estimated_step_seconds": report["estimated_step_seconds"] if not loops else None,
             "roofline_seconds": report.get("roofline_seconds"),
         }
+
+
+def _runs_layer_scan(trainer) -> bool:
+    """Whether the trainer's model runs blocks under the layer scan: `[tpu] scan_layers` on, and a
+    family that did not turn it off for blocks that differ (Llama 4's interleaved flavors)."""
+    from torchtpu.distributed.scan import is_scanned
+
+    if not trainer.cfg.tpu.scan_layers:
+        return False
+    model = getattr(trainer, "model", None)
+    return model is None or any(is_scanned(m) for m in model.modules())
 
 
 def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
