@@ -56,7 +56,7 @@ def main() -> None:
     trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
     with dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext():
-        est = step_estimate(trainer, {}, scanned_copies=False if args.unscanned_copies else None)
+        est = step_estimate(trainer, {}, unscanned_copies=args.unscanned_copies)
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))

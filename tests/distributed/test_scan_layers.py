@@ -94,7 +94,7 @@ def _dots_of_step(n_layers):
 
 
 def test_straight_line_loops_unroll_the_scan_with_its_losses():
-    """Under `straight_line_loops` (the step estimate's `scanned_copies`) the scanned step holds no
+    """Under `straight_line_loops` (the dry run's costing copies of a scanned job) the scanned step holds no
     loop, more dot ops than the loop's one block (one set per block), and gives the loop's losses."""
     from torchtpu.distributed.scan import straight_line_loops
 

@@ -196,7 +196,7 @@ def costing_depths(model_args) -> tuple[int, int]:
     return (lead + COSTING_DEPTHS[0], lead + COSTING_DEPTHS[1])
 
 
-def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> dict:
+def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict:
     """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
 
     Compiles the same job at `costing_depths` layers as programs whose cost XLA counts fully, and
@@ -208,8 +208,8 @@ def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> 
     (stacked weights, the forward's kept outputs written into their stacks, the backward's
     recomputation as it runs). Copies of the unscanned model instead let XLA share the forward's
     values with the recomputation and cost less than the scanned step does (docs/dry-run.md).
-    `scanned_copies=False` costs the unscanned model anyway (bench.step_estimate
-    --unscanned-copies, to compare); a job without the scan is always costed unscanned."""
+    `unscanned_copies` costs the unscanned model anyway (bench.step_estimate --unscanned-copies,
+    to compare); a job without the scan is always costed unscanned."""
     import contextlib
 
     from torchtpu.distributed.scan import straight_line_loops
@@ -229,7 +229,7 @@ def step_estimate(trainer, report: dict, scanned_copies: bool | None = None) -> 
     try:
         small, cached = [], []
         scanned = _runs_layer_scan(trainer)
-        scanned_copies = (scanned_copies is None or scanned_copies) and scanned
+        scanned_copies = scanned and not unscanned_copies
         cfg = trainer.cfg if scanned_copies else unrolled(trainer.cfg)
         straight = straight_line_loops if scanned_copies else contextlib.nullcontext
         for n in depths:
@@ -277,10 +277,7 @@ def _runs_layer_scan(trainer) -> bool:
     family that did not turn it off for blocks that differ (Llama 4's interleaved flavors)."""
     from torchtpu.distributed.scan import is_scanned
 
-    if not trainer.cfg.tpu.scan_layers:
-        return False
-    model = getattr(trainer, "model", None)
-    return model is None or any(is_scanned(m) for m in model.modules())
+    return bool(trainer.cfg.tpu.scan_layers) and any(is_scanned(m) for m in trainer.model.modules())
 
 
 def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
