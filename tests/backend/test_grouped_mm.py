@@ -9,6 +9,8 @@ groups and rows past the last group; and torchtitan's own expert function
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import torch
 
@@ -219,6 +221,30 @@ def test_megablox_forward_with_every_row_grouped_skips_no_row():
         gx, gw = vjp(as_jax(grad))
     to_torch = lambda a: torch.from_numpy(jax.device_get(a.astype(jnp.float32)).copy()).to("tpu")  # noqa: E731
     _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_M, rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_mm_with_stored_weights_gives_the_input_gradient_in_float32():
+    """`linalg.grouped_mm_stored` (the expert dispatch's backward: the token gradients times the
+    experts' weights as stored, float32 out) gives PyTorch's CPU input gradient of the experts,
+    through megablox's gmm without a transpose (Pallas interpret mode, on TPU) and through
+    `ragged_dot` (elsewhere); rows past the last group zero."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops import attention_tpu
+    from torchtpu.backend.ops.linalg import grouped_mm_stored
+
+    x, w, grad, want = _megablox_case(seed=6)
+    as_jax = lambda t: jnp.asarray(t.float().numpy(), jnp.bfloat16)  # noqa: E731
+    ends = jnp.asarray(MB_ENDS, jnp.int32)
+    end = MB_ENDS[-1]
+    for interpret in (True, False):
+        with attention_tpu.interpret_kernels() if interpret else contextlib.nullcontext():
+            gx = grouped_mm_stored(as_jax(grad), as_jax(w), ends, jnp.float32)
+        assert gx.dtype == jnp.float32 and gx.shape == (MB_M, MB_K)
+        gx = torch.from_numpy(jax.device_get(gx).copy()).to("tpu")
+        # PyTorch rounds its gradient to bfloat16 once; this one is float32
+        assert_close_to_cpu(gx[:end], want[1][:end].float(), "grad x", rtol=1e-2, atol=1e-2)
+        assert torch.count_nonzero(gx[end:].cpu()) == 0
 
 
 def test_megablox_kernels_per_shard_in_a_sharded_program():

@@ -37,6 +37,12 @@ layer, forward and backward); here no row leaves its chip. The rows are sorted a
 scatters, forward and backward (XLA's TPU cost model charges a gather of 1 GiB of rows about
 nine times a scatter of them).
 
+Where the experts' last step is a grouped matmul (`front`: everything before it) and the outputs
+are combined by scores, that matmul, the way back and the combine are one custom-gradient step
+(`_combined_outputs`). Its backward takes each score's gradient from the rows' gradient through the
+matmul and the matmul's input, not from the experts' outputs, so activation checkpointing's
+recomputation stops before the last matmul instead of rerunning it and the way back.
+
 No row is dropped: a bucket holds all of a chip's rows, the case where every row picks experts of
 one rank. That worst case sizes the buffers (ep x the chip's rows each way); the all-to-all is a
 plain, padded one, since XLA's CPU backend has no `ragged-all-to-all` and the same program runs
@@ -48,6 +54,7 @@ share an expert shard.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -59,6 +66,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..backend.ops.grouped_mm_tpu import every_row_grouped
+from ..backend.ops.linalg import grouped_mm, grouped_mm_stored
 from ..backend.state import tracing
 from ..backend.tensor import new_base
 from ..backend.views import array_of
@@ -91,6 +99,7 @@ def expert_parallel_ffn(
     dim: str | None = "ep",
     top_k: int = 1,
     scores: torch.Tensor | None = None,
+    front: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Each token of `x` (T, width) through the `top_k` experts `expert_ids` (T * top_k, in token
     order: entry t * top_k + j is token t's j-th expert) names, the experts split over the mesh dim
@@ -99,7 +108,14 @@ def expert_parallel_ffn(
     combination, (T, width): sum_j scores[t, j] * output[t * top_k + j] in float32, rounded once to
     x's dtype (torchtitan's combine, a batched matmul in float32). `run_experts(local_weights, x,
     tokens_per_expert)` is torch code computing a chip's experts on `x` grouped by expert (rows past
-    the groups must come out zero); it runs on each chip's pieces."""
+    the groups must come out zero); it runs on each chip's pieces.
+
+    `front(local_weights, x, tokens_per_expert)`, optional, is `run_experts` up to its last grouped
+    matmul: `run_experts` must equal `torch._grouped_mm(h, weights[-1].to(h.dtype).transpose(-2, -1),
+    offs=cumsum(tokens_per_expert)).type_as(x)` with `h = front(...)`. Given it, a dispatch that
+    combines by `scores` runs that matmul, the outputs' way back and the combine as one step whose
+    backward needs no expert output (`_combined_outputs`), so activation checkpointing does not
+    recompute the last matmul."""
     ep_axes = expert_axes(mesh, dim) if dim is not None else ()
     if dim is not None and not ep_axes:
         raise ValueError(f"expert_parallel_ffn: the mesh {mesh.root()} has no dim {dim!r} of more than one rank")
@@ -141,22 +157,25 @@ def expert_parallel_ffn(
         x.dtype,
         top_k,
         scores is not None,
+        front,
     )
     return _ExpertParallel.apply(f, expert_ids, x, scores, *weights)
 
 
 @functools.lru_cache(maxsize=64)
-def _function(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype, top_k, combine):
+def _function(
+    jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, rows_dtype, top_k, combine, front
+):
     """(ids, x[, scores], *weights) -> out over global arrays, one per layout and dtypes (so the
     layers of a model share it, and a step run eagerly compiles it once)."""
-    plan = _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes)
+    plan = _Plan(jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, front)
     return plan.function(rows_dtype, top_k, combine)
 
 
 class _Plan:
     """What one expert-parallel call needs besides its tensors."""
 
-    def __init__(self, jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes):
+    def __init__(self, jax_mesh, data, ep_axes, n_ep, num_experts, run_experts, weight_dtypes, front=None):
         self.jax_mesh = jax_mesh
         self.data = data
         self.ep = (ep_axes[0] if len(ep_axes) == 1 else tuple(ep_axes)) if ep_axes else None
@@ -164,6 +183,7 @@ class _Plan:
         self.num_experts = num_experts
         self.run_experts = run_experts
         self.weight_dtypes = weight_dtypes
+        self.front = front
 
     def function(self, rows_dtype: torch.dtype, top_k: int, combine: bool):
         """(ids, x[, scores], *weights) -> out over global arrays: the shard_map of `_local`."""
@@ -187,41 +207,44 @@ class _Plan:
         )
 
     def _local(self, ids, x, scores, weights, rows_dtype, k):
-        n, width = ids.shape[0], x.shape[1]
+        n = ids.shape[0]
         n_ep, per_rank = self.n_ep, self.num_experts // self.n_ep
         ids = ids.astype(jnp.int32)
         order = jnp.argsort(ids, stable=True)  # the rows (token, choice) sorted by expert
         inverse = jnp.argsort(order)  # where each row went
         rows = _sort_tokens(x, inverse, order, k)  # row i of the sorted rows is token order[i] // k
         if self.ep is None:  # every expert here: run the sorted rows (all of them in a group)
-            with every_row_grouped():
-                done = self._experts(rows, _counts(ids, self.num_experts), weights, rows_dtype)
+            route = None
+            tokens_per_expert = _counts(ids, self.num_experts)
         else:
             # 1. each sorted row's destination rank and its slot in that rank's bucket
             sorted_ids = ids[order]
             dest = sorted_ids // per_rank
             sent = _counts(dest, n_ep)
             slot = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sent) - sent)[dest]
-            bucket = jnp.zeros((n_ep, n, width), rows.dtype).at[dest, slot].set(rows, unique_indices=True)
             bucket_ids = jnp.full((n_ep, n), per_rank, jnp.int32)
             bucket_ids = bucket_ids.at[dest, slot].set(sorted_ids - dest * per_rank, unique_indices=True)
-            # 2. swap the buckets: bucket s now holds what rank s sent here
-            got = lax.all_to_all(bucket, self.ep, 0, 0, tiled=True).reshape(n_ep * n, width)
+            # 2. swap the buckets (bucket s then holds what rank s sent here) and 3. group the rows by
+            # local expert, padding last
             got_ids = lax.all_to_all(bucket_ids, self.ep, 0, 0, tiled=True).reshape(n_ep * n)
-            # 3. group by local expert (padding last) and run the experts
-            group = jnp.argsort(got_ids, stable=True)
+            route = _Route(dest, slot, jnp.argsort(got_ids, stable=True), self.ep, n_ep)
+            rows = route.to_experts(rows)
             tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
-            out = self._experts(got[group], tokens_per_expert, weights, rows_dtype)
-            # 4. back to the bucket layout, back to the sending chips: the sorted rows' outputs
-            back = _place(out, group).reshape(n_ep, n, width)
-            done = lax.all_to_all(back, self.ep, 0, 0, tiled=True)[dest, slot]
+        with every_row_grouped() if route is None else contextlib.nullcontext():
+            if scores is not None and self.front is not None:
+                h = self._experts(rows, tokens_per_expert, weights, rows_dtype, self.front)
+                ends = jnp.cumsum(tokens_per_expert, dtype=jnp.int32)
+                return _combined_outputs(h, weights[-1], scores, order, inverse, ends, route, k, x.dtype)
+            done = self._experts(rows, tokens_per_expert, weights, rows_dtype)
+        if route is not None:  # 4. back to the sending chips: the sorted rows' outputs
+            done = route.from_experts(done)
         done = _unsort(done, order, inverse)  # the rows' outputs in token order
         return done if scores is None else _combine(done, scores, k)
 
-    def _experts(self, x, tokens_per_expert, weights, rows_dtype):
+    def _experts(self, x, tokens_per_expert, weights, rows_dtype, run=None):
         ws = [new_base(w, 0, dt) for w, dt in zip(weights, self.weight_dtypes)]
         with tracing(), torch.no_grad():
-            out = self.run_experts(ws, new_base(x, 0, rows_dtype), new_base(tokens_per_expert, 0, torch.int32))
+            out = (run or self.run_experts)(ws, new_base(x, 0, rows_dtype), new_base(tokens_per_expert, 0, torch.int32))
         return array_of(out)
 
 
@@ -306,6 +329,97 @@ def _combine_bwd(k, res, g):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Route:
+    """How a chip's sorted rows reach the chips holding their experts and come back, under
+    expert parallelism over the mesh axis (or axes) `axis` of `n_ep` ranks: sorted row i goes to
+    slot `slot[i]` of the bucket for rank `dest[i]`, the buckets are swapped by an all-to-all, and
+    the rows a chip receives are grouped by its local expert in the order `group` (padding rows,
+    zeros, last)."""
+
+    def __init__(self, dest, slot, group, axis, n_ep):
+        self.dest, self.slot, self.group, self.axis, self.n_ep = dest, slot, group, axis, n_ep
+
+    def tree_flatten(self):
+        return (self.dest, self.slot, self.group), (self.axis, self.n_ep)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def to_experts(self, v):
+        """Sorted rows (n, ...) here -> the rows this chip's experts receive, grouped (n_ep * n, ...)."""
+        n = v.shape[0]
+        bucket = jnp.zeros((self.n_ep, n) + v.shape[1:], v.dtype)
+        bucket = bucket.at[self.dest, self.slot].set(v, unique_indices=True)
+        got = lax.all_to_all(bucket, self.axis, 0, 0, tiled=True)
+        return got.reshape((self.n_ep * n,) + v.shape[1:])[self.group]
+
+    def from_experts(self, v):
+        """`to_experts`'s inverse: grouped rows here -> the sorted rows of the chips that sent them."""
+        back = _place(v, self.group).reshape((self.n_ep, -1) + v.shape[1:])
+        return lax.all_to_all(back, self.axis, 0, 0, tiled=True)[self.dest, self.slot]
+
+
+def _last_matmul(h, w, ends, out_dtype, every_row):
+    """`run_experts`'s last grouped matmul as torch code reaches it (`expert_parallel_ffn`'s `front`):
+    each group of rows of h times its expert's w, stored (E, N, H) and applied transposed, in h's
+    dtype, then the rows' dtype. `every_row`: every row is in a group (the dispatch without expert
+    parallelism), so no pass zeroes the rows past the groups."""
+    with every_row_grouped() if every_row else contextlib.nullcontext():
+        y = grouped_mm(h, jnp.swapaxes(w.astype(h.dtype), 1, 2), ends)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _combined_outputs(h, w, scores, order, inverse, ends, route, k, out_dtype):
+    """The experts' last grouped matmul on the hidden states `h` of the rows this chip's experts
+    run, the outputs brought back (`route`, None without expert parallelism), put back in token
+    order and combined by the scores (`_combine`): what `_unsort` then `_combine` compute on
+    `run_experts`'s outputs, the same arithmetic. The backward does not need those outputs. A
+    score's gradient, <g, y> with y = h w^T, is <g w, h>: g w is the rows' unscaled gradient
+    through the matmul, which the backward computes anyway (the token gradients travel to the
+    experts unscaled, with each row's score), and h is the matmul's input. Under activation
+    checkpointing the recomputation therefore stops at h, and skips the matmul, the outputs' way
+    back and the combine. The gradients are the same products in another order, with g w kept in
+    float32 and rounded once:
+    - h's is score x (g w);
+    - w's is the sum over rows of g (score x h)."""
+    return _combined_outputs_fwd(h, w, scores, order, inverse, ends, route, k, out_dtype)[0]
+
+
+def _combined_outputs_fwd(h, w, scores, order, inverse, ends, route, k, out_dtype):
+    y = _last_matmul(h, w, ends, out_dtype, route is None)
+    if route is not None:
+        y = route.from_experts(y)
+    y = _place(y, order)
+    return _combine_fwd(y, scores, k)[0], (h, w, scores, order, inverse, ends, route)
+
+
+def _combined_outputs_bwd(k, out_dtype, res, g):
+    h, w, scores, order, inverse, ends, route = res
+    score = scores.reshape(-1).astype(jnp.float32)[order]  # each sorted row's score
+    g_rows = _place(_expand(g, k), inverse)  # each sorted row's token's gradient, unscaled
+    if route is not None:  # to the experts' chips, as the rows went (padding rows: zero, score 0)
+        g_rows, score = route.to_experts(g_rows), route.to_experts(score)
+    h32 = h.astype(jnp.float32)
+    scaled = (h32 * score[:, None]).astype(h.dtype)
+    every_row = route is None
+    with every_row_grouped() if every_row else contextlib.nullcontext():
+        # the rows' unscaled gradient through the matmul, g w, kept in float32 (rounded once, in dh)
+        gw32 = grouped_mm_stored(g_rows.astype(h.dtype), w.astype(h.dtype), ends, jnp.float32)
+        # w's gradient in its stored layout (E, N, H): per expert, the sum over its rows of g (score x h)
+        dw = jnp.swapaxes(grouped_mm(scaled.T, g_rows.astype(h.dtype), ends), 1, 2).astype(w.dtype)
+    dscore = jnp.sum(gw32 * h32, axis=1)
+    if route is not None:
+        dscore = route.from_experts(dscore)
+    dh = (gw32 * score[:, None]).astype(h.dtype)
+    return dh, dw, dscore[inverse].reshape(scores.shape).astype(scores.dtype), None, None, None, None
+
+
+_combined_outputs.defvjp(_combined_outputs_fwd, _combined_outputs_bwd)
 
 
 class _ExpertParallel(torch.autograd.Function):

@@ -25,7 +25,9 @@ it. The combine (the scores' weighting and the sum over the top-k in float32, ro
 torchtitan's batched matmul; the shared experts added) is torchtitan's arithmetic on the same
 rows, so a step under expert parallelism computes what it computes without. Under this dispatch the
 experts' w1 and w3 run as one grouped matmul over their concatenation (`_grouped_experts`: the same
-products, one kernel instead of two, forward and backward).
+products, one kernel instead of two, forward and backward), and w2's runs with the combine, whose
+backward takes the scores' gradients without the experts' outputs (`_experts_hidden` is the dispatch's
+`front`).
 With tensor parallelism the mesh dim "ep" spans the "tp" axis too (torchtitan's
 expert_tensor_parallel_degree 1, distributed.mesh.expert_parallel_mesh), and each chip of a
 tensor-parallel group dispatches its own part of the rows.
@@ -105,12 +107,17 @@ def _grouped_experts(weights, x, tokens_per_expert):
     torchtitan computes them. In backward this is one grouped matmul for the rows' gradient
     (dh1 w1 + dh3 w3 summed inside the kernel instead of a sum of two (rows, dim) products) and one
     for w1's and w3's gradients, and the rows are read once, not twice."""
-    w13, w2 = weights
+    h = _experts_hidden(weights, x, tokens_per_expert)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    h13 = torch._grouped_mm(x.bfloat16(), w13.bfloat16().transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, weights[-1].to(h.dtype).transpose(-2, -1), offs=offsets).type_as(x)
+
+
+def _experts_hidden(weights, x, tokens_per_expert):
+    """`_grouped_experts` up to w2: silu(x w1^T) * (x w3^T) in bfloat16 (the dispatch's `front`)."""
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    h13 = torch._grouped_mm(x.bfloat16(), weights[0].bfloat16().transpose(-2, -1), offs=offsets)
     h1, h3 = h13.chunk(2, dim=-1)
-    h = F.silu(h1) * h3
-    return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+    return F.silu(h1) * h3
 
 
 def _fused_weights(experts: GroupedExperts) -> list[torch.Tensor]:
@@ -140,6 +147,7 @@ class ExpertParallelMoE(MoE):
             expert_parallel_ffn,
             weights=_fused_weights(experts),
             run_experts=_grouped_experts,
+            front=_experts_hidden,
             mesh=mesh,
             num_experts=experts.num_experts,
             dim=dim,

@@ -48,7 +48,15 @@ from jax.sharding import PartitionSpec as P
 
 from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
 
-__all__ = ["ROW_TILES", "costable_metadata", "forward_gmm", "tiling", "unsupported_reason", "weight_grad_tgmm"]
+__all__ = [
+    "ROW_TILES",
+    "costable_metadata",
+    "forward_gmm",
+    "stored_gmm",
+    "tiling",
+    "unsupported_reason",
+    "weight_grad_tgmm",
+]
 
 log = logging.getLogger("torchtpu")
 
@@ -301,6 +309,32 @@ def forward_gmm(x, w, ends, out_dtype):
         return out.astype(out_dtype)
 
     return _per_shard(kernel, mesh, axes, (rows, P(), P()), rows)(x, jnp.swapaxes(w, 1, 2), ends)
+
+
+def stored_gmm(x, w, ends, out_dtype):
+    """(M, K) x (G, K, N) -> (M, N) in `out_dtype` with `w` read as laid out, (G, K, N): megablox's
+    `gmm` without transposing the weights, the product a backward takes with weights stored the way
+    `forward_gmm` reads them transposed (an input's gradient through the experts). No gradient of its
+    own (it runs inside backward rules). Rows past the last end are zero."""
+    mesh = mesh_of(x, w)
+    axes = _row_axes(mesh)
+    shards = math.prod(dict(mesh.shape)[a] for a in axes) if axes else 1
+    m_local = x.shape[0] // shards
+    interpret = interpreting()
+    rows = P(axes if len(axes) > 1 else axes[0]) if axes else P()
+    masked = not _EVERY_ROW_GROUPED.get()
+    (_, k), (groups, _, n) = x.shape, w.shape
+
+    def kernel(x, w, ends):
+        sizes = _local_sizes(ends, _shard_start(axes, m_local), m_local)
+        tile = tiling(m_local, k, n, groups, "gmm", x.dtype.itemsize, _out_bytes(out_dtype))
+        with jax.enable_x64(False), costable_metadata():
+            out = _gmm(x, w, sizes, jnp.dtype(out_dtype), tile, interpret=interpret)
+        if masked:
+            out = jnp.where(jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes), out, 0)
+        return out.astype(out_dtype)
+
+    return _per_shard(kernel, mesh, axes, (rows, P(), P()), rows)(x, w, ends)
 
 
 def weight_grad_tgmm(a, b, ends, out_dtype):

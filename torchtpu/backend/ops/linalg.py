@@ -135,6 +135,30 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     return lax.platform_dependent(self, mat2, offs, tpu=tpu, default=lambda a, b, o: _ragged_grouped_mm(a, b, o, dt))
 
 
+def grouped_mm_stored(x, w, offs, out_dtype):
+    """`grouped_mm`'s (M, K) x (G, K, N) form with `w` read as laid out (megablox's gmm without
+    transposing the weights, on TPU; `jax.lax.ragged_dot` elsewhere, or where the kernel does not
+    apply), in `out_dtype` (a JAX dtype): the product a backward rule takes with weights the forward
+    read transposed. Not differentiable on TPU."""
+    from . import grouped_mm_tpu
+
+    ends = jnp.minimum(offs.astype(jnp.int32), x.shape[0])
+    reason = grouped_mm_tpu.unsupported_reason(x.shape, w.shape, x.dtype, w.dtype, grouped_mm_tpu.shards_of(x, w))
+
+    def default(a, b, o):
+        return _ragged_grouped_mm(a, b, o, out_dtype)
+
+    if reason is not None:
+        return default(x, w, ends)
+
+    def tpu(a, b, o):
+        return grouped_mm_tpu.stored_gmm(a, b, o, out_dtype)
+
+    if grouped_mm_tpu.interpreting():
+        return tpu(x, w, ends)
+    return lax.platform_dependent(x, w, ends, tpu=tpu, default=default)
+
+
 def _grouped_kw(a, b, dt):
     """dot keywords of a grouped matmul: float32 accumulation for 16-bit floats. Products of
     bfloat16 operands are exact in float32, so those ask for no extra precision (TPU's ragged dot
