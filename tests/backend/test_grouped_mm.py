@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import pytest
 import torch
 
 import torchtpu  # noqa: F401
@@ -283,10 +284,11 @@ def test_megablox_kernels_per_shard_in_a_sharded_program():
 _TINY_MOE = {"experts": 8, "top_k": 2, "dim": 256, "hidden": 384, "batch": 4, "seq": 256}
 
 
-def _tiny_moe_step_for_v5p(ep: int = 1):
+def _tiny_moe_step_for_v5p(ep: int = 1, ac_mode: str = "none"):
     """(compiled step, its compile report, the optimized HLO) of torchtitan's Qwen3 MoE (1 layer, 8
     experts, top-2, bfloat16 experts) trained one step under FSDP over v5p:2x2x1, compiled ahead of
-    time for TPU; with `ep` > 1 the experts are split over `ep` expert-parallel ranks."""
+    time for TPU; with `ep` > 1 the experts are split over `ep` expert-parallel ranks; `ac_mode`
+    torchtitan's activation checkpointing mode."""
     import dataclasses
 
     import pytest
@@ -328,7 +330,7 @@ def _tiny_moe_step_for_v5p(ep: int = 1):
         loss_parallel=False,
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
-        ac_mode="none",
+        ac_mode=ac_mode,
         ac_every=1,
         scan_layers=False,
     )
@@ -389,6 +391,22 @@ def test_tpu_expert_parallel_moe_step_is_costed():
     assert report["collectives"]["all-to-all"] > 0, report["collectives"]
     kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     assert any("jit(gmm)/pallas_call" in k for k in kernels)
+    assert report["estimated_step_seconds"], report
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_recomputed_moe_layer_stops_before_the_last_expert_matmul(ep):
+    """Under full activation checkpointing the backward recomputes the MoE layer's forward up to the
+    experts' hidden states only: the scores' gradients come from the rows' gradient through w2 and
+    the hidden states (distributed.expert_parallel._combined_outputs), so w2's grouped matmul, the
+    outputs' way back and the combine do not run again. Five gmm kernels (forward: w1|w3 and w2;
+    recomputation: w1|w3; backward: through w2 and through w1|w3) and two tgmm, with and without
+    expert parallelism."""
+    _, report, hlo = _tiny_moe_step_for_v5p(ep=ep, ac_mode="full")
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    gmm = [k for k in kernels if "jit(gmm)/pallas_call" in k]
+    tgmm = [k for k in kernels if "jit(tgmm)/pallas_call" in k]
+    assert len(gmm) == 5 and len(tgmm) == 2, (len(gmm), len(tgmm))
     assert report["estimated_step_seconds"], report
 
 
