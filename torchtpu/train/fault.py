@@ -26,7 +26,10 @@ exit 42).
 The step watchdog. A host whose peer died or hung blocks inside a collective forever. A thread
 watches the steps the loop finishes; when none finished for `[comm] init_timeout_seconds` (start-up
 and the first step, which compiles) or `[comm] train_timeout_seconds` (later steps), it writes
-every Python thread's stack to stderr (the host's log) and ends the process with EXIT_RETRIABLE.
+every Python thread's stack to stderr (the host's log) and ends the process with EXIT_RETRIABLE; in
+a multi-process job it ends a few seconds after its dump (PEER_DUMP_GRACE_S), so that the stuck
+host's watchdog, which fires at about the same time, writes its stacks before JAX's coordination
+service aborts it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_RETRIABLE = 42
+# how long a multi-process job's host whose step watchdog fired waits before it exits (StepWatchdog)
+PEER_DUMP_GRACE_S = 5.0
 EXIT_INTERRUPTED = 130
 # The statuses a scheduler should restart the job on (GKE's JobSet as torchtpu-launch gke renders it,
 # as xpk does): 42, and 127-255, a process killed by a signal (128 + N: SIGKILL and the OOM killer
@@ -216,6 +221,11 @@ class StepWatchdog:
             print(msg, file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
+            if _in_multiprocess_job():
+                # The peers' watchdogs, on the same limit since the same step, fire within moments of
+                # this one; JAX's coordination service aborts every process once this one exits. Stay
+                # a little, so that the stuck host writes its own stacks (where it is stuck) too.
+                time.sleep(min(PEER_DUMP_GRACE_S, self._limit() / 2))
         finally:
             os._exit(EXIT_RETRIABLE)  # a thread stuck in a collective cannot be unwound: leave now
 
