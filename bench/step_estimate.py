@@ -9,7 +9,7 @@ extrapolating to the model's depth (XLA costs a loop body once, so the scanned p
 costed as it is). This prints only the second half: the same estimate lines, from the same two
 costing compiles, in a third of the dry run's time. Use it to compare code or config changes on
 the step estimate; use the dry run for memory. Other arguments go to the trainer's config.
-`--dump <folder>` keeps XLA's dump of the two costing compiles, for `bench.hlo_breakdown`
+`--dump <folder>` keeps XLA's dump of the costing compiles (and of `--loop`'s), for `bench.hlo_breakdown`
 (with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). A scanned job's
 copies keep the layer scan, unrolled into straight-line code, as the dry run's do; `--unscanned-copies`
 costs copies of the unscanned model instead (the dry run's method for jobs without the scan), which
@@ -47,16 +47,22 @@ def main() -> None:
     import contextlib
 
     from torchtpu.backend.aot import dump_compiles_to
-    from torchtpu.distributed.topology import chip_spec
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import _runs_layer_scan, estimate_lines, leading_dense_layers, step_estimate
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])
     trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
-    with dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext():
-        est = step_estimate(trainer, {}, unscanned_copies=args.unscanned_copies)
+    dump = dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext()
+    with dump:  # also around --loop's compiles, below
+        _report(args, trainer, t0)
+
+
+def _report(args, trainer, t0: float) -> None:
+    from torchtpu.distributed.topology import chip_spec
+    from torchtpu.train.dry_run.estimate import _runs_layer_scan, estimate_lines, leading_dense_layers, step_estimate
+
+    est = step_estimate(trainer, {}, unscanned_copies=args.unscanned_copies)
     peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))
@@ -69,7 +75,7 @@ def main() -> None:
             f"micro-batch {rest * 1e3:.1f} ms"
         )
         if args.loop and _runs_layer_scan(trainer):
-            _loop_cost(cfg, trainer, rest, sloped, peak)
+            _loop_cost(trainer.cfg, trainer, rest, sloped, peak)
 
 
 def _loop_cost(cfg, trainer, rest: float, sloped: int, peak: float) -> None:
