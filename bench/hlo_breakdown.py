@@ -12,6 +12,11 @@ bf16 peak and the bytes of its operands and result over HBM bandwidth. The ops a
 copies, other fusions). The sum is serial, with no overlap: a bound to compare the kinds, next to
 XLA's own estimate, not a second estimate. With two programs of the same job unrolled at two
 depths, it prints the per-layer difference, the part the dry run's extrapolation multiplies.
+
+A program with loops (a scanned step as it runs: `bench.step_estimate --loop --dump <folder>` keeps
+it) is split in two: the ops outside the loops, and the loop bodies, each counted once (one layer
+of a layer scan's forward and backward loops). Set beside the unrolled copies' per-layer figures
+and intercept, they show whether a loop's extra cost is in its body or outside it.
 """
 
 from __future__ import annotations
@@ -96,11 +101,21 @@ class Program:
                     kinds |= k2
         return total, kinds
 
+    def loop_bodies(self, comp: str | None = None) -> list[str]:
+        """The bodies of the while loops among `comp`'s top-level ops (default: the entry's)."""
+        found = []
+        for _, _, op, _, line in self.comps[comp or self.entry]:
+            m = re.search(r"body=%?([\w.\-]+)", line) if op == "while" else None
+            if m:
+                found.append(m.group(1))
+        return found
+
     def ops(self, comp: str | None = None):
-        """(kind, name, seconds, bytes, flops) for each top-level op, entering calls and async wrappers."""
+        """(kind, name, seconds, bytes, flops) for each top-level op, entering calls and async
+        wrappers; a while loop is left out (its body: `loop_bodies`)."""
         comp = comp or self.entry
         for name, typ, op, rest, line in self.comps[comp]:
-            if op in _FREE or op.endswith("-done"):
+            if op in _FREE or op.endswith("-done") or op == "while":
                 continue
             base = op.removesuffix("-start")
             callee = re.search(r"calls=%?([\w.\-]+)", line)
@@ -138,18 +153,30 @@ class Program:
             yield kind, name, max(flops / PEAK_FLOPS, (inputs + out) / HBM_BYTES_PER_S), inputs + out, flops
 
 
-def breakdown(path: str) -> dict[str, list[float]]:
-    """kind -> [seconds, bytes, flops, count] over the program in `path`."""
+def _tally(ops) -> dict[str, list[float]]:
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
-    with open(path) as f:
-        program = Program(f.read())
-    for kind, _, seconds, nbytes, flops in program.ops():
+    for kind, _, seconds, nbytes, flops in ops:
         row = out[kind]
         row[0] += seconds
         row[1] += nbytes
         row[2] += flops
         row[3] += 1
     return dict(out)
+
+
+def breakdown(path: str) -> dict[str, list[float]]:
+    """kind -> [seconds, bytes, flops, count] over the program in `path`, its loops left out."""
+    with open(path) as f:
+        return _tally(Program(f.read()).ops())
+
+
+def loop_breakdown(path: str) -> dict[str, list[float]] | None:
+    """kind -> [seconds, bytes, flops, count] over the bodies of the program's loops, each once;
+    None for a program without loops."""
+    with open(path) as f:
+        program = Program(f.read())
+    bodies = program.loop_bodies()
+    return _tally(op for body in bodies for op in program.ops(body)) if bodies else None
 
 
 def _print(rows: dict[str, list[float]], title: str) -> None:
@@ -168,7 +195,11 @@ def main() -> None:
     ap.add_argument("depths", nargs="*", type=int, help="the two programs' depths (default 2 4)")
     args = ap.parse_args()
     small = breakdown(args.program)
-    _print(small, args.program.rsplit("/", 1)[-1])
+    loops = loop_breakdown(args.program)
+    where = " (outside its loops)" if loops else ""
+    _print(small, args.program.rsplit("/", 1)[-1] + where)
+    if loops:
+        _print(loops, "its loop bodies, each counted once")
     if args.deeper:
         a, b = args.depths or (2, 4)
         big = breakdown(args.deeper)
@@ -177,6 +208,8 @@ def main() -> None:
             for k in set(small) | set(big)
         }
         _print(per_layer, f"per layer ({a} -> {b} layers)")
+        rest = {k: [small.get(k, [0] * 4)[i] - a * per_layer[k][i] for i in range(4)] for k in per_layer}
+        _print(rest, "the rest (the intercept: what does not grow with the layers)")
 
 
 if __name__ == "__main__":

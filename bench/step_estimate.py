@@ -13,10 +13,11 @@ the step estimate; use the dry run for memory. Other arguments go to the trainer
 (with `TORCHTPU_DRY_RUN_CACHE=off` when their reports are in the dry-run cache). A scanned job's
 copies keep the layer scan, unrolled into straight-line code, as the dry run's do; `--unscanned-copies`
 costs copies of the unscanned model instead (the dry run's method for jobs without the scan), which
-XLA costs lower. `--loop` also prints XLA's own cost of the scanned step as it runs, a loop: the
-same job compiled with its loops at the two depths (XLA costs a loop body once), whose difference is
-what the part outside the loop grows per layer, and whose body is then the 2-layer loop program less
-that part (the copies' intercept). Without the full
+XLA costs lower. `--loop` also prints XLA's own cost of the scanned step as it runs, a loop, from
+three more compiles (XLA costs a loop body once): the job with its loops at the two depths, whose
+difference is what the part outside the loops grows per layer, and the deeper one again with two
+blocks per iteration, whose excess over one block per iteration is one layer of the loop body.
+Without the full
 program's compile the costing copies keep XLA's out-of-memory checks: a copy larger than HBM (DeepSeek-V3
 671B's) is an error here, and the dry run costs it (topology.PAST_OOM_COMPILER_OPTIONS).
 """
@@ -75,36 +76,47 @@ def _report(args, trainer, t0: float) -> None:
             f"micro-batch {rest * 1e3:.1f} ms"
         )
         if args.loop and _runs_layer_scan(trainer):
-            _loop_cost(trainer.cfg, trainer, rest, sloped, peak)
+            _loop_cost(trainer.cfg, trainer, sloped, peak)
 
 
-def _loop_cost(cfg, trainer, rest: float, sloped: int, peak: float) -> None:
-    """XLA's cost of the step with the layer scan as a loop: X(n) = rest + n (grow + body) over the
-    copies' depths n, the loop body counted once: grow from two depths, body from the shallower."""
+def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
+    """XLA's cost of the step with the layer scan as a loop. XLA counts a loop body once: a program
+    whose loops run m blocks costs X(m) = outside(m) + body, and the same program with two blocks per
+    iteration X2(m) = outside(m) + 2 body. So body = X2(m4) - X(m4), the part outside the loops grows
+    by (X(m4) - X(m2)) / (m4 - m2) per block, and the step is outside(sloped) + sloped x body, with
+    m2, m4 the costing copies' scanned blocks."""
+    from torchtpu.distributed.scan import straight_line_loops
     from torchtpu.distributed.topology import costing_compiles
     from torchtpu.train.dry_run.estimate import _step_report, costing_depths, leading_dense_layers
 
     lead = leading_dense_layers(trainer.model_args)
+    n2, n4 = costing_depths(trainer.model_args)
     seconds = {}
-    for n in costing_depths(trainer.model_args):
+    for n, per_iteration in ((n2, 1), (n4, 1), (n4, 2)):
         t = type(trainer)(cfg, n_layers=n)
-        with costing_compiles(t.mesh.jax_mesh, past_oom=False):
-            rep, _, _, _ = _step_report(t, label=f"the {n}-layer program with its loops")
+        label = f"the {n}-layer program with its loops" + (
+            f", {per_iteration} blocks per iteration" * (per_iteration > 1)
+        )
+        with straight_line_loops(per_iteration), costing_compiles(t.mesh.jax_mesh, past_oom=False):
+            rep, _, _, _ = _step_report(t, label=label)
         loops = [lp.get("trip_count") for lp in rep.get("while_loops") or []]
-        if not rep.get("estimated_step_seconds") or set(loops) != {n - lead}:
-            print(f"XLA's cost of the loop  none (the {n}-layer program's loops: {loops})")
+        if not rep.get("estimated_step_seconds") or set(loops) != {(n - lead) // per_iteration}:
+            print(f"XLA's cost of the loop  none ({label}: loops {loops})")
             return
-        seconds[n] = rep["estimated_step_seconds"]
+        seconds[n, per_iteration] = rep["estimated_step_seconds"]
         del t
-    (n2, x2), (n4, x4) = sorted(seconds.items())
-    grow = (x4 - x2) / (n4 - n2)
-    body = x2 - rest - (n2 - lead) * grow
-    step = (rest + sloped * (grow + body)) * trainer.dims.grad_accum_steps
+    x2, x4, x4_paired = seconds[n2, 1], seconds[n4, 1], seconds[n4, 2]
+    m2, m4 = n2 - lead, n4 - lead
+    body = x4_paired - x4
+    grow = (x4 - x2) / (m4 - m2)
+    outside = x4 - body + (sloped - m4) * grow
+    step = (outside + sloped * body) * trainer.dims.grad_accum_steps
     mfu = trainer.flops_per_token * trainer.dims.tokens_per_step / (step * trainer.dims.world_size * peak)
     print(
         f"XLA's cost of the loop  {step:.3f} s per step, MFU {100 * mfu:.1f}%: the loop body {body * 1e3:.2f} ms "
-        f"per layer, the part outside it {grow * 1e3:.2f} ms more per layer ({n2}- and {n4}-layer programs "
-        f"with their loops: {x2 * 1e3:.1f} and {x4 * 1e3:.1f} ms)"
+        f"per layer; outside the loops {outside * 1e3:.1f} ms per micro-batch, {grow * 1e3:.2f} ms more per layer "
+        f"({n4}-layer program with 2 and 1 blocks per iteration: {x4_paired * 1e3:.1f} and {x4 * 1e3:.1f} ms; "
+        f"{n2} layers: {x2 * 1e3:.1f} ms)"
     )
 
 

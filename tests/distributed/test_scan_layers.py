@@ -108,11 +108,25 @@ def test_straight_line_loops_unroll_the_scan_with_its_losses():
 
 
 def test_scanned_program_holds_one_block():
+    """The scanned program holds one block whatever the depth; under `straight_line_loops(2)` (how
+    `bench.step_estimate --loop` costs a loop body) it keeps its loops, two blocks per iteration,
+    with the same losses."""
+    from torchtpu.distributed.scan import straight_line_loops
+
     dots2, whiles2 = _dots_of_step(2)
-    dots4, whiles4 = _dots_of_step(4)
+    losses4, cstep4 = _scanned_step(4)
+    hlo4 = cstep4.as_text()
+    dots4, whiles4 = len(re.findall(r"\bdot\(", hlo4)), len(re.findall(r"\bwhile\(", hlo4))
     print(f"dot ops: 2 layers {dots2}, 4 layers {dots4}; while loops {whiles2}, {whiles4}")
     assert whiles2 >= 2 and whiles4 == whiles2  # forward and backward loops
     assert dots4 == dots2
+    with straight_line_loops(2):
+        paired, pstep = _scanned_step(4)
+    phlo = pstep.as_text()
+    assert len(re.findall(r"\bwhile\(", phlo)) == whiles4
+    # a second block's dots in each loop body: all the program's but the few outside the loops
+    assert 1.5 * dots4 < len(re.findall(r"\bdot\(", phlo)) < 2 * dots4
+    np.testing.assert_allclose(paired, losses4, rtol=1e-6)
 
 
 def test_state_dict_same_with_scan_on_and_off():

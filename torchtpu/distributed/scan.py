@@ -546,13 +546,15 @@ _STRAIGHT_LINE = [False]
 
 
 @contextlib.contextmanager
-def straight_line_loops():
+def straight_line_loops(unroll: bool | int = True):
     """Within this block, programs traced run the blocks' loops fully unrolled (`lax.scan`'s
     unroll=True): the scanned program's own structure (stacked weights, the forward's kept
     outputs, the backward's recomputation) as straight-line code, whose cost XLA counts in full
-    where it counts a loop body once (the step estimate's costing copies)."""
+    where it counts a loop body once (the step estimate's costing copies). `unroll=k` instead
+    keeps the loops with k blocks per iteration (XLA's cost of a k-block body less a 1-block one
+    is k - 1 blocks as the loop runs them: `bench.step_estimate --loop`)."""
     prev = _STRAIGHT_LINE[0]
-    _STRAIGHT_LINE[0] = True
+    _STRAIGHT_LINE[0] = unroll
     try:
         yield
     finally:
@@ -561,7 +563,7 @@ def straight_line_loops():
 
 def _unroll():
     """`lax.scan`'s `unroll` for the blocks' loops (see loop_unrolled, straight_line_loops)."""
-    return True if loop_unrolled() or _STRAIGHT_LINE[0] else 1
+    return True if loop_unrolled() else (_STRAIGHT_LINE[0] or 1)
 
 
 def _stacked_bases(params, n: int, k: int):
