@@ -550,12 +550,17 @@ def test_scanned_moe_step_gathers_each_layers_experts_without_a_relayout(tmp_pat
     then copies whole into the usual one (the experts' weights, forward and backward)."""
     import re
 
-    from torchtpu.train.dry_run.estimate import compile_step
+    from torchtpu.train.dry_run.estimate import compile_step, estimate_lines
     from torchtpu.train.trainer import Trainer
 
     argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.topology", "v5p:2x2x1")
     cfg = load_config([*argv, "--tpu.scan_layers", "true", "--activation_checkpoint.mode", "full"])
     t = Trainer(cfg, model_overrides=_narrow_moe())
+    # the dry run's FLOPs line: under this dispatch the recomputation skips the experts' w2 matmul
+    [flops_line] = [x for x in estimate_lines(t, {"method": "-", "flops_per_device": 1.0}, None) if "XLA FLOPs" in x]
+    assert flops_line.endswith(
+        "'full' expects 1.33x, less where a MoE layer's recomputation stops before its experts' last matmul)"
+    ), flops_line
     text = compile_step(t).as_text()
     assert " while(" in text
     gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", text)

@@ -317,6 +317,13 @@ def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
     }
 
 
+def _recomputation_skips_last_expert_matmul(trainer) -> bool:
+    """Whether a MoE layer of `trainer`'s model runs torchtpu's dispatch with its scores applied after
+    the experts (models.moe.ExpertParallelMoE): its experts' last matmul and the way back are one
+    custom-gradient step, which a recomputation of the layer does not rerun."""
+    return any("_torchtpu_ep" in vars(m) and not m.score_before_experts for m, _ in getattr(trainer, "moe_layers", ()))
+
+
 def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
     """The dry run's lines on model FLOPs and the estimated step (time, tokens/s, MFU) of
     `trainer`'s job, from `est` (step_estimate's per-micro-batch cost) and the chip's bf16 peak."""
@@ -337,10 +344,12 @@ def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
     flops = est.get("flops_per_device")
     if flops:
         model_per_device = model_flops / accum / chips
+        expected = recompute_text(ac_mode, ac_every)
+        if ac_mode in ("full", "selective") and _recomputation_skips_last_expert_matmul(trainer):
+            expected += ", less where a MoE layer's recomputation stops before its experts' last matmul"
         lines.append(
             f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
-            f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects "
-            f"{recompute_text(ac_mode, ac_every)})"
+            f"model's {model_per_device:.4g} (activation recomputation '{ac_mode}' expects {expected})"
         )
     seconds = est.get("estimated_step_seconds")
     if seconds and seconds > 0:
