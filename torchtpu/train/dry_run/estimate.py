@@ -319,9 +319,11 @@ def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
 
 def _recomputation_skips_last_expert_matmul(trainer) -> bool:
     """Whether a MoE layer of `trainer`'s model runs torchtpu's dispatch with its scores applied after
-    the experts (models.moe.ExpertParallelMoE): its experts' last matmul and the way back are one
-    custom-gradient step, which a recomputation of the layer does not rerun."""
-    return any("_torchtpu_ep" in vars(m) and not m.score_before_experts for m, _ in getattr(trainer, "moe_layers", ()))
+    the experts: its experts' last matmul and the way back are one custom-gradient step, which a
+    recomputation of the layer does not rerun."""
+    from torchtpu.models.moe import ExpertParallelMoE
+
+    return any(isinstance(m, ExpertParallelMoE) and not m.score_before_experts for m, _ in trainer.moe_layers)
 
 
 def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
