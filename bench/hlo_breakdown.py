@@ -164,19 +164,14 @@ def _tally(ops) -> dict[str, list[float]]:
     return dict(out)
 
 
-def breakdown(path: str) -> dict[str, list[float]]:
-    """kind -> [seconds, bytes, flops, count] over the program in `path`, its loops left out."""
-    with open(path) as f:
-        return _tally(Program(f.read()).ops())
-
-
-def loop_breakdown(path: str) -> dict[str, list[float]] | None:
-    """kind -> [seconds, bytes, flops, count] over the bodies of the program's loops, each once;
-    None for a program without loops."""
+def breakdown(path: str) -> tuple[dict[str, list[float]], dict[str, list[float]] | None]:
+    """kind -> [seconds, bytes, flops, count] over the program in `path`, its loops left out, and
+    the same over the bodies of its loops, each once (None for a program without loops)."""
     with open(path) as f:
         program = Program(f.read())
     bodies = program.loop_bodies()
-    return _tally(op for body in bodies for op in program.ops(body)) if bodies else None
+    loops = _tally(op for body in bodies for op in program.ops(body)) if bodies else None
+    return _tally(program.ops()), loops
 
 
 def _print(rows: dict[str, list[float]], title: str) -> None:
@@ -194,15 +189,14 @@ def main() -> None:
     ap.add_argument("deeper", nargs="?", help="the same job's program at a greater depth")
     ap.add_argument("depths", nargs="*", type=int, help="the two programs' depths (default 2 4)")
     args = ap.parse_args()
-    small = breakdown(args.program)
-    loops = loop_breakdown(args.program)
+    small, loops = breakdown(args.program)
     where = " (outside its loops)" if loops else ""
     _print(small, args.program.rsplit("/", 1)[-1] + where)
     if loops:
         _print(loops, "its loop bodies, each counted once")
     if args.deeper:
         a, b = args.depths or (2, 4)
-        big = breakdown(args.deeper)
+        big, _ = breakdown(args.deeper)
         per_layer = {
             k: [(big.get(k, [0] * 4)[i] - small.get(k, [0] * 4)[i]) / (b - a) for i in range(4)]
             for k in set(small) | set(big)
