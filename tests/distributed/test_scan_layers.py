@@ -110,7 +110,9 @@ def test_straight_line_loops_unroll_the_scan_with_its_losses():
 def test_scanned_program_holds_one_block():
     """The scanned program holds one block whatever the depth; under `straight_line_loops(2)` (how
     `bench.step_estimate --loop` costs a loop body) it keeps its loops, two blocks per iteration,
-    with the same losses."""
+    each slicing its own row of the stacks and writing its own row of the outputs (twice the
+    one-block program's dynamic slices and updates, no stack regrouped in pairs as `lax.scan`'s
+    unroll=2 does), with the same losses."""
     from torchtpu.distributed.scan import straight_line_loops
 
     dots2, whiles2 = _dots_of_step(2)
@@ -126,6 +128,8 @@ def test_scanned_program_holds_one_block():
     assert len(re.findall(r"\bwhile\(", phlo)) == whiles4
     # a second block's dots in each loop body: all the program's but the few outside the loops
     assert 1.5 * dots4 < len(re.findall(r"\bdot\(", phlo)) < 2 * dots4
+    for op in ("dynamic-slice", "dynamic-update-slice"):
+        assert len(re.findall(rf"\b{op}\(", phlo)) == 2 * len(re.findall(rf"\b{op}\(", hlo4)) > 0, op
     np.testing.assert_allclose(paired, losses4, rtol=1e-6)
 
 
