@@ -543,6 +543,38 @@ def test_expert_parallel_step_compiles_for_tpu_with_all_to_all_and_grouped_matmu
     assert " while(" not in text
 
 
+def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
+    """The dry run's costing copies (the scanned step unrolled: `scan.straight_line_loops`) keep each
+    block's recomputation apart from its forward, as the loop that runs does in its two bodies: in the
+    Qwen3 MoE step under per-op checkpointing, each layer's dispatch sorts its rows by expert in the
+    forward and again in the recomputation: the straight-line program holds the argsorts once per
+    loop body, none merged with the forward's."""
+    import re
+
+    from torchtpu.distributed.scan import straight_line_loops
+    from torchtpu.distributed.topology import _computation, while_loops
+    from torchtpu.train.dry_run.estimate import compile_step
+    from torchtpu.train.trainer import Trainer
+
+    argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.scan_layers", "true")
+    cfg = load_config(
+        [*argv, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    )
+    loop = compile_step(Trainer(cfg, model_overrides=_narrow_moe())).as_text()
+    with straight_line_loops():
+        t = Trainer(cfg, model_overrides=_narrow_moe())
+        straight = compile_step(t).as_text()
+
+    def sorts(text):  # the dispatch's argsorts (expert order and its inverse)
+        return len(re.findall(r" sort\(.*jit\(argsort\)/sort\b", text))
+
+    bodies = [lp["body"] for lp in while_loops(loop)]
+    assert len(bodies) == 2 and not while_loops(straight)
+    in_bodies = sum(sorts(_computation(loop, b)) for b in bodies)
+    assert in_bodies >= 2  # the forward's and the recomputation's
+    assert sorts(straight) == sorts(loop) - in_bodies + t.model_args.n_layers * in_bodies
+
+
 def test_scanned_moe_step_gathers_each_layers_experts_without_a_relayout(tmp_path):
     """The 2-layer Qwen3 MoE step under the layer scan and FSDP 4, compiled ahead of time for
     v5p:2x2x1: FSDP's all-gathers inside the loops take each layer's weight rows without the stacked
