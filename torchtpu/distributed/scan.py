@@ -812,12 +812,13 @@ class _ScanFunction(torch.autograd.Function):
             index, h_in, xs_weights, block_buffers, block_kept = xs
             layer_params = params_at(index, xs_weights)
             if _straight_line():
-                # unrolled, the recomputation reads the very values the forward computed from
-                # (its input, the kept outputs, the weights) and XLA would merge the ops they have
-                # in common, which the loop that runs recomputes in its backward body (Qwen3
-                # 30B-A3B on v5p:2x2x4: the dispatch's sorts and much elementwise work; the
-                # costing copies' layer rises from 78.18 to 87.64 ms with the barrier, the loop
-                # body's is 88.11 ms)
+                # unrolled (the dry run's costing copies; across CPU processes, loop_unrolled),
+                # the recomputation reads the very values the forward computed from (its input,
+                # the kept outputs, the weights) and XLA would merge the ops they have in common,
+                # which a loop recomputes in its backward body: the barrier keeps the loop's
+                # arithmetic (Qwen3 30B-A3B on v5p:2x2x4: the dispatch's sorts and much elementwise
+                # work; the costing copies' layer is 87.64 ms with it, 78.18 without, and the loop
+                # body's 88.11 ms)
                 h_in, layer_params, block_buffers, block_kept = jax.lax.optimization_barrier(
                     (h_in, layer_params, block_buffers, block_kept)
                 )
