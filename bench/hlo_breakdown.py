@@ -12,6 +12,9 @@ bf16 peak and the bytes of its operands and result over HBM bandwidth. The ops a
 copies, other fusions). The sum is serial, with no overlap: a bound to compare the kinds, next to
 XLA's own estimate, not a second estimate. With two programs of the same job unrolled at two
 depths, it prints the per-layer difference, the part the dry run's extrapolation multiplies.
+Where the dump's `*after_codegen.txt` sits beside the program, a last column sums libtpu's own
+per-op estimates (`estimated_cycles`) per kind: where its code generator expects the time to go, a
+guide only (XLA's step figure is not their sum; kernels, collectives and scatters carry none).
 
 A program with loops (a scanned step as it runs: `bench.step_estimate --loop --dump <folder>` keeps
 it) is split in two: the ops outside the loops, and the loop bodies, each counted once (one layer
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 import re
 
 PEAK_FLOPS = 459e12  # v5p bf16
@@ -153,34 +157,55 @@ class Program:
             yield kind, name, max(flops / PEAK_FLOPS, (inputs + out) / HBM_BYTES_PER_S), inputs + out, flops
 
 
-def _tally(ops) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
-    for kind, _, seconds, nbytes, flops in ops:
+_CYCLES = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?"estimated_cycles":"(\d+)"', re.M)
+
+
+def codegen_cycles(path: str) -> dict[str, int]:
+    """libtpu's own estimate per op (`estimated_cycles` in the backend config) from the dump's
+    `*after_codegen.txt` next to the `*after_optimizations.txt` at `path`; empty when there is none.
+    A guide only: XLA's step figure is not their sum (a float32 reduce of 1 GiB of bfloat16 rows,
+    alone in a program on v5p: 4.6M cycles, against a 0.529 ms step figure)."""
+    sibling = path.replace("after_optimizations.txt", "after_codegen.txt")
+    if sibling == path or not os.path.exists(sibling):
+        return {}
+    with open(sibling) as f:
+        return {name: int(n) for name, n in _CYCLES.findall(f.read())}
+
+
+def _tally(ops, cycles: dict[str, int]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0, 0])
+    for kind, name, seconds, nbytes, flops in ops:
         row = out[kind]
         row[0] += seconds
         row[1] += nbytes
         row[2] += flops
         row[3] += 1
+        row[4] += cycles.get(name, 0)
     return dict(out)
 
 
 def breakdown(path: str) -> tuple[dict[str, list[float]], dict[str, list[float]] | None]:
-    """kind -> [seconds, bytes, flops, count] over the program in `path`, its loops left out, and
-    the same over the bodies of its loops, each once (None for a program without loops)."""
+    """kind -> [seconds, bytes, flops, count, libtpu's estimated cycles] over the program in
+    `path`, its loops left out, and the same over the bodies of its loops, each once (None for a
+    program without loops)."""
     with open(path) as f:
         program = Program(f.read())
+    cycles = codegen_cycles(path)
     bodies = program.loop_bodies()
-    loops = _tally(op for body in bodies for op in program.ops(body)) if bodies else None
-    return _tally(program.ops()), loops
+    loops = _tally((op for body in bodies for op in program.ops(body)), cycles) if bodies else None
+    return _tally(program.ops(), cycles), loops
 
 
 def _print(rows: dict[str, list[float]], title: str) -> None:
     total = sum(r[0] for r in rows.values())
+    cycles = any(r[4] for r in rows.values())
     print(f"{title}: serial roofline sum {total * 1e3:.2f} ms, {sum(r[2] for r in rows.values()):.4g} FLOPs")
-    print(f"  {'kind':40s} {'ms':>9s} {'share':>6s} {'GB':>8s} {'TFLOP':>8s}")
-    for kind, (s, b, f, _) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+    head = f"  {'kind':40s} {'ms':>9s} {'share':>6s} {'GB':>8s} {'TFLOP':>8s}"
+    print(head + (f" {'Mcycles':>8s} (libtpu's, a guide)" if cycles else ""))
+    for kind, (s, b, f, _, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
         if abs(s) >= 5e-6:
-            print(f"  {kind:40s} {s * 1e3:9.3f} {100 * s / total:5.1f}% {b / 1e9:8.2f} {f / 1e12:8.3f}")
+            line = f"  {kind:40s} {s * 1e3:9.3f} {100 * s / total:5.1f}% {b / 1e9:8.2f} {f / 1e12:8.3f}"
+            print(line + (f" {c / 1e6:8.2f}" if cycles else ""))
 
 
 def main() -> None:
@@ -198,11 +223,11 @@ def main() -> None:
         a, b = args.depths or (2, 4)
         big, _ = breakdown(args.deeper)
         per_layer = {
-            k: [(big.get(k, [0] * 4)[i] - small.get(k, [0] * 4)[i]) / (b - a) for i in range(4)]
+            k: [(big.get(k, [0] * 5)[i] - small.get(k, [0] * 5)[i]) / (b - a) for i in range(5)]
             for k in set(small) | set(big)
         }
         _print(per_layer, f"per layer ({a} -> {b} layers)")
-        rest = {k: [small.get(k, [0] * 4)[i] - a * per_layer[k][i] for i in range(4)] for k in per_layer}
+        rest = {k: [small.get(k, [0] * 5)[i] - a * per_layer[k][i] for i in range(5)] for k in per_layer}
         _print(rest, "the rest (the intercept: what does not grow with the layers)")
 
 
