@@ -221,11 +221,11 @@ def reference_program(trainer, specs, n_layers, scan, pallas, remat, lr=3e-4, wd
     t0 = time.perf_counter()
     # a pure-JAX program needs no 64-bit types (torchtpu turns jax's x64 on for PyTorch's int64 and
     # float64), and Mosaic's (Pallas TPU) index maps must be 32-bit
-    from torchtpu.backend.ops.grouped_mm_tpu import costable_metadata
+    from torchtpu.backend.ops.grouped_mm_tpu import costable_kernels
 
     # megablox's tile bookkeeping counted with compares (XLA's TPU cost model cannot time its
     # scatter-adds of scalars), as torchtpu's kernels run it
-    with jax.enable_x64(False), costable_metadata():
+    with jax.enable_x64(False), costable_kernels():
         lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3)).lower(params, params, params, count, tok, tok)
         compiled = aot_compile(lowered)
     dt = time.perf_counter() - t0

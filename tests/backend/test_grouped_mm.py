@@ -224,6 +224,65 @@ def test_megablox_forward_with_every_row_grouped_skips_no_row():
     _assert_grouped(to_torch(out), to_torch(gx), to_torch(gw), want, MB_M, rtol=1e-2, atol=1e-2)
 
 
+def _pallas_costs(jaxpr):
+    """The cost_estimate of every pallas_call in `jaxpr` and the jaxprs inside it, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn.params["cost_estimate"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _pallas_costs(inner)
+    return found
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_megablox_kernels_declare_the_tiles_their_grid_runs(share):
+    """The FLOPs the kernels declare to XLA (the dry run's cost model) are the work megablox's grid
+    does: one (tm, K) x (K, N) product per visit of a row tile, counted by megablox's own tile
+    bookkeeping (`make_group_metadata`), where a tile holding rows of two groups is visited twice.
+    With groups whose ends all fall inside tiles (the dropless case), that is G - 1 tiles more than
+    2 M K N; under `routed_share(0.5)` (expert parallelism: half the buffer's rows routed) the
+    tiles of the routed rows only. Forward gmm, input-gradient gmm and weight-gradient tgmm."""
+    import math
+
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
+
+    from torchtpu.backend.ops import attention_tpu, grouped_mm_tpu
+
+    m, k, n = 512, 128, 256
+    ends = [100, 300, 350, 512] if share == 1.0 else [60, 130, 200, 256]
+    sizes = jnp.diff(jnp.asarray([0] + ends, jnp.int32))
+    x = jnp.ones((m, k), jnp.bfloat16)
+    w = jnp.ones((len(ends), k, n), jnp.bfloat16)
+
+    def step(a, b, g):
+        out, vjp = jax.vjp(lambda a, b: grouped_mm_tpu.forward_gmm(a, b, jnp.asarray(ends, jnp.int32), a.dtype), a, b)
+        return out, vjp(g)
+
+    with attention_tpu.interpret_kernels(), grouped_mm_tpu.routed_share(share):
+        costs = _pallas_costs(jax.make_jaxpr(step)(x, w, jnp.ones((m, n), jnp.bfloat16)).jaxpr)
+    # forward (m, k) x (k, n), input gradient (m, n) x (n, k), weight gradient (k, m) x (m, n)
+    shapes = [("gmm", k, n), ("gmm", n, k), ("tgmm", k, n)]
+    assert len(costs) == len(shapes), costs
+    for cost, (kind, kk, nn) in zip(costs, shapes):
+        tm = grouped_mm_tpu.tiling(m, kk, nn, len(ends), kind, 2, 2)[0]
+        with jax.enable_x64(False):
+            _, tiles = make_group_metadata(
+                group_sizes=sizes,
+                m=m,
+                tm=tm,
+                start_group=jnp.int32(0),
+                num_nonzero_groups=len(ends),
+                visit_empty_groups=kind == "tgmm",
+            )
+        assert int(tiles) > math.ceil(ends[-1] / tm)  # boundaries inside tiles: some tiles run twice
+        assert cost.flops == 2 * int(tiles) * tm * kk * nn, (kind, cost.flops, int(tiles), tm)
+
+
 def test_grouped_mm_with_stored_weights_gives_the_input_gradient_in_float32():
     """`linalg.grouped_mm_stored` (the expert dispatch's backward: the token gradients times the
     experts' weights as stored, float32 out) gives PyTorch's CPU input gradient of the experts,
@@ -387,11 +446,28 @@ def test_tpu_expert_parallel_moe_step_is_costed():
     run megablox's gmm on each rank's 4 experts, and XLA's cost model gives the program a time
     (the dispatch counts rows per rank and per expert with compares and sums: a scatter-add of
     scalars would leave the dry run without a step-time estimate for every expert-parallel job)."""
+    import math
+    import re
+
+    from torchtpu.backend.ops import grouped_mm_tpu as G
+
     _, report, hlo = _tiny_moe_step_for_v5p(ep=2)
     assert report["collectives"]["all-to-all"] > 0, report["collectives"]
     kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     assert any("jit(gmm)/pallas_call" in k for k in kernels)
     assert report["estimated_step_seconds"], report
+    # each rank's buffer holds room for both ranks' rows; the experts' first gmm (w1|w3) declares the
+    # row tiles of one rank's rows, as balanced routing sends it (`routed_share`), not the buffer's
+    t = _TINY_MOE
+    buffer = 2 * t["batch"] * t["seq"] * t["top_k"] // 4
+    dim, wide, experts = t["dim"], 2 * t["hidden"], t["experts"] // 2
+    first = [
+        k for k in kernels if "jit(gmm)/pallas_call" in k and f" bf16[{buffer},{wide}]" in k.split("custom-call(")[0]
+    ]
+    assert first, kernels
+    tm = G.tiling(buffer, dim, wide, experts, "gmm", 2, 2)[0]
+    tiles = min(buffer // tm, math.ceil(buffer / 2 / tm)) + experts - 1
+    assert all(int(re.search(r'"flops":\s*"?(\d+)', k).group(1)) == 2 * tiles * tm * dim * wide for k in first)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -458,14 +534,14 @@ def test_megablox_tiles_fit_scoped_vmem_and_compile_for_v5p():
         tile = G.tiling(m, k, n, groups, "tgmm", 2, jnp.dtype(out).itemsize)
 
         def weight_grad(a, b, sizes, tile=tile, out=out):
-            with jax.enable_x64(False), G.costable_metadata():
+            with jax.enable_x64(False), G.costable_kernels():
                 return tgmm(a, b, sizes, out, tile, num_actual_groups=groups)
 
         jax.jit(weight_grad).lower(spec(k, m), spec(m, n), spec(groups, dtype=jnp.int32)).compile()
         tile = G.tiling(m, k, n, groups, "gmm", 2, jnp.dtype(out).itemsize)
 
         def experts(x, w_t, sizes, tile=tile, out=out):
-            with jax.enable_x64(False), G.costable_metadata():
+            with jax.enable_x64(False), G.costable_kernels():
                 return gmm(x, w_t, sizes, out, tile, transpose_rhs=True)
 
         jax.jit(experts).lower(spec(m, k), spec(groups, n, k), spec(groups, dtype=jnp.int32)).compile()

@@ -65,7 +65,7 @@ import torch
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..backend.ops.grouped_mm_tpu import every_row_grouped
+from ..backend.ops.grouped_mm_tpu import every_row_grouped, routed_share
 from ..backend.ops.linalg import grouped_mm, grouped_mm_stored
 from ..backend.state import tracing
 from ..backend.tensor import new_base
@@ -230,7 +230,10 @@ class _Plan:
             route = _Route(dest, slot, jnp.argsort(got_ids, stable=True), self.ep, n_ep)
             rows = route.to_experts(rows)
             tokens_per_expert = _counts(got_ids, per_rank)  # the padding rows' id (per_rank) counts nowhere
-        with every_row_grouped() if route is None else contextlib.nullcontext():
+        # each expert-parallel rank's buffer holds room for every rank's rows; routed evenly, a
+        # rank receives its own number (the kernels' declared costs: grouped_mm_tpu.routed_share)
+        grouped = every_row_grouped() if route is None else routed_share(1 / n_ep)
+        with grouped:
             if scores is not None and self.front is not None:
                 h = self._experts(rows, tokens_per_expert, weights, rows_dtype, self.front)
                 ends = jnp.cumsum(tokens_per_expert, dtype=jnp.int32)
@@ -407,7 +410,7 @@ def _combined_outputs_bwd(k, out_dtype, res, g):
     h32 = h.astype(jnp.float32)
     scaled = (h32 * score[:, None]).astype(h.dtype)
     every_row = route is None
-    with every_row_grouped() if every_row else contextlib.nullcontext():
+    with every_row_grouped() if every_row else routed_share(1 / route.n_ep):
         # the rows' unscaled gradient through the matmul, g w, kept in float32 (rounded once, in dh)
         gw32 = grouped_mm_stored(g_rows.astype(h.dtype), w.astype(h.dtype), ends, jnp.float32)
         # w's gradient in its stored layout (E, N, H): per expert, the sum over its rows of g (score x h)

@@ -10,7 +10,12 @@ kernels (`jax.experimental.pallas.ops.tpu.megablox`):
   dimension): `tgmm`. jax 0.10.2's `ragged_dot_general` has no TPU lowering for this form and
   computes it masked and dense (num_groups times the routed work).
 
-Both kernels declare their cost (2 M K N FLOPs) to XLA, so the dry run's cost model counts them.
+Both kernels declare their cost to XLA, so the dry run's cost model counts them: the work of the
+row tiles their grid visits (`_visited_cost`), not megablox's own 2 M K N FLOPs. A row tile that
+holds rows of two experts runs once for each, so a dropless layer's G experts cost up to G - 1
+tiles more than its rows (Qwen3 30B-A3B's 128 experts over 256-row tiles: 12% more than 2 M K N);
+under expert parallelism a chip's buffer is sized for every rank's rows and the kernels run only the
+rows routed to it, declared for balanced routing (`routed_share`).
 Both accumulate in float32 and write the result dtype (bfloat16 for bfloat16 operands), rounding
 once; the weight gradient's per-shard partial sums are the exception (float32, see below). Both
 read the experts' weights, and write their gradients, in the layout torchtitan stores them,
@@ -40,8 +45,9 @@ import math
 import sys
 
 import jax
-import jax.experimental.pallas.ops.tpu.megablox.gmm  # noqa: F401  (the module, for costable_metadata)
+import jax.experimental.pallas.ops.tpu.megablox.gmm  # noqa: F401  (the module, for costable_kernels)
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as _gmm
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as _tgmm
 from jax.sharding import PartitionSpec as P
@@ -50,7 +56,8 @@ from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
 
 __all__ = [
     "ROW_TILES",
-    "costable_metadata",
+    "costable_kernels",
+    "routed_share",
     "forward_gmm",
     "stored_gmm",
     "tiling",
@@ -187,15 +194,94 @@ class _CostableNumpy:
         return jnp.sum(inside, axis=0), edges
 
 
+_ROUTED_SHARE = contextvars.ContextVar("torchtpu_routed_share", default=1.0)
+
+
 @contextlib.contextmanager
-def costable_metadata():
-    module = sys.modules["jax.experimental.pallas.ops.tpu.megablox.gmm"]
-    saved = module.jnp
-    module.jnp = _CostableNumpy()
+def routed_share(share: float):
+    """While tracing inside this block, the grouped matmuls traced declare the work of `share` of
+    their rows (`_visited_cost`): expert parallelism sizes each chip's buffer of received rows for
+    the worst case, every rank's rows routed to it (`share` 1 / ranks: the rows it receives when
+    routing is balanced); elsewhere every row is routed (1)."""
+    token = _ROUTED_SHARE.set(float(share))
     try:
         yield
     finally:
-        module.jnp = saved
+        _ROUTED_SHARE.reset(token)
+
+
+def _visited_cost(cost, group_metadata, m: int, out_shape, share: float):
+    """What a megablox kernel of `m` rows does, for XLA's cost model, from the cost megablox declares
+    (`cost`: 2 m k n FLOPs, as if each row tile ran once). The kernel runs one (tm, k) x (k, n)
+    product per visit of a row tile, and visits a tile once per group it holds rows of: a tile that
+    straddles two groups runs twice, so the tiles of `share` of the rows plus one per group
+    boundary, at most the grid's m / tm + groups - 1 (`group_ids`' length: in a dropless MoE
+    layer every boundary falls inside a tile but for one in tm). FLOPs and bytes scale with the
+    visits, but for tgmm's per-group (k, n) output, written once whatever the rows."""
+    group_offsets, group_ids, _ = group_metadata
+    groups = group_offsets.shape[0] - 1
+    most = group_ids.shape[0]
+    tm = m // (most - groups + 1)
+    visits = min(most, -(-round(share * m) // tm) + groups - 1)
+    fixed = math.prod(out_shape.shape) * jnp.dtype(out_shape.dtype).itemsize if len(out_shape.shape) == 3 else 0
+    moved = fixed + (cost.bytes_accessed - fixed) * visits // most
+    return pl.CostEstimate(
+        flops=2 * (cost.flops // (2 * m)) * visits * tm, transcendentals=cost.transcendentals, bytes_accessed=moved
+    )
+
+
+class _CostedPallas:
+    """jax.experimental.pallas as megablox's kernels see it while traced here: the same, except
+    that `pallas_call` declares the work its grid does (`_visited_cost`, with the routed share of
+    `routed_share`) instead of 2 m k n FLOPs."""
+
+    def __getattr__(self, name):
+        return getattr(pl, name)
+
+    @staticmethod
+    def pallas_call(kernel, *args, cost_estimate=None, **kwargs):
+        if cost_estimate is None:
+            return pl.pallas_call(kernel, *args, **kwargs)
+        share = _ROUTED_SHARE.get()
+
+        def call(group_metadata, group_offset, lhs, *rest):
+            cost = _visited_cost(cost_estimate, group_metadata, lhs.shape[0], kwargs["out_shape"], share)
+            run = pl.pallas_call(kernel, *args, cost_estimate=cost, **kwargs)
+            return run(group_metadata, group_offset, lhs, *rest)
+
+        return call
+
+
+@contextlib.contextmanager
+def costable_kernels():
+    """megablox's kernels as XLA's TPU cost model should see them while traced inside this block:
+    tile bookkeeping counted with compares (`_CostableNumpy`) and the work of the tiles the grid
+    visits declared (`_CostedPallas`)."""
+    module = sys.modules["jax.experimental.pallas.ops.tpu.megablox.gmm"]
+    saved = module.jnp, module.pl
+    module.jnp, module.pl = _CostableNumpy(), _CostedPallas()
+    try:
+        yield
+    finally:
+        module.jnp, module.pl = saved
+
+
+_STATIC = {
+    "gmm": ("preferred_element_type", "tiling", "transpose_rhs", "interpret"),
+    "tgmm": ("preferred_element_type", "tiling", "num_actual_groups", "interpret"),
+}
+
+
+@functools.cache
+def _jitted(kind: str, share: float):
+    """megablox's `kind` jitted once per routed share: the share is read while the kernel is traced,
+    so one jit cache holding both shares would reuse the first one's declared cost."""
+    return jax.jit((_gmm if kind == "gmm" else _tgmm).__wrapped__, static_argnames=_STATIC[kind])
+
+
+def _megablox(kind: str):
+    """megablox's `kind` ("gmm" or "tgmm") for the routed share in force."""
+    return _jitted(kind, _ROUTED_SHARE.get())
 
 
 def _local_sizes(ends, start, m_local):
@@ -243,35 +329,36 @@ def every_row_grouped():
         _EVERY_ROW_GROUPED.reset(token)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked, share):
     """megablox's `gmm` of x (M, K) and the weights w_t (G, N, K) in the layout torchtitan stores
     them (the kernel reads them transposed), rounded once to `out_dtype`, for JAX's own autodiff (a
     step that differentiates a program holding the experts with `jax.vjp`, as expert_parallel's
     dispatch does; PyTorch's autograd never reaches this rule). The gradients are the ones
     PyTorch's `_grouped_mm` backward computes: the input's by `gmm` against the stored weights, the
     weights' by `tgmm` in their stored layout, from the output gradient rounded to the operands'
-    dtype; with `masked`, rows past the last group get zero."""
+    dtype; with `masked`, rows past the last group get zero. `share`: `routed_share`'s, for the
+    kernels' declared costs (the backward is traced outside the forward's context)."""
     (m, k), (groups, n, _) = x.shape, w_t.shape
     tile = tiling(m, k, n, groups, "gmm", x.dtype.itemsize, _out_bytes(out_dtype))
-    with jax.enable_x64(False), costable_metadata():
-        return _gmm(x, w_t, sizes, out_dtype, tile, transpose_rhs=True, interpret=interpret)
+    with jax.enable_x64(False), costable_kernels(), routed_share(share):
+        return _megablox("gmm")(x, w_t, sizes, out_dtype, tile, transpose_rhs=True, interpret=interpret)
 
 
-def _differentiable_gmm_fwd(x, w_t, sizes, out_dtype, interpret, masked):
-    return _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked), (x, w_t, sizes)
+def _differentiable_gmm_fwd(x, w_t, sizes, out_dtype, interpret, masked, share):
+    return _differentiable_gmm(x, w_t, sizes, out_dtype, interpret, masked, share), (x, w_t, sizes)
 
 
-def _differentiable_gmm_bwd(out_dtype, interpret, masked, res, g):
+def _differentiable_gmm_bwd(out_dtype, interpret, masked, share, res, g):
     x, w_t, sizes = res
     g = g.astype(x.dtype)
     (m, k), (groups, n, _) = x.shape, w_t.shape
     b = x.dtype.itemsize
-    with jax.enable_x64(False), costable_metadata():
-        dx = _gmm(g, w_t, sizes, x.dtype, tiling(m, n, k, groups, "gmm", b, b), interpret=interpret)
+    with jax.enable_x64(False), costable_kernels(), routed_share(share):
+        dx = _megablox("gmm")(g, w_t, sizes, x.dtype, tiling(m, n, k, groups, "gmm", b, b), interpret=interpret)
         # (N, M) x (M, K) -> (G, N, K): the weights' gradient in their own layout (tgmm takes its
         # first operand transposed, so g.T costs no copy)
-        dw_t = _tgmm(
+        dw_t = _megablox("tgmm")(
             g.T,
             x,
             sizes,
@@ -299,11 +386,12 @@ def forward_gmm(x, w, ends, out_dtype):
     interpret = interpreting()
     rows = P(axes if len(axes) > 1 else axes[0]) if axes else P()
     masked = not _EVERY_ROW_GROUPED.get()
+    share = _ROUTED_SHARE.get()
 
     def kernel(x, w_t, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        out = _differentiable_gmm(x, w_t, sizes, jnp.dtype(out_dtype), interpret, masked)  # Mosaic: 32-bit
+        out = _differentiable_gmm(x, w_t, sizes, jnp.dtype(out_dtype), interpret, masked, share)  # Mosaic: 32-bit
         if masked:  # rows past the last group belong to no group: the kernel leaves them unwritten
             out = jnp.where(jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes), out, 0)
         return out.astype(out_dtype)
@@ -328,8 +416,8 @@ def stored_gmm(x, w, ends, out_dtype):
     def kernel(x, w, ends):
         sizes = _local_sizes(ends, _shard_start(axes, m_local), m_local)
         tile = tiling(m_local, k, n, groups, "gmm", x.dtype.itemsize, _out_bytes(out_dtype))
-        with jax.enable_x64(False), costable_metadata():
-            out = _gmm(x, w, sizes, jnp.dtype(out_dtype), tile, interpret=interpret)
+        with jax.enable_x64(False), costable_kernels():
+            out = _megablox("gmm")(x, w, sizes, jnp.dtype(out_dtype), tile, interpret=interpret)
         if masked:
             out = jnp.where(jnp.arange(m_local, dtype=jnp.int32)[:, None] < jnp.sum(sizes), out, 0)
         return out.astype(out_dtype)
@@ -357,8 +445,8 @@ def weight_grad_tgmm(a, b, ends, out_dtype):
     def kernel(bt, at, ends):
         start = _shard_start(axes, m_local)
         sizes = _local_sizes(ends, start, m_local)
-        with jax.enable_x64(False), costable_metadata():
-            out = _tgmm(bt, at, sizes, kernel_dtype, tile, num_actual_groups=groups, interpret=interpret)
+        with jax.enable_x64(False), costable_kernels():
+            out = _megablox("tgmm")(bt, at, sizes, kernel_dtype, tile, num_actual_groups=groups, interpret=interpret)
         if axes:
             out = jax.lax.psum(out, axes)
         return out.astype(out_dtype)
