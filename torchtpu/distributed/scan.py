@@ -817,8 +817,7 @@ class _ScanFunction(torch.autograd.Function):
                 # the kept outputs, the weights) and XLA would merge the ops they have in common,
                 # which a loop recomputes in its backward body: the barrier keeps the loop's
                 # arithmetic (Qwen3 30B-A3B on v5p:2x2x4: the dispatch's sorts and much elementwise
-                # work; the costing copies' layer is 87.64 ms with it, 78.18 without, and the loop
-                # body's 88.11 ms)
+                # work, 11% of a layer; docs/dry-run.md, "How the step is costed")
                 h_in, layer_params, block_buffers, block_kept = jax.lax.optimization_barrier(
                     (h_in, layer_params, block_buffers, block_kept)
                 )
