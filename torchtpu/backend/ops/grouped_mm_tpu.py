@@ -215,8 +215,8 @@ def _visited_cost(cost, group_metadata, m: int, out_shape, share: float):
     (`cost`: 2 m k n FLOPs, as if each row tile ran once). The kernel runs one (tm, k) x (k, n)
     product per visit of a row tile, and visits a tile once per group it holds rows of: a tile that
     straddles two groups runs twice, so the tiles of `share` of the rows plus one per group
-    boundary, at most the grid's m / tm + groups - 1 (`group_ids`' length: in a dropless MoE
-    layer every boundary falls inside a tile but for one in tm). FLOPs and bytes scale with the
+    boundary, at most the grid's m / tm + groups - 1 (`group_ids`' length; in a dropless MoE
+    layer a boundary falls on a tile's edge about once in tm). FLOPs and bytes scale with the
     visits, but for tgmm's per-group (k, n) output, written once whatever the rows."""
     group_offsets, group_ids, _ = group_metadata
     groups = group_offsets.shape[0] - 1
