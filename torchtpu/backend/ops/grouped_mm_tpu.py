@@ -108,13 +108,19 @@ def vmem_bytes(kind: str, tile: tuple[int, int, int], in_bytes: int = 2, out_byt
     return 2 * (tm * tk + tm * tn) * in_bytes + 2 * tk * tn * out_bytes + 4 * tk * tn
 
 
+def _tile_visits(rows: int, tm: int, groups: int) -> int:
+    """The row tiles megablox's grid runs for `rows` routed rows in `groups` groups whose
+    boundaries all fall inside tiles (the dropless case): a tile per tm rows, and a tile that
+    straddles two groups once for each, groups - 1 more."""
+    return -(-rows // tm) + groups - 1
+
+
 def _seconds(kind, m, k, n, groups, tile, in_bytes, out_bytes):
-    """A roofline time of one kernel at `tile`, to rank tilings: its row tiles (a tile that
-    straddles two groups runs once for each, at most groups - 1 more), the bytes its grid reads
-    (an operand block is read again for each block of the dimension it does not span) and
-    writes, and each grid step's overhead."""
+    """A roofline time of one kernel at `tile`, to rank tilings: its row tiles (`_tile_visits`),
+    the bytes its grid reads (an operand block is read again for each block of the dimension it
+    does not span) and writes, and each grid step's overhead."""
     tm, tk, tn = tile
-    row_tiles = m // tm + groups - 1
+    row_tiles = _tile_visits(m, tm, groups)
     flops = 2 * row_tiles * tm * k * n
     if kind == "gmm":  # grid (n / tn, row tiles, k / tk); the weights' block per row tile
         moved = m * k * in_bytes * (n // tn) + row_tiles * k * n * in_bytes + m * n * out_bytes
@@ -213,16 +219,15 @@ def routed_share(share: float):
 def _visited_cost(cost, group_metadata, m: int, out_shape, share: float):
     """What a megablox kernel of `m` rows does, for XLA's cost model, from the cost megablox declares
     (`cost`: 2 m k n FLOPs, as if each row tile ran once). The kernel runs one (tm, k) x (k, n)
-    product per visit of a row tile, and visits a tile once per group it holds rows of: a tile that
-    straddles two groups runs twice, so the tiles of `share` of the rows plus one per group
-    boundary, at most the grid's m / tm + groups - 1 (`group_ids`' length; in a dropless MoE
-    layer a boundary falls on a tile's edge about once in tm). FLOPs and bytes scale with the
+    product per visit of a row tile, and visits a tile once per group it holds rows of
+    (`_tile_visits` of `share` of the rows), at most the grid's m / tm + groups - 1 (`group_ids`'
+    length; in a dropless MoE layer a boundary falls on a tile's edge about once in tm). FLOPs and bytes scale with the
     visits, but for tgmm's per-group (k, n) output, written once whatever the rows."""
     group_offsets, group_ids, _ = group_metadata
     groups = group_offsets.shape[0] - 1
     most = group_ids.shape[0]
     tm = m // (most - groups + 1)
-    visits = min(most, -(-round(share * m) // tm) + groups - 1)
+    visits = min(most, _tile_visits(round(share * m), tm, groups))
     fixed = math.prod(out_shape.shape) * jnp.dtype(out_shape.dtype).itemsize if len(out_shape.shape) == 3 else 0
     moved = fixed + (cost.bytes_accessed - fixed) * visits // most
     return pl.CostEstimate(
