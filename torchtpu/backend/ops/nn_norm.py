@@ -16,6 +16,7 @@ from jax import lax
 
 from .. import dtypes
 from ..registry import aten, lower
+from . import rms_norm_tpu
 
 _LOW = (jnp.bfloat16, jnp.float16)
 
@@ -94,14 +95,52 @@ def _rms_norm(input, normalized_shape, weight, eps):
     return out.astype(input.dtype), rstd
 
 
+def _on_tpu(kernel, xla, operands):
+    """`kernel` when the program is compiled for TPU (or anywhere inside
+    attention_tpu.interpret_kernels()), else `xla` (rms_norm_tpu's module doc)."""
+    if rms_norm_tpu.interpreting():
+        return kernel(*operands)
+    return lax.platform_dependent(*operands, tpu=kernel, default=xla)
+
+
+def _default_eps(input, eps):
+    return float(jnp.finfo(_acc(input).dtype).eps) if eps is None else eps
+
+
 @lower(aten._fused_rms_norm.default)
 def _fused_rms_norm(input, normalized_shape, weight, eps=None):
-    out, rstd = _rms_norm(input, normalized_shape, weight, eps)
-    return out, rstd
+    eps = _default_eps(input, eps)
+    if rms_norm_tpu.unsupported_reason(input, normalized_shape) is not None:
+        return _rms_norm(input, normalized_shape, weight, eps)
+    operands = (input,) + ((weight,) if weight is not None else ())
+
+    def kernel(x, *w):
+        return rms_norm_tpu.forward(x, w[0] if w else None, eps)
+
+    def xla(x, *w):
+        return _rms_norm(x, normalized_shape, w[0] if w else None, eps)
+
+    return _on_tpu(kernel, xla, operands)
 
 
 @lower(aten._fused_rms_norm_backward.default)
 def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    if rms_norm_tpu.unsupported_reason(input, normalized_shape) is not None:
+        return _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask)
+    operands = (grad_out, input, rstd) + ((weight,) if weight is not None else ())
+
+    def kernel(g, x, r, *w):
+        gi, gw = rms_norm_tpu.backward(g, x, r, w[0] if w else None)
+        return gi, (gw.astype(w[0].dtype) if w else None)
+
+    def xla(g, x, r, *w):
+        return _rms_norm_backward(g, x, normalized_shape, r, w[0] if w else None, (True, bool(w)))
+
+    gi, gw = _on_tpu(kernel, xla, operands)
+    return gi if output_mask[0] else None, gw if output_mask[1] else None
+
+
+def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
     axes, batch_axes = _norm_axes(input.ndim, normalized_shape)
     x = _acc(input)
     g = _acc(grad_out)
@@ -115,6 +154,56 @@ def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, ou
     if output_mask[1] and weight is not None:
         gw = jnp.sum(g * x * r, axis=batch_axes).astype(weight.dtype)
     return gi, gw
+
+
+class _RmsNorm(torch.autograd.Function):
+    """`aten.rms_norm` on tpu as its fused op and that op's backward, as CUDA runs it (the op is
+    CompositeImplicitAutograd, which would otherwise run it as pow, mean, rsqrt and products,
+    and its backward as theirs). The arithmetic is the fused decomposition's: float32
+    statistics, the weight applied in float32, one rounding."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight, eps):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, rstd = torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+        ctx.save_for_backward(input, weight, rstd)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
+        if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
+            return (*_differentiable_backward(grad, input, weight, ctx.normalized_shape, ctx.eps, mask),)
+        with torch._C._AutoDispatchBelowAutograd():
+            gi, gw = torch.ops.aten._fused_rms_norm_backward(grad, input, ctx.normalized_shape, rstd, weight, mask)
+        return gi, None, gw, None
+
+
+def _differentiable_backward(grad, input, weight, normalized_shape, eps, mask):
+    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    x = input.float() if input.dtype in (torch.bfloat16, torch.float16) else input
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    r = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    g = grad.to(x.dtype)
+    gx = g * weight.to(x.dtype) if weight is not None else g
+    gi = gw = None
+    if mask[0]:
+        gi = (r * gx - x * r.pow(3) * (gx * x).mean(dims, keepdim=True)).to(input.dtype)
+    if mask[1]:
+        batch = tuple(range(input.dim() - len(normalized_shape)))
+        gw = (g * x * r).sum(batch).to(weight.dtype)
+    return gi, None, gw, None
+
+
+def _rms_norm_autograd(input, normalized_shape, weight=None, eps=None):
+    return _RmsNorm.apply(input, list(normalized_shape), weight, eps)
+
+
+_RMS_NORM_LIB = torch.library.Library("aten", "IMPL")
+_RMS_NORM_LIB.impl("rms_norm", _rms_norm_autograd, "AutogradPrivateUse1")
 
 
 # ----------------------------------------------------------------------------- group norm
