@@ -56,7 +56,7 @@ def _counting(monkeypatch):
         ((2, 64, 4, 128), torch.float32, True),  # q/k-norm shaped: one block
         ((4, 512, 2, 128), torch.float32, True),  # 4096 rows of 128: two blocks of 2048
         ((2, 1024, 256), torch.float32, False),  # 2048 rows of 256, no weight: two blocks
-        ((4, 256, 512), torch.bfloat16, True),  # bfloat16, 1024 rows of 512: two blocks of 512
+        ((4, 256, 2, 256), torch.bfloat16, True),  # bfloat16, 2048 rows of 256: two blocks of 1024
     ],
     ids=str,
 )
@@ -79,13 +79,15 @@ def test_kernels_match_torch_cpu(monkeypatch, shape, dtype, with_weight):
 
 
 def test_xla_lowering_matches_torch_cpu_where_the_kernel_does_not_apply(monkeypatch):
-    """A norm over two dims, a last dim off multiples of 128 and a float64 input take the XLA
-    lowering (no kernel) and give PyTorch's values, through the same autograd kernel."""
+    """A norm over two dims, a last dim other than 128 and 256 (a hidden size, or off multiples of
+    128) and a float64 input take the XLA lowering (no kernel) and give PyTorch's values, through
+    the same autograd kernel."""
     g = torch.Generator().manual_seed(4)
     calls = _counting(monkeypatch)
     for shape, norm_dims, dtype in (
         ((8, 16, 128), 2, torch.float32),
         ((8, 96), 1, torch.float32),
+        ((8, 512), 1, torch.float32),
         ((8, 128), 1, torch.float64),
     ):
         x = torch.randn(*shape, generator=g, dtype=dtype)
@@ -158,17 +160,39 @@ def test_sharded_program_runs_kernels_per_shard(monkeypatch):
             )
 
 
+def _prologue_step_for(mesh):
+    """A query projection's per-head norm and a hidden-size norm, forward and backward, compiled
+    ahead of time over `mesh` (batch over dp_shard)."""
+    from torchtpu.distributed import Replicate, Shard, empty
+
+    def step(x, wq, wn, wh):
+        q = (x @ wq).view(x.shape[0], x.shape[1], 4, 128)
+        out = (
+            torch.nn.functional.rms_norm(q, (128,), wn, 1e-6).sum() + torch.nn.functional.rms_norm(x, (512,), wh).sum()
+        )
+        return torch.autograd.grad(out, (x, wq, wn, wh))
+
+    batch = empty((8, 256, 512), torch.bfloat16, mesh=mesh, placements=(Shard(0),))
+    params = [
+        empty(s, torch.bfloat16, mesh=mesh, placements=(Replicate(),)).requires_grad_()
+        for s in ((512, 512), (128,), (512,))
+    ]
+    return torchtpu.compile(step).compile_for(batch.requires_grad_(), *params)
+
+
 def test_tpu_step_runs_the_kernels_and_cpu_step_does_not():
-    """A small Llama (torchtitan's model, FSDP over v5p:2x2x1) compiled ahead of time for TPU runs
-    each of its five norms (two per block and the final one) as the forward kernel and its backward
-    kernel, per shard; the same step compiled for CPU has neither."""
-    from tests.backend.test_pallas_attention import _llama_step_for, _topology_devices
+    """Compiled ahead of time for TPU over v5p:2x2x1 (batch over dp_shard 4), the per-head norm runs
+    as the forward kernel and its backward kernel, per shard, and the hidden-size norm as XLA's
+    fusions; the same step compiled for CPU has no kernel."""
+    from tests.backend.test_pallas_attention import _topology_devices
     from torchtpu.distributed import init_device_mesh
 
     mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=_topology_devices())
-    hlo = _llama_step_for(mesh).as_text()
+    hlo = _prologue_step_for(mesh).as_text()
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert sum(rms_norm_tpu.KERNEL_NAMES["backward"] in c for c in calls) == 5
-    assert sum(rms_norm_tpu.KERNEL_NAMES["forward"] in c and "_bwd" not in c for c in calls) == 5
+    assert len(calls) == 2, calls
+    assert sum(rms_norm_tpu.KERNEL_NAMES["backward"] in c for c in calls) == 1
+    # one shard's rows: 2 sequences x 256 positions x 4 heads
+    assert all("bf16[2048,128]" in c.split(" custom-call(")[0] for c in calls), calls
     cpu_mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=jax.devices("cpu")[:4])
-    assert rms_norm_tpu.KERNEL_NAMES["forward"] not in _llama_step_for(cpu_mesh).as_text()
+    assert rms_norm_tpu.KERNEL_NAMES["forward"] not in _prologue_step_for(cpu_mesh).as_text()

@@ -1,29 +1,33 @@
-"""RMS norm over the last dim on TPU: Pallas kernels for its forward and its backward.
+"""RMS norm over a narrow last dim on TPU: Pallas kernels for its forward and its backward.
 
 `torch.nn.RMSNorm` / `F.rms_norm` on tpu reach `aten._fused_rms_norm` and
 `aten._fused_rms_norm_backward` (nn_norm.py registers rms_norm's autograd kernel for the tpu
 device, so its backward is one op, as on CUDA, instead of the composite's pieces). When the
-program is compiled for TPU, nn_norm.py routes them here (`jax.lax.platform_dependent`, as
-attention does); every other platform keeps the XLA lowering. The arithmetic is the same:
-float32 statistics, the weight applied in float32, one rounding to the input's dtype.
+program is compiled for TPU, nn_norm.py routes the norms these kernels take here
+(`jax.lax.platform_dependent`, as attention does); every other platform, and every other norm,
+keeps the XLA lowering. The arithmetic is the same: float32 statistics, the weight applied in
+float32, one rounding to the input's dtype.
 
-Each kernel makes one pass over rows of the input: a block of rows (up to 1 MiB of them in
-float32, at least 128 rows) is read once, and the forward writes the normalized rows and each
-row's 1/rms (as one lane-dense row of float32, the statistic the backward reads), the backward
-the input's gradient and, per block, the block's share of the weight's gradient (summed over
-the blocks outside, a (blocks, dim) float32 array). Left to XLA, the same work runs as
-several fusions with float32 intermediates between them: on Qwen3 30B-A3B's query/key norms
-(a norm per head over 128 values) and hidden norms, XLA's cost model charges a layer about
-1.9 ms more (`python -m bench.step_estimate`, docs/dry-run.md).
+What they are for: the per-head query/key norms of Qwen3 and Llama 4 (a norm over each head's
+128 values of a (batch, seq, heads, head_dim) view of a projection's output). Left to XLA, such
+a norm runs as several fusions over that view's layout with float32 intermediates between
+them; the kernels make one pass over the rows each way. Qwen3 30B-A3B's estimated layer on
+v5p:2x2x4 drops from 90.09 to 88.11 ms (`python -m bench.step_estimate`). A hidden-size norm
+(2048 to 16384 values) stays XLA's: XLA sums its rows' squares in the same pass as the residual
+add that produces them (one fusion writing the sum and the new residual), which a kernel, a pass
+of its own, cannot share (Llama 3 8B's layer: 47.60 ms with the kernels on its hidden norms,
+47.38 without; Qwen3 30B-A3B's: 88.18 against 88.11).
 
-Where the kernels apply (`unsupported_reason`): the norm is over the last dim alone, of a
-multiple of 128 and at most 4096 values (a block of 128 rows fits the kernels' scoped VMEM),
-float32 or bfloat16, and the rows split into blocks of a multiple of 128 rows (or fit one
-block). Sharding: a Mosaic kernel is a custom call XLA cannot partition, so over a device
-mesh it runs per shard under `jax.shard_map`, the leading dim split over every mesh axis (the
-batch dim, as FSDP and data parallelism lay activations out). Where a tensor-parallel "tp"
-axis splits the mesh (sequence-parallel norms, heads over "tp"), or the leading dim does not
-divide, the XLA lowering runs instead.
+Each kernel reads a block of rows (up to 1 MiB of them in float32) once: the forward writes the
+normalized rows and each row's 1/rms (as one lane-dense row of float32, the statistic the
+backward reads), the backward the input's gradient and, per block, the block's share of the
+weight's gradient (summed over the blocks outside). Where they apply (`unsupported_reason`): the
+norm is over the last dim alone, of 128 or 256 values, float32 or bfloat16, and the rows fit one
+block or split into blocks of a multiple of 128 rows. Sharding: a Mosaic kernel is a custom call
+XLA cannot partition, so over a device mesh it runs per shard under `jax.shard_map`, the leading
+dim split over every mesh axis (the batch dim, as FSDP and data parallelism lay activations
+out). Where a tensor-parallel "tp" axis splits the mesh (heads over "tp"), or the leading dim
+does not divide, the XLA lowering runs instead.
 """
 
 from __future__ import annotations
@@ -45,16 +49,16 @@ __all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES"]
 KERNEL_NAMES = {"forward": "torchtpu_rms_norm", "backward": "torchtpu_rms_norm_bwd"}
 _LANES = 128
 _BLOCK_BYTES = 1 << 20  # a block's rows in float32 (at least 128 rows)
-_MAX_DIM = 4096
+_MAX_DIM = 256  # per-head norms (the module doc says why not wider ones)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def _block_rows(rows: int, dim: int) -> int | None:
     """Rows per block: all of them if they fit, else the largest multiple of 128 within
-    _BLOCK_BYTES (at least 128) that divides `rows`; None if none does."""
+    _BLOCK_BYTES that divides `rows`; None if none does."""
     if rows * dim * 4 <= _BLOCK_BYTES:
         return rows
-    br = max(_BLOCK_BYTES // (dim * 4) // _LANES, 1) * _LANES
+    br = _BLOCK_BYTES // (dim * 4) // _LANES * _LANES
     while br >= _LANES:
         if rows % br == 0:
             return br
@@ -83,7 +87,7 @@ def unsupported_reason(x, normalized_shape) -> str | None:
         return "the norm is over more than the last dim"
     dim = x.shape[-1]
     if dim % _LANES or dim > _MAX_DIM:
-        return f"the normalized dim {dim} is not a multiple of {_LANES} up to {_MAX_DIM}"
+        return f"the normalized dim {dim} is not 128 or 256 (the kernels take per-head norms)"
     if jnp.dtype(x.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(x.dtype)} (the kernels take float32 or bfloat16)"
     where = _split(x)
