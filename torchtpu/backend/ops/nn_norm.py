@@ -86,8 +86,6 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
 def _rms_norm(input, normalized_shape, weight, eps):
     x = _acc(input)
     axes, _ = _norm_axes(x.ndim, normalized_shape)
-    if eps is None:
-        eps = float(jnp.finfo(x.dtype).eps)
     rstd = lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
     out = x * rstd
     if weight is not None:
@@ -104,6 +102,7 @@ def _on_tpu(kernel, xla, operands):
 
 
 def _default_eps(input, eps):
+    """PyTorch's eps when none is given: that of the dtype the statistics are computed in."""
     return float(jnp.finfo(_acc(input).dtype).eps) if eps is None else eps
 
 

@@ -68,18 +68,20 @@ def _block_rows(rows: int, dim: int) -> int | None:
 
 
 def _split(x):
-    """(mesh, the PartitionSpec entry splitting the leading dim) for `x` inside a program over a
-    mesh; (None, None) without one; None where the kernels should not run (see the module doc)."""
+    """(mesh, the PartitionSpec entry splitting the leading dim, the number of shards) for `x`
+    inside a program over a mesh; (None, None, 1) without one; None where the kernels should not
+    run (see the module doc)."""
     mesh = mesh_of(x)
     if mesh is None:
-        return None, None
+        return None, None, 1
     sizes = dict(mesh.shape)
     if sizes.get(MODEL_AXIS, 1) > 1:
         return None
     axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
-    if x.shape[0] % math.prod(sizes[a] for a in axes):
+    shards = math.prod(sizes[a] for a in axes)
+    if x.shape[0] % shards:
         return None
-    return mesh, axes[0] if len(axes) == 1 else axes
+    return mesh, axes[0] if len(axes) == 1 else axes, shards
 
 
 def unsupported_reason(x, normalized_shape) -> str | None:
@@ -94,9 +96,7 @@ def unsupported_reason(x, normalized_shape) -> str | None:
     where = _split(x)
     if where is None:
         return "a tensor-parallel mesh axis, or a leading dim the mesh does not divide"
-    mesh, entry = where
-    shards = math.prod(dict(mesh.shape)[a] for a in ((entry,) if isinstance(entry, str) else entry)) if mesh else 1
-    if _block_rows(math.prod(x.shape[:-1]) // shards, dim) is None:
+    if _block_rows(math.prod(x.shape[:-1]) // where[2], dim) is None:
         return "no block of a multiple of 128 rows divides the rows"
     return None
 
@@ -190,7 +190,7 @@ def _backward_rows(g, x, r, w):
 
 
 def _per_shard(fn, x, operands, specs, out_specs):
-    mesh, entry = _split(x)
+    mesh, entry, _ = _split(x)
     if mesh is None:
         return fn(*operands)
     spec = lambda s: P(entry) if s else P()  # noqa: E731
