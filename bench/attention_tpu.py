@@ -1,7 +1,9 @@
-"""Attention forward + backward compiled ahead of time for a TPU chip, with JAX's Pallas
-flash-attention kernels (what F.scaled_dot_product_attention runs on TPU) next to torchtpu's
-blocked pure-JAX attention (TORCHTPU_PALLAS_ATTENTION=0), in one run: HBM temporaries, the
-FLOPs XLA counts and its estimated seconds.
+"""Attention forward + backward compiled ahead of time for a TPU chip, with torchtpu's Pallas
+flash-attention kernels (what F.scaled_dot_product_attention runs on TPU: the forward and the
+one-pass backward), the same forward with the dK/dV and dQ backward kernels
+(TORCHTPU_FLASH_BACKWARD=two-kernel), and torchtpu's blocked pure-JAX attention
+(TORCHTPU_PALLAS_ATTENTION=0), in one run: HBM temporaries, the FLOPs XLA counts and its
+estimated seconds.
 
     python -m bench.attention_tpu --topology v5p:2x2x1 --batch 1 --heads 32 --kv-heads 8 --seq 8192
 
@@ -22,12 +24,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def compile_attention(args):
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from torchtpu.backend.registry import LOWERINGS, aten
     from torchtpu.distributed import topology as topo
 
-    dev = topo.topology_devices(args.topology)[0]
-    sh = jax.sharding.SingleDeviceSharding(dev)
+    # a one-chip mesh: the program then records which chip it is for (the backward picks its kernels by VMEM)
+    mesh = jax.sharding.Mesh(np.array(topo.topology_devices(args.topology)[:1]), ("chip",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     q = jax.ShapeDtypeStruct((args.batch, args.heads, args.seq, args.head_dim), jnp.bfloat16, sharding=sh)
     kv = jax.ShapeDtypeStruct((args.batch, args.kv_heads, args.seq, args.head_dim), jnp.bfloat16, sharding=sh)
     S = args.seq
@@ -64,17 +68,18 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
     rows = {}
-    for name, flag in (("pallas", "1"), ("blocked", "0")):
-        os.environ["TORCHTPU_PALLAS_ATTENTION"] = flag  # read when the step is traced
+    for name, flag, backward in (("pallas", "1", "auto"), ("two-kernel", "1", "two-kernel"), ("blocked", "0", "auto")):
+        os.environ["TORCHTPU_PALLAS_ATTENTION"] = flag  # both read when the step is traced
+        os.environ["TORCHTPU_FLASH_BACKWARD"] = backward
         rows[name] = compile_attention(args)
     print(
         f"attention fwd+bwd, B{args.batch} H{args.heads}/{args.kv_heads} S{args.seq} D{args.head_dim} bf16 causal, "
         f"one {args.topology} chip"
     )
-    print(f"{'':10}{'temporaries':>14}{'XLA FLOPs':>12}{'XLA est. s':>12}{'kernels':>9}{'compile s':>11}")
+    print(f"{'':12}{'temporaries':>14}{'XLA FLOPs':>12}{'XLA est. s':>12}{'kernels':>9}{'compile s':>11}")
     for name, r in rows.items():
         print(
-            f"{name:10}{r['temp'] / 2**20:>10.0f} MiB{r['flops']:>12.3e}{r['est_s']:>12.2e}{r['kernels']:>9}"
+            f"{name:12}{r['temp'] / 2**20:>10.0f} MiB{r['flops']:>12.3e}{r['est_s']:>12.2e}{r['kernels']:>9}"
             f"{r['compile_s']:>11.0f}"
         )
     print(f"temporaries pallas/blocked: {rows['pallas']['temp'] / rows['blocked']['temp']:.2f}x")

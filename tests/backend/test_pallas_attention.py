@@ -8,6 +8,8 @@ reach XLA's cost analysis.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -63,11 +65,15 @@ def test_kernels_match_torch_cpu(causal, heads, mask):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-4, msg=lambda s, name=name: f"{name}: {s}")
 
 
+@pytest.mark.parametrize("mode", ["one-pass", "two-kernel"])
 @pytest.mark.parametrize("lq, lk", [(384, 384), (512, 384), (384, 768)], ids=str)
-def test_several_blocks_per_row_and_column_match_torch_cpu(lq, lk):
+def test_several_blocks_per_row_and_column_match_torch_cpu(lq, lk, mode, monkeypatch):
     """Several query and key blocks of different sizes (128 x 128, 512 x 128, 128 x 256), causal,
-    four query heads on two key/value heads: the dK/dV kernel sums each group's query heads over
-    all their query blocks, and causally skipped block pairs are skipped in all three kernels."""
+    four query heads on two key/value heads, with either backward: the one-pass kernel (dQ of a
+    whole query head and dK/dV of a whole key/value head accumulated across the grid) or the dK/dV
+    and dQ kernels. The key/value gradients sum each group's query heads over all their query
+    blocks, and causally skipped block pairs are skipped in every kernel."""
+    monkeypatch.setenv("TORCHTPU_FLASH_BACKWARD", mode)
     q, k, v = _inputs(1, 4, 2, lq, lk, 64, seed=17)
     kw = dict(is_causal=True, enable_gqa=True)
     want = _run("cpu", q, k, v, **kw)
@@ -170,6 +176,7 @@ def test_declared_costs():
     c = attention_tpu.kernel_costs(4, 8, 2048, 2048, 128, causal=False)
     mm = 2 * 4 * 8 * 2048 * 2048 * 128
     assert c["forward"].flops == 2 * mm and c["backward_dkv"].flops == 4 * mm and c["backward_dq"].flops == 3 * mm
+    assert c["backward"].flops == 5 * mm  # the scores and their gradient once for dQ, dK and dV
     causal = attention_tpu.kernel_costs(4, 8, 2048, 2048, 128, causal=True)
     # 512-blocks: 10 of the 16 block pairs are on or below the diagonal
     assert causal["forward"].flops == int(2 * mm * 10 / 16)
@@ -219,27 +226,44 @@ def _topology_devices(name="v5p:2x2x1"):
 
 
 @pytest.mark.parametrize(
-    "topology, d, dv", [("v5p:2x2x1", 128, 128), ("v6e:2x2", 128, 128), ("v5p:2x2x1", 192, 128)], ids=str
+    "topology, d, dv, mode, backward",
+    [
+        ("v5p:2x2x1", 128, 128, "auto", ["backward"]),
+        ("v6e:2x2", 128, 128, "auto", ["backward"]),
+        ("v5p:2x2x1", 192, 128, "auto", ["backward"]),
+        ("v5p:2x2x1", 128, 128, "two-kernel", ["backward_dkv", "backward_dq"]),
+        ("v4:2x2x1", 128, 128, "auto", ["backward_dkv", "backward_dq"]),
+    ],
+    ids=str,
 )
-def test_declared_costs_reach_xla_cost_analysis(topology, d, dv):
-    """Forward and both backward kernels compile for v5p and v6e chips and are counted by XLA's
-    TPU cost analysis; q/k head dim 192 with v 128 compiles zero-padded to 256, costed so."""
+def test_declared_costs_reach_xla_cost_analysis(topology, d, dv, mode, backward, monkeypatch):
+    """The forward and the backward kernels compile for v5p, v6e and v4 chips and are counted by
+    XLA's TPU cost analysis; q/k head dim 192 with v 128 compiles zero-padded to 256, costed so.
+    The backward is the one-pass kernel where the chip's VMEM holds its accumulators (v5p, v6e),
+    the dK/dV and dQ kernels on v4 (16 MiB of VMEM) or when asked for."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from torchtpu.distributed import topology as topo
 
-    dev = _topology_devices(topology)[0]
+    monkeypatch.setenv("TORCHTPU_FLASH_BACKWARD", mode)
+    mesh = jax.sharding.Mesh(np.array(_topology_devices(topology)[:1]), ("x",))  # one chip, its kind known
     b, h, L = 2, 4, 1024
 
     def sds(dim):
-        return jax.ShapeDtypeStruct((b, h, L, dim), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
+        return jax.ShapeDtypeStruct((b, h, L, dim), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
 
     def step(q, k, v, g):
         out, lse = attention_tpu.attention_forward(q, k, v, causal=True, scale=0.1)
         return attention_tpu.attention_backward(g, q, k, v, out, lse, causal=True, scale=0.1)
 
     compiled = topo.aot_compile(jax.jit(step).lower(sds(d), sds(d), sds(dv), sds(dv)))
-    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+    hlo = compiled.as_text()
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 1 + len(backward)
+    assert _kernel_calls(hlo) == {"forward": 1, **{n.removeprefix("backward_") or n: 1 for n in backward}}
     c = attention_tpu.kernel_costs(b, h, L, L, attention_tpu.padded_head_dim(d, dv), causal=True)
-    declared = sum(x.flops for x in c.values())
+    declared = sum(c[n].flops for n in ["forward", *backward])
     flops = compiled.cost_analysis()["flops"]
     assert declared <= flops <= 1.05 * declared, (flops, declared)
 
@@ -282,28 +306,33 @@ _KERNEL = 'custom_call_target="tpu_custom_call"'
 
 
 def _kernel_calls(hlo: str) -> dict:
-    calls = [line for line in hlo.splitlines() if _KERNEL in line]
-    dkv = sum(attention_kernels.KERNEL_NAMES["dkv"] in line for line in calls)
-    dq = sum(attention_kernels.KERNEL_NAMES["dq"] in line for line in calls)
-    return {"forward": len(calls) - dkv - dq, "backward_dkv": dkv, "backward_dq": dq}
+    """How many of each flash kernel the program calls, by the instruction names XLA gives them."""
+    kinds = {name: kind for kind, name in attention_kernels.KERNEL_NAMES.items()}
+    counts = {}
+    for line in hlo.splitlines():
+        if _KERNEL in line:
+            name = re.sub(r"\.\d+$", "", line.split("=")[0].split()[-1].lstrip("%"))
+            counts[kinds[name]] = counts.get(kinds[name], 0) + 1
+    return counts
 
 
 def test_tpu_step_contains_kernels_and_cpu_step_does_not():
     """A small Llama (torchtitan's model, FSDP x TP over v5p:2x2x1) compiled ahead of time for
-    TPU runs one forward and two backward kernels per layer, each on its shard (batch over
-    dp_shard, heads over tp); the same step compiled for CPU has no kernel."""
+    TPU runs one forward and one (one-pass) backward kernel per layer, each on its shard (batch
+    over dp_shard, heads over tp); the same step compiled for CPU has no kernel."""
     from torchtpu.distributed import init_device_mesh
 
     devices = _topology_devices()
     mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp_shard", "tp"), devices=devices)
     hlo = _llama_step_for(mesh).as_text()
-    assert _kernel_calls(hlo) == {"forward": 2, "backward_dkv": 2, "backward_dq": 2}
+    assert _kernel_calls(hlo) == {"forward": 2, "backward": 2}
     # per shard: batch 4 / dp_shard 2, query heads 4 / tp 2, key/value heads 2 / tp 2: the
-    # dK/dV kernel gives the key/value heads' gradients (k and v are not repeated per query head)
+    # backward gives the query heads' gradient and the key/value heads' (k and v are not
+    # repeated per query head)
     results = [line.split(" custom-call(")[0] for line in hlo.splitlines() if _KERNEL in line]
-    dkv = [r for r in results if attention_kernels.KERNEL_NAMES["dkv"] in r]
-    assert all(r.count("bf16[2,1,256,128]") == 2 for r in dkv), dkv
-    assert all("bf16[2,2,256,128]" in r for r in results if r not in dkv), results
+    bwd = [r for r in results if attention_kernels.KERNEL_NAMES["backward"] in r]
+    assert all(r.count("bf16[2,1,256,128]") == 2 and r.count("bf16[2,2,256,128]") == 1 for r in bwd), bwd
+    assert all("bf16[2,2,256,128]" in r for r in results if r not in bwd), results
     fwd = [r for r in results if attention_kernels.KERNEL_NAMES["forward"] in r]
     assert len(fwd) == 2 and all("f32[2,2,1,256]" in r for r in fwd), fwd  # the log-sum-exp as one row
 
@@ -330,7 +359,7 @@ def test_kernels_split_by_the_mesh_of_their_inputs():
         return attention_tpu.attention_backward(g, q, k, v, out, lse, causal=True, scale=0.1)
 
     hlo = topo.aot_compile(jax.jit(step).lower(x, x, x, x)).as_text()
-    assert _kernel_calls(hlo) == {"forward": 1, "backward_dkv": 1, "backward_dq": 1}
+    assert _kernel_calls(hlo) == {"forward": 1, "backward": 1}
     results = [line.split(" custom-call(")[0] for line in hlo.splitlines() if _KERNEL in line]
     assert all("bf16[2,2,256,128]" in r for r in results), results
     assert "all-gather" not in hlo

@@ -1,4 +1,4 @@
-"""torchtpu's flash-attention Pallas kernels for TPU: forward, dK/dV and dQ.
+"""torchtpu's flash-attention Pallas kernels for TPU: forward, a one-pass backward, and dK/dV and dQ.
 
 attention_tpu.py calls them (per shard, with their declared costs); this module only builds the
 three `pallas_call`s. What they add over JAX's library kernels
@@ -10,6 +10,11 @@ step per (query block, key block) pair, causal pairs above the diagonal skipped)
   h // (H / Hkv); the dK/dV kernel's grid runs over key/value heads and accumulates the
   gradients of all the query heads that share one in float32, so k, v are never broadcast to H
   heads and dk, dv never summed over the repeats outside the kernel.
+- **One pass for the backward** (`backward`): per (batch, key/value head) the grid runs over the
+  group's query heads, then key blocks, then query blocks, and computes each visited block pair's
+  scores and their gradient once for dV, dK and dQ (five block matmuls, against seven in the
+  dK/dV and dQ kernels, which compute them each), accumulating dQ of the whole query head and
+  dK, dV of the whole key/value head in float32 in VMEM (`backward_vmem_bytes`).
 - **Softmax statistics as rows.** The forward writes the log-sum-exp (B, H, 1, L) directly,
   and the backward kernels read it and `di` (rowsum(dO * O)) in that layout, instead of f32
   (B, H, L, 128) arrays broadcast across lanes in HBM. The dK/dV kernel computes the
@@ -33,11 +38,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["forward", "backward_dkv", "backward_dq", "KERNEL_NAMES"]
+__all__ = ["forward", "backward", "backward_dkv", "backward_dq", "backward_vmem_bytes", "KERNEL_NAMES"]
 
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T: contract both operands' last dims
-KERNEL_NAMES = {"forward": "torchtpu_flash_fwd", "dkv": "torchtpu_flash_bwd_dkv", "dq": "torchtpu_flash_bwd_dq"}
+KERNEL_NAMES = {
+    "forward": "torchtpu_flash_fwd",
+    "backward": "torchtpu_flash_bwd_onepass",
+    "dkv": "torchtpu_flash_bwd_dkv",
+    "dq": "torchtpu_flash_bwd_dq",
+}
 
 
 def _runs(q_block, bq, k_block, bk, causal):
@@ -343,3 +353,134 @@ def backward_dq(q, k, v, bias, lse, do, di, *, causal, scale, mask_value, block_
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
         name=KERNEL_NAMES["dq"],
     )(q, k, v, bias, lse, do, di)[0]
+
+
+# ----------------------------------------------------------------------------- dQ, dK and dV in one pass
+
+
+def _backward_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    bias_ref,
+    lse_ref,
+    do_ref,
+    di_ref,
+    dq_ref,
+    dk_ref,
+    dv_ref,
+    dq_scr,
+    dk_scr,
+    dv_scr,
+    *,
+    causal,
+    scale,
+    mask_value,
+    rep,
+    nk,
+    nq,
+):
+    r, ki, qi = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    bq, bk = q_ref.shape[2], k_ref.shape[2]
+
+    @pl.when((r == 0) & (ki == 0) & (qi == 0))
+    def _():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    @pl.when((ki == 0) & (qi == 0))
+    def _():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    @pl.when(_runs(qi, bq, ki, bk, causal))
+    def _():
+        q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
+        st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # (bk, bq): scores, transposed
+        if bias_ref is not None:
+            st = st + bias_ref[0, 0].astype(jnp.float32).T
+        st = st * scale
+        if causal:
+            st = st + jnp.where(_causal_keep(st.shape, qi * bq, ki * bk, 1), 0.0, mask_value)
+        pt = jnp.exp(st - lse_ref[0, 0])  # the softmax (transposed); lse (1, bq) broadcasts over keys
+        rows_k = pl.ds(pl.multiple_of(ki * bk, bk), bk)
+        dv_scr[rows_k, :] += lax.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)  # (bk, bq)
+        dst = (pt * (dpt - di_ref[0, 0]) * scale).astype(q.dtype)
+        dk_scr[rows_k, :] += lax.dot(dst, q, preferred_element_type=jnp.float32)
+        rows_q = pl.ds(pl.multiple_of(qi * bq, bq), bq)
+        dq_scr[rows_q, :] += lax.dot(dst.T, k, preferred_element_type=jnp.float32)
+
+    @pl.when((ki == nk - 1) & (qi == nq - 1))
+    def _():
+        dq_ref[0, 0] = dq_scr[...].astype(dq_ref.dtype)
+
+    @pl.when((r == rep - 1) & (ki == nk - 1) & (qi == nq - 1))
+    def _():
+        dk_ref[0, 0] = dk_scr[...].astype(dk_ref.dtype)
+        dv_ref[0, 0] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def backward_vmem_bytes(L: int, S: int, D: int, itemsize: int, block_q: int, block_k: int, with_bias: bool) -> int:
+    """VMEM the one-pass backward takes: its float32 accumulators of a whole query head's dQ and
+    a whole key/value head's dK and dV, its output blocks (those three, double-buffered), its
+    input blocks (double-buffered) and its (block_k, block_q) float32 intermediates."""
+    acc = (L + 2 * S) * D * 4
+    outs = 2 * (L + 2 * S) * D * itemsize
+    ins = 2 * (2 * block_q * D + 2 * block_k * D) * itemsize + 2 * 2 * block_q * 4
+    ins += 2 * block_q * block_k * 4 if with_bias else 0
+    return acc + outs + ins + 5 * block_q * block_k * 4
+
+
+def backward(q, k, v, bias, lse, do, di, *, causal, scale, mask_value, block_q, block_k, vmem_limit_bytes):
+    """(dq, dk, dv) of q's and k's shapes and dtypes in one pass over the (query block, key
+    block) pairs: the scores and their gradient are computed once for all three (the two-kernel
+    backward computes them in each). The grid runs, per batch and key/value head, over the
+    group's query heads, then key blocks, then query blocks; dK and dV of the whole key/value
+    head and dQ of the whole query head accumulate in float32 in VMEM (`backward_vmem_bytes`).
+    lse, di: (B, H, 1, L) float32."""
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep, nq, nk = H // Hkv, L // block_q, S // block_k
+
+    def q_block(ki, qi):
+        # skipped pairs (above the diagonal) point at the first query block this key block
+        # needs, which the next step that runs fetches anyway
+        return jnp.maximum(qi, _first_q_block(ki, block_k, block_q)) if causal else qi
+
+    q_spec = ((1, 1, block_q, D), lambda b, g, r, ki, qi: (b, g * rep + r, q_block(ki, qi), 0))
+    kv_spec = ((1, 1, block_k, D), lambda b, g, r, ki, qi: (b, g, ki, 0))
+    row_spec = ((1, 1, 1, block_q), lambda b, g, r, ki, qi: (b, g * rep + r, 0, q_block(ki, qi)))
+    bias_spec = (
+        (None, None)
+        if bias is None
+        else ((1, 1, block_q, block_k), lambda b, g, r, ki, qi: (b, g * rep + r, q_block(ki, qi), ki))
+    )
+    dq_spec = ((1, 1, L, D), lambda b, g, r, ki, qi: (b, g * rep + r, 0, 0))
+    dkv_spec = ((1, 1, S, D), lambda b, g, r, ki, qi: (b, g, 0, 0))
+    kernel = functools.partial(
+        _backward_kernel, causal=causal, scale=scale, mask_value=mask_value, rep=rep, nk=nk, nq=nq
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0,
+            grid=(B, Hkv, rep, nk, nq),
+            in_specs=_specs(q_spec, kv_spec, kv_spec, bias_spec, row_spec, q_spec, row_spec),
+            out_specs=_specs(dq_spec, dkv_spec, dkv_spec),
+            scratch_shapes=[
+                pltpu.VMEM((L, D), jnp.float32),
+                pltpu.VMEM((S, D), jnp.float32),
+                pltpu.VMEM((S, D), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        name=KERNEL_NAMES["backward"],
+    )(q, k, v, bias, lse, do, di)

@@ -6,11 +6,14 @@ one traced program still compiles for CPU or GPU with the blocked pure-JAX atten
 
 - forward: torchtpu's forward kernel (attention_kernels.py), which also writes the softmax's
   log-sum-exp; it goes back to PyTorch's autograd as the fused op's `logsumexp` output;
-- backward: its two backward kernels (dK/dV and dQ), fed that log-sum-exp, so nothing of the
-  forward is recomputed beyond the scores the kernels recompute block by block.
+- backward: its one-pass backward kernel, fed that log-sum-exp, which recomputes the scores
+  block by block once for dQ, dK and dV, accumulating a whole query head's dQ and a whole
+  key/value head's dK and dV in VMEM. Where the chip's VMEM cannot hold those (v4's 16 MiB,
+  or long sequences: `_one_pass_vmem_limit`), or TORCHTPU_FLASH_BACKWARD=two-kernel asks, the
+  dK/dV and dQ kernels run instead, each recomputing the scores.
 
 The kernels take grouped-query attention's key/value heads as they are (each query head reads
-its group's head; dK/dV sums a group's gradients inside the kernel) and keep the softmax
+its group's head; the backward sums a group's gradients inside the kernel) and keep the softmax
 statistics as rows (see attention_kernels.py).
 
 Each kernel carries the cost it declares to XLA (`kernel_costs`): the FLOPs of the score and
@@ -58,6 +61,7 @@ from torchtpu.backend.ops import attention_kernels
 
 __all__ = [
     "enabled",
+    "backward_mode",
     "unsupported_reason",
     "attention_forward",
     "attention_backward",
@@ -152,15 +156,17 @@ def kernel_costs(
     with_bias: bool = False,
     library: bool = False,
 ) -> dict:
-    """The costs the three kernels declare to XLA for attention of these sizes (per program
+    """The costs the kernels declare to XLA for attention of these sizes (per program
     that runs them: pass per-shard sizes for a sharded program), as
-    {"forward"|"backward_dkv"|"backward_dq": pallas CostEstimate}.
+    {"forward"|"backward"|"backward_dkv"|"backward_dq": pallas CostEstimate}.
 
     FLOPs are 2*M*N*K per matmul over the visited blocks: forward s = qk^T and o = pv (2);
-    dK/dV kernel s, dv += p^T do, dp = do v^T, dk += ds^T q (4); dQ kernel s, dp, dq += ds k (3).
+    dK/dV kernel s, dv += p^T do, dp = do v^T, dk += ds^T q (4); dQ kernel s, dp, dq += ds k (3);
+    the one-pass backward s, dv, dp, dk and dq (5).
     Transcendentals are the exp of each visited score (once per kernel). Bytes are each
     kernel's inputs and outputs, once, keys and values once per query head (each query head's
-    pass reads its key/value head's blocks), and the float32 softmax statistics: torchtpu's
+    pass reads its key/value head's blocks), except the one-pass backward's q, do and their
+    statistics, read again for each key block it visits, and the float32 softmax statistics: torchtpu's
     kernels write one row (the log-sum-exp) and read two (it and di); with `library`, the
     costs of JAX's library kernels for the same attention, which write l and m and read l, m
     and di, each broadcast to 128 lanes. `head_dim` is the one the kernels run at
@@ -179,10 +185,13 @@ def kernel_costs(
     def est(flops, trans, nbytes):
         return pl.CostEstimate(flops=int(flops), transcendentals=int(trans), bytes_accessed=int(nbytes))
 
+    # the one-pass backward reads q, do and their statistics again for each key block it visits
+    q_reads = max(1.0, (kv_len // _block(kv_len)) * frac)
     return {
         "forward": est(2 * mm, pairs, 2 * q_bytes + 2 * kv_bytes + n_fwd * stats + bias),
         "backward_dkv": est(4 * mm, pairs, 2 * q_bytes + 4 * kv_bytes + n_bwd * stats + bias),
         "backward_dq": est(3 * mm, pairs, 3 * q_bytes + 2 * kv_bytes + n_bwd * stats + 2 * bias),
+        "backward": est(5 * mm, pairs, q_reads * (2 * q_bytes + n_bwd * stats) + q_bytes + 4 * kv_bytes + bias),
     }
 
 
@@ -380,11 +389,16 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
     b_loc, h_loc = _local(B, H, split)
     costs = kernel_costs(b_loc, h_loc, L, S, Dp, causal=causal, itemsize=q.dtype.itemsize, with_bias=bias is not None)
 
+    vmem_limit = _one_pass_vmem_limit(L, S, Dp, q.dtype.itemsize, bq, bk, bias is not None, q, k)
+
     def kernels(q, k, v, g, m, di, *rest):
         bias = rest[0] if rest else None
         q, k, v, g = (_pad_last(x, Dp) for x in (q, k, v, g))
         rows = m[:, :, None, :], di[:, :, None, :]  # (b, h, 1, L): the kernels read them as rows
         options = dict(causal=causal, scale=scale, mask_value=MASK_VALUE, block_q=bq, block_k=bk)
+
+        def one_pass(q, k, v, bias, m, g, di):
+            return attention_kernels.backward(q, k, v, bias, m, g, di, vmem_limit_bytes=vmem_limit, **options)
 
         def dkv(q, k, v, bias, m, g, di):
             return attention_kernels.backward_dkv(q, k, v, bias, m, g, di, **options)
@@ -394,8 +408,11 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
 
         with jax.enable_x64(False):
             args = (q, k, v, bias, rows[0], g, rows[1])
-            dk, dv = bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
-            (dq_,) = bind_pallas(dq, args, [costs["backward_dq"]], interpret)
+            if vmem_limit is not None:
+                dq_, dk, dv = bind_pallas(one_pass, args, [costs["backward"]], interpret)
+            else:
+                dk, dv = bind_pallas(dkv, args, [costs["backward_dkv"]], interpret)
+                (dq_,) = bind_pallas(dq, args, [costs["backward_dq"]], interpret)
         return dq_[..., :D], dk[..., :D], dv[..., :Dv]  # the padding's gradients are dropped
 
     operands = (q, k_in, v_in, g, m, di) + ((bias,) if bias is not None else ())
@@ -406,6 +423,52 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, *, causal: bool, 
         dk = dk.reshape(B, Hkv, rep, S, -1).sum(2)
         dv = dv.reshape(B, Hkv, rep, S, -1).sum(2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# VMEM per TensorCore by the device kind libtpu reports (jax's pallas tpu_info)
+_VMEM_BY_KIND = {"TPU v4": 16 << 20, "TPU v5 lite": 128 << 20, "TPU v5": 64 << 20, "TPU v6 lite": 128 << 20}
+
+
+def _device_kind(*arrays) -> str | None:
+    """The kind of TPU the program is for: from the mesh JAX records in the arrays' types, else
+    the default backend's first device when it is a TPU; None when neither says (a CPU program)."""
+    for a in arrays:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None and device.platform == "tpu":
+            return device.device_kind
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "tpu" else None
+
+
+def backward_mode() -> str:
+    """TORCHTPU_FLASH_BACKWARD: "auto" (the default: the one-pass backward where its accumulators
+    fit the chip's VMEM), "one-pass" or "two-kernel"; read when a program is traced."""
+    mode = os.environ.get("TORCHTPU_FLASH_BACKWARD", "auto").strip().lower()
+    if mode not in ("auto", "one-pass", "two-kernel"):
+        raise ValueError(f"TORCHTPU_FLASH_BACKWARD={mode!r}: use auto, one-pass or two-kernel")
+    return mode
+
+
+def _one_pass_vmem_limit(L, S, D, itemsize, bq, bk, with_bias, *arrays) -> int | None:
+    """The scoped VMEM limit to run the one-pass backward kernel with, or None to run the dK/dV and
+    dQ kernels instead: where the chip's VMEM (three quarters of it, the kernel's limit) holds the
+    kernel's accumulators and blocks (`attention_kernels.backward_vmem_bytes`) with a quarter to
+    spare. Where the program does not say which chip it is for (a single-device program compiled
+    for a topology's device), the two kernels run, unless interpreting (tests on CPU count 64 MiB);
+    a kind not in _VMEM_BY_KIND counts as 16 MiB."""
+    mode = backward_mode()
+    if mode == "two-kernel":
+        return None
+    kind = _device_kind(*arrays)
+    if kind is None and not interpreting() and mode == "auto":
+        return None
+    vmem = _VMEM_BY_KIND.get(kind, 64 << 20 if kind is None else 16 << 20)
+    limit = vmem * 3 // 4
+    need = attention_kernels.backward_vmem_bytes(L, S, D, itemsize, bq, bk, with_bias)
+    if mode == "one-pass" or need <= limit * 3 // 4:
+        return limit
+    return None
 
 
 def _local(batch, heads, split):
