@@ -11,13 +11,13 @@ float32, one rounding to the input's dtype.
 What they are for: per-head query/key norms, as Qwen3's (a norm over each head's
 128 values of a (batch, seq, heads, head_dim) view of a projection's output). Left to XLA, such
 a norm runs as several fusions over that view's layout with float32 intermediates between
-them; the kernels make one pass over the rows each way. Qwen3 30B-A3B's estimated layer on
-v5p:2x2x4 is 88.11 ms with them, 90.09 ms with its query/key norms run as PyTorch's composite ops
-(`python -m bench.step_estimate`). A hidden-size norm
+them; the kernels make one pass over the rows each way. At commit 82e2573, Qwen3 30B-A3B's
+estimated layer on v5p:2x2x4 is 88.11 ms with them, 90.09 ms with its query/key norms run as
+PyTorch's composite ops (`python -m bench.step_estimate`). A hidden-size norm
 (2048 to 16384 values) stays XLA's: XLA sums its rows' squares in the same pass as the residual
 add that produces them (one fusion writing the sum and the new residual), which a kernel, a pass
 of its own, cannot share (Llama 3 8B's layer: 47.60 ms with the kernels on its hidden norms,
-47.38 without; Qwen3 30B-A3B's: 88.18 against 88.11).
+47.38 without; Qwen3 30B-A3B's: 88.18 against 88.11; both at commit 82e2573).
 
 Each kernel reads a block of rows (up to 1 MiB of them in float32) once: the forward writes the
 normalized rows and each row's 1/rms (as one lane-dense row of float32, the statistic the
