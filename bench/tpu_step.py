@@ -139,9 +139,10 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
 
 def with_torchtpu_kernel_costs(fn):
     """`fn` with each Pallas flash-attention kernel in it (other kernels, such as megablox's, keep
-    their own declared costs) declaring to XLA the cost torchtpu's
-    kernels declare for the same shapes (`attention_tpu.kernel_costs`: the blocks a causal kernel
-    visits). The library's forward kernel declares the FLOPs of the whole, non-causal score matrix
+    their own declared costs) declaring to XLA the cost torchtpu's kernels of the same structure
+    declare for the same shapes (`attention_tpu.kernel_costs`: the blocks a causal kernel visits;
+    the library's backward is a dK/dV and a dQ kernel, costed as torchtpu's two-kernel backward,
+    not its one-pass one). The library's forward kernel declares the FLOPs of the whole, non-causal score matrix
     (twice the causal work) and its two backward kernels declare none, which XLA's cost model
     counts as free; left so, the two programs' attention would be costed differently (by about
     1e12 FLOPs per layer per chip at 8B, in torchtpu's disfavour)."""
