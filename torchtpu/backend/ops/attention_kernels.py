@@ -186,6 +186,23 @@ def forward(q, k, v, bias, *, causal: bool, scale: float, mask_value: float, blo
 # ----------------------------------------------------------------------------- dK / dV
 
 
+def _transposed_grads(q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, di_ref, qi, ki, causal, scale, mask_value):
+    """The softmax of a (query block, key block) pair and its scores' gradient, both transposed
+    (key rows, query columns), float32, from the rows of lse and di: what the dK/dV kernel and the
+    one-pass backward accumulate from."""
+    q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
+    bq, bk = q.shape[0], k.shape[0]
+    st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # (bk, bq): scores, transposed
+    if bias_ref is not None:
+        st = st + bias_ref[0, 0].astype(jnp.float32).T
+    st = st * scale
+    if causal:
+        st = st + jnp.where(_causal_keep(st.shape, qi * bq, ki * bk, 1), 0.0, mask_value)
+    pt = jnp.exp(st - lse_ref[0, 0])  # the softmax (transposed); lse (1, bq) broadcasts over keys
+    dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)  # (bk, bq)
+    return pt, pt * (dpt - di_ref[0, 0]) * scale
+
+
 def _dkv_kernel(
     q_ref,
     k_ref,
@@ -216,17 +233,11 @@ def _dkv_kernel(
 
     @pl.when(_runs(qi, bq, ki, bk, causal))
     def _():
-        q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
-        st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # (bk, bq): scores, transposed
-        if bias_ref is not None:
-            st = st + bias_ref[0, 0].astype(jnp.float32).T
-        st = st * scale
-        if causal:
-            st = st + jnp.where(_causal_keep(st.shape, qi * bq, ki * bk, 1), 0.0, mask_value)
-        pt = jnp.exp(st - lse_ref[0, 0])  # the softmax (transposed); lse (1, bq) broadcasts over keys
+        q, do = q_ref[0, 0], do_ref[0, 0]
+        pt, dst = _transposed_grads(
+            q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, di_ref, qi, ki, causal, scale, mask_value
+        )
         dv_scr[...] += lax.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)  # (bk, bq)
-        dst = pt * (dpt - di_ref[0, 0]) * scale
         dk_scr[...] += lax.dot(dst.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
     @pl.when(j == steps - 1)
@@ -394,18 +405,13 @@ def _backward_kernel(
 
     @pl.when(_runs(qi, bq, ki, bk, causal))
     def _():
-        q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
-        st = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # (bk, bq): scores, transposed
-        if bias_ref is not None:
-            st = st + bias_ref[0, 0].astype(jnp.float32).T
-        st = st * scale
-        if causal:
-            st = st + jnp.where(_causal_keep(st.shape, qi * bq, ki * bk, 1), 0.0, mask_value)
-        pt = jnp.exp(st - lse_ref[0, 0])  # the softmax (transposed); lse (1, bq) broadcasts over keys
+        q, k, do = q_ref[0, 0], k_ref[0, 0], do_ref[0, 0]
+        pt, dst = _transposed_grads(
+            q_ref, k_ref, v_ref, do_ref, bias_ref, lse_ref, di_ref, qi, ki, causal, scale, mask_value
+        )
         rows_k = pl.ds(pl.multiple_of(ki * bk, bk), bk)
         dv_scr[rows_k, :] += lax.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)  # (bk, bq)
-        dst = (pt * (dpt - di_ref[0, 0]) * scale).astype(q.dtype)
+        dst = dst.astype(q.dtype)
         dk_scr[rows_k, :] += lax.dot(dst, q, preferred_element_type=jnp.float32)
         rows_q = pl.ds(pl.multiple_of(qi * bq, bq), bq)
         dq_scr[rows_q, :] += lax.dot(dst.T, k, preferred_element_type=jnp.float32)
