@@ -247,6 +247,36 @@ def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path):
     assert not path.exists()
 
 
+def test_a_lock_file_in_writing_is_waited_for_and_an_unreadable_old_one_taken_over(tmp_path):
+    """Another host of the job has created the lock file but not yet written it (a slow machine): this
+    start waits and joins the job instead of giving up. An unreadable file unchanged for STALE_SECONDS
+    (its creator died in between) is taken over."""
+    import threading
+
+    from torchtpu.train.dump_lock import LOCK_NAME, STALE_SECONDS, DumpFolderLock
+
+    path = tmp_path / LOCK_NAME
+    path.write_text("")
+    holder = {"job": "run-7", "host": "tpu-vm-other-3", "pid": 4242, "started": "2026-01-01T00:00:00+00:00"}
+    writer = threading.Timer(0.5, lambda: path.write_text(json.dumps(holder)))
+    writer.start()
+    joined = DumpFolderLock.acquire(str(tmp_path), job="run-7")
+    writer.join()
+    assert not joined.owner and joined.record["pid"] == 4242
+    joined.release()
+
+    path.write_text('{"job": "run-')
+    old = time.time() - STALE_SECONDS - 30
+    os.utime(path, (old, old))
+    lock = DumpFolderLock.acquire(str(tmp_path), job="run-8")
+    try:
+        assert lock.owner and json.loads(path.read_text())["job"] == "run-8"
+        assert "unreadable" in lock.describe_takeover()
+    finally:
+        lock.release()
+    assert not path.exists()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 100 MB tmpfs (mounting needs root: skipped without it), removed afterwards."""

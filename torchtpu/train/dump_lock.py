@@ -24,7 +24,10 @@ A lock whose holder is gone is stale and the next start takes it over:
   recycled pid);
 * written on another host: its heartbeat is older than STALE_SECONDS. Ages are measured against
   the folder's own clock (the modification time of a file written just now), so hosts whose clocks
-  differ still agree.
+  differ still agree;
+* unreadable (empty or cut short: its creator died between creating and writing it) and unchanged
+  for STALE_SECONDS. A younger unreadable file is one in writing: a start waits for it (up to
+  ACQUIRE_SECONDS), which matters when the hosts of one job start together on a slow machine.
 
 Taking over is itself serialized by a second O_EXCL file (`torchtpu.lock.takeover`), so of two
 starters that both found the lock stale only one replaces it, and the other then finds a live lock.
@@ -42,11 +45,20 @@ import time
 
 from .config.job_config import ConfigError
 
-__all__ = ["LOCK_NAME", "RUN_ID_ENV", "HEARTBEAT_SECONDS", "STALE_SECONDS", "DumpFolderLock", "hold_dump_folder"]
+__all__ = [
+    "LOCK_NAME",
+    "RUN_ID_ENV",
+    "HEARTBEAT_SECONDS",
+    "STALE_SECONDS",
+    "ACQUIRE_SECONDS",
+    "DumpFolderLock",
+    "hold_dump_folder",
+]
 
 LOCK_NAME = "torchtpu.lock"
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0
+ACQUIRE_SECONDS = 30.0  # how long a start keeps trying while the lock file is in writing or being replaced
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 
@@ -126,25 +138,40 @@ class DumpFolderLock:
         }
         path = os.path.join(folder, LOCK_NAME)
         took_over = None
-        for _ in range(5):
+        deadline = time.monotonic() + ACQUIRE_SECONDS
+        while True:
             if cls._create(path, record):
                 lock = cls(path, record, owner=True)
                 lock.took_over = took_over
                 return lock._start()
             holder = cls._read(path)
             if holder is None:
-                continue  # removed (or still being written) between our attempt and the read: try again
-            if holder.get("host") == host and holder.get("pid") == pid:
-                return cls(path, holder, owner=True)._start()  # ours, from before this process re-executed itself
-            why = cls._stale_reason(path, holder)
-            if why is None and holder.get("job") == record["job"]:
-                return cls(path, holder, owner=False)._start()  # another live process of this job holds it
-            if why is None:
-                raise ConfigError(cls._busy_message(path, holder))
-            if cls._replace_stale(path, holder):
-                took_over = dict(holder, why=why)
+                # removed between our attempt and the read, or created and not yet written (its creator
+                # writes it right away), or left empty by a creator that died in between: stale once old
+                why = cls._unreadable_stale_reason(path)
+                if why is not None and cls._replace_stale(path, None):
+                    took_over = {"job": "unknown (unreadable lock file)", "why": why}
+            else:
+                if holder.get("host") == host and holder.get("pid") == pid:
+                    return cls(path, holder, owner=True)._start()  # ours, from before this process re-executed itself
+                why = cls._stale_reason(path, holder)
+                if why is None and holder.get("job") == record["job"]:
+                    return cls(path, holder, owner=False)._start()  # another live process of this job holds it
+                if why is None:
+                    raise ConfigError(cls._busy_message(path, holder))
+                if cls._replace_stale(path, holder):
+                    took_over = dict(holder, why=why)
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"{path}: could not take the dump folder's lock in {ACQUIRE_SECONDS:.0f} s: "
+                    + (
+                        "the file stays unreadable (a job still writing it, or a broken file system); remove it "
+                        "if no job uses this folder, or give this run another --job.dump_folder"
+                        if holder is None
+                        else "other jobs keep replacing it; give this run another --job.dump_folder"
+                    )
+                )
             time.sleep(0.05)
-        raise ConfigError(f"{path}: could not take the dump folder's lock (other jobs keep starting on it)")
 
     @staticmethod
     def _create(path: str, record: dict) -> bool:
@@ -189,9 +216,22 @@ class DumpFolderLock:
             return f"no heartbeat for {age:.0f} s"
         return None
 
+    @staticmethod
+    def _unreadable_stale_reason(path: str) -> str | None:
+        """Why an unreadable lock file is stale (unchanged for STALE_SECONDS), or None: it may be in writing,
+        or gone."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        age = _folder_now(os.path.dirname(path)) - st.st_mtime
+        if age > STALE_SECONDS:
+            return f"its lock file is unreadable ({st.st_size} bytes) and unchanged for {age:.0f} s"
+        return None
+
     @classmethod
-    def _replace_stale(cls, path: str, holder: dict) -> bool:
-        """Remove the stale lock `holder`, unless someone else is replacing it now."""
+    def _replace_stale(cls, path: str, holder: dict | None) -> bool:
+        """Remove the stale lock `holder` (None: an unreadable one), unless someone else is replacing it now."""
         guard = path + ".takeover"
         try:
             fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -204,7 +244,11 @@ class DumpFolderLock:
         try:
             now = cls._read(path)
             # still the same stale holder (nobody took it over meanwhile): remove it
-            if now is not None and all(now.get(k) == holder.get(k) for k in ("job", "host", "pid", "started")):
+            if holder is None:
+                same = now is None and cls._unreadable_stale_reason(path) is not None
+            else:
+                same = now is not None and all(now.get(k) == holder.get(k) for k in ("job", "host", "pid", "started"))
+            if same:
                 os.unlink(path)
                 return True
             return False
