@@ -340,9 +340,7 @@ class _Route:
     expert parallelism over the mesh axis (or axes) `axis` of `n_ep` ranks: sorted row i goes to
     slot `slot[i]` of the bucket for rank `dest[i]`, the buckets are swapped by an all-to-all, and
     the rows a chip receives are grouped by its local expert in the order `group` (padding rows,
-    zeros, last). `to_experts` and `from_experts` are each other's transpose (a partial permutation
-    and its inverse), and each is the other's gradient, so rows move by scatters only, forward and
-    backward (XLA's TPU cost model charges a gather of rows several times a scatter of them)."""
+    zeros, last)."""
 
     def __init__(self, dest, slot, group, axis, n_ep):
         self.dest, self.slot, self.group, self.axis, self.n_ep = dest, slot, group, axis, n_ep
@@ -356,73 +354,16 @@ class _Route:
 
     def to_experts(self, v):
         """Sorted rows (n, ...) here -> the rows this chip's experts receive, grouped (n_ep * n, ...)."""
-        return _to_experts(v, self)
+        n = v.shape[0]
+        bucket = jnp.zeros((self.n_ep, n) + v.shape[1:], v.dtype)
+        bucket = bucket.at[self.dest, self.slot].set(v, unique_indices=True)
+        got = lax.all_to_all(bucket, self.axis, 0, 0, tiled=True)
+        return got.reshape((self.n_ep * n,) + v.shape[1:])[self.group]
 
     def from_experts(self, v):
         """`to_experts`'s inverse: grouped rows here -> the sorted rows of the chips that sent them."""
-        return _from_experts(v, self)
-
-
-def _bucketed(route: _Route, v):
-    """Sorted rows (n, ...) -> the buckets for each rank, (n_ep, n, ...): row i at (dest[i], slot[i])."""
-    n = v.shape[0]
-    bucket = jnp.zeros((route.n_ep, n) + v.shape[1:], v.dtype)
-    return bucket.at[route.dest, route.slot].set(v, unique_indices=True)
-
-
-def _unbucketed(route: _Route, bucket):
-    """`_bucketed`'s inverse, as a scatter: bucket entry (dest[i], slot[i]) back to row i; the other
-    entries (padding) are dropped (each sent past the end, at its own position)."""
-    n_ep, n = bucket.shape[:2]
-    flat = bucket.reshape((n_ep * n,) + bucket.shape[2:])
-    where = jnp.arange(n, n + n_ep * n, dtype=jnp.int32)  # past the end: dropped
-    where = where.at[route.dest * n + route.slot].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
-    out = jnp.zeros((n,) + bucket.shape[2:], bucket.dtype)
-    return out.at[where].set(flat, unique_indices=True, mode="drop")
-
-
-def _to_experts_impl(v, route: _Route):
-    n = v.shape[0]
-    got = lax.all_to_all(_bucketed(route, v), route.axis, 0, 0, tiled=True)
-    # got[group], as a scatter: received row i goes to its position in the grouped order
-    return _place(got.reshape((route.n_ep * n,) + v.shape[1:]), jnp.argsort(route.group))
-
-
-def _from_experts_impl(v, route: _Route):
-    back = _place(v, route.group).reshape((route.n_ep, -1) + v.shape[1:])
-    return _unbucketed(route, lax.all_to_all(back, route.axis, 0, 0, tiled=True))
-
-
-@jax.custom_vjp
-def _to_experts(v, route):
-    return _to_experts_impl(v, route)
-
-
-def _to_experts_fwd(v, route):
-    return _to_experts_impl(v, route), route
-
-
-def _to_experts_bwd(route, g):
-    return _from_experts_impl(g, route), None
-
-
-_to_experts.defvjp(_to_experts_fwd, _to_experts_bwd)
-
-
-@jax.custom_vjp
-def _from_experts(v, route):
-    return _from_experts_impl(v, route)
-
-
-def _from_experts_fwd(v, route):
-    return _from_experts_impl(v, route), route
-
-
-def _from_experts_bwd(route, g):
-    return _to_experts_impl(g, route), None
-
-
-_from_experts.defvjp(_from_experts_fwd, _from_experts_bwd)
+        back = _place(v, self.group).reshape((self.n_ep, -1) + v.shape[1:])
+        return lax.all_to_all(back, self.axis, 0, 0, tiled=True)[self.dest, self.slot]
 
 
 def _last_matmul(h, w, ends, out_dtype, every_row):
