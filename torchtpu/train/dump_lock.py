@@ -96,6 +96,11 @@ def _folder_now(folder: str) -> float:
             os.unlink(probe)
 
 
+def _age(path: str, mtime: float) -> float:
+    """Seconds since `mtime` (a modification time of a file in `path`'s folder) by the folder's clock."""
+    return _folder_now(os.path.dirname(path)) - mtime
+
+
 def _describe(holder: dict) -> str:
     started = holder.get("started", "?")
     return f"job {holder.get('job', '?')} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {started})"
@@ -211,7 +216,7 @@ class DumpFolderLock:
             if holder.get("pid_start") and ticks and ticks != holder["pid_start"]:
                 return f"pid {pid} is now another process"
             return None
-        age = _folder_now(os.path.dirname(path)) - holder["_mtime"]
+        age = _age(path, holder["_mtime"])
         if age > STALE_SECONDS:
             return f"no heartbeat for {age:.0f} s"
         return None
@@ -224,7 +229,7 @@ class DumpFolderLock:
             st = os.stat(path)
         except OSError:
             return None
-        age = _folder_now(os.path.dirname(path)) - st.st_mtime
+        age = _age(path, st.st_mtime)
         if age > STALE_SECONDS:
             return f"its lock file is unreadable ({st.st_size} bytes) and unchanged for {age:.0f} s"
         return None
@@ -237,7 +242,7 @@ class DumpFolderLock:
             fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             with contextlib.suppress(OSError):  # a takeover that died half way: clear its guard
-                if _folder_now(os.path.dirname(path)) - os.stat(guard).st_mtime > STALE_SECONDS:
+                if _age(guard, os.stat(guard).st_mtime) > STALE_SECONDS:
                     os.unlink(guard)
             return False
         os.close(fd)
@@ -259,7 +264,7 @@ class DumpFolderLock:
     @staticmethod
     def _busy_message(path: str, holder: dict) -> str:
         folder = os.path.dirname(path)
-        age = max(0.0, _folder_now(folder) - holder["_mtime"])
+        age = max(0.0, _age(path, holder["_mtime"]))
         same_host = holder.get("host") == socket.gethostname()
         stop = f"stop it (kill {holder.get('pid')}" + ("" if same_host else f" on {holder.get('host')}") + ")"
         return (
