@@ -352,15 +352,12 @@ def _inplace_view(func, args, kwargs):
     if name == "detach_":
         return t
     packet = getattr(aten, name.rstrip("_"))
-    names = [a.name for a in func._schema.arguments]
-    fop = next(
-        (
-            getattr(packet, o)
-            for o in packet.overloads()
-            if [a.name for a in getattr(packet, o)._schema.arguments] == names
-        ),
-        None,
-    )
+    # the functional overload with the same arguments: same names and types (squeeze_.dims takes
+    # int[] dim, squeeze.dim an int of the same name), the overload of the same name first
+    args_of = lambda f: [(a.name, str(a.type)) for a in f._schema.arguments]  # noqa: E731
+    want = args_of(func)
+    overloads = sorted(packet.overloads(), key=lambda o: o != func._overloadname)
+    fop = next((getattr(packet, o) for o in overloads if args_of(getattr(packet, o)) == want), None)
     if fop is None:
         raise unsupported(func)
     view = _view(fop, args, kwargs)

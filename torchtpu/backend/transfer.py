@@ -150,6 +150,16 @@ def _compatible(args, kwargs):
     return type(args[0]) is type(args[1])
 
 
+@custom(aten._has_same_storage_numel.default)
+def _same_storage_numel(args, kwargs):
+    # forward-mode AD's check that a tangent's storage holds as many elements as its primal's
+    def numel(t):
+        st = storage_of(t)
+        return int(np.prod(st.shape)) * st.dtype.itemsize // t.dtype.itemsize
+
+    return numel(args[0]) == numel(args[1])
+
+
 @custom(aten.is_pinned.default)
 def _is_pinned(args, kwargs):
     return False

@@ -953,7 +953,10 @@ def _sdpa_autograd(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     import torch
     from torch.nn.attention import SDPBackend
 
-    if _sdp_choice((query, key, value, attn_mask, dropout_p, is_causal), {}) == int(SDPBackend.MATH):
+    # under torch.func (vmap, jvp, ...) the math path, which is composite: functorch has no batching
+    # or forward-mode rule for the fused kernel
+    math_path = torch._C._are_functorch_transforms_active()
+    if math_path or _sdp_choice((query, key, value, attn_mask, dropout_p, is_causal), {}) == int(SDPBackend.MATH):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]

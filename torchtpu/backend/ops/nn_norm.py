@@ -198,6 +198,10 @@ def _differentiable_backward(grad, input, weight, normalized_shape, eps, mask):
 
 
 def _rms_norm_autograd(input, normalized_shape, weight=None, eps=None):
+    if torch._C._are_functorch_transforms_active():
+        # torch.func (grad, vmap, jvp, ...) transforms PyTorch's composite rms_norm op by op; an
+        # autograd.Function needs rules of its own for each transform
+        return aten.rms_norm.default.decompose(input, normalized_shape, weight, eps)
     return _RmsNorm.apply(input, list(normalized_shape), weight, eps)
 
 
