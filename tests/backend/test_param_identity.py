@@ -239,3 +239,20 @@ def test_cpu_module_moves_are_untouched():
     lin.double()
     assert lin.weight is w and w.dtype == torch.float64
     assert not torch.__future__.get_swap_module_params_on_conversion()
+
+
+def test_a_move_refused_while_a_graph_holds_a_parameter_moves_nothing():
+    """PyTorch swaps a module's parameters one by one and raises at the first one an autograd graph
+    still holds (LayerNorm saves its weight), leaving the ones before it moved; the move is refused
+    before it starts, and goes through once the graph is gone."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).to("tpu")
+    params = list(m.parameters())
+    out = m(torch.randn(2, 4, device="tpu")).sum()  # a graph that saved the LayerNorm's weight
+    with pytest.raises(RuntimeError, match=r"cannot move parameter 1\.weight .*del loss.*nothing has been moved"):
+        m.to("cpu")
+    assert all(type(p) is TpuTensor for p in m.parameters())
+    out.backward()
+    m.to("cpu")
+    assert [p.device.type for p in m.parameters()] == ["cpu"] * 4
+    assert all(a is b for a, b in zip(m.parameters(), params))
+    assert params[2].grad is not None and params[2].grad.device.type == "cpu"

@@ -62,9 +62,41 @@ def _moves_tpu(module: nn.Module, fn) -> bool:
     return type(probe) is TpuTensor
 
 
+def _held_elsewhere(t: torch.Tensor) -> bool:
+    """Whether `torch.utils.swap_tensors` would refuse `t`: something besides its own Python object
+    (and its gradient accumulator) holds its TensorImpl, such as a live autograd graph that saved it."""
+    count = t._use_count()
+    if count <= 1:
+        return False
+    if count > 2 or not t.is_leaf or not t.requires_grad:
+        return True
+    torch.autograd.graph.get_gradient_edge(t)  # the accumulator: made now if it was not there
+    return t._use_count() > 2
+
+
+def _check_swappable(module: nn.Module, recurse: bool) -> None:
+    """Refuse a move before it starts, rather than after some parameters have moved and others not
+    (PyTorch's `_apply` swaps them one by one, each with its .grad set aside, as here)."""
+    for name, p in module.named_parameters(recurse=recurse):
+        grad = p.grad
+        p.grad = None
+        try:
+            held = _held_elsewhere(p)
+        finally:
+            p.grad = grad
+        if held:
+            raise RuntimeError(
+                f"torchtpu: cannot move parameter {name} of {type(module).__name__} to or from tpu while other "
+                "tensors hold it (an autograd graph that saved it: an output computed with gradients and not yet "
+                "backpropagated, or a torch.func transform in progress). Run backward or drop those outputs "
+                "(del loss), then move the module; nothing has been moved"
+            )
+
+
 def _apply(self: nn.Module, fn, recurse: bool = True):
     if torch.__future__.get_swap_module_params_on_conversion() or not _moves_tpu(self, fn):
         return _torch_module_apply(self, fn, recurse)
+    _check_swappable(self, recurse)
     kept = []
     for p in self.parameters():
         hooks = (p._backward_hooks, p._post_accumulate_grad_hooks)
