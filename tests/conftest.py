@@ -2,8 +2,11 @@ import os
 
 import pytest
 
-# Every test runs the tpu device on 8 virtual XLA CPU devices.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.processes import cpu_flags
+
+# Every test runs the tpu device on 8 virtual XLA CPU devices (and XLA:CPU's quick code generation:
+# tests/processes.py says why).
+os.environ.setdefault("XLA_FLAGS", cpu_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The dry run's cache of compile reports is off: a test's dry run compiles (and so sees its own
 # monkeypatches); tests/train/test_dry_run_cache.py turns it on in a folder of its own.

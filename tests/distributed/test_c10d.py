@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..processes import free_port, run_together
+from ..processes import cpu_flags, free_port, run_together
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -32,7 +32,7 @@ TUTORIAL = HERE / "ddp_tutorial.py"
 
 
 def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra)
     return env
@@ -91,7 +91,7 @@ DDP = (
 
 def test_every_collective_on_2_processes_ddp_and_pipelines():
     # each rank owns 2 XLA CPU devices and runs on its first
-    done = _checked(_workers(2, "all", XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    done = _checked(_workers(2, "all", XLA_FLAGS=cpu_flags(2)))
     for names in done:
         assert "a rank with 2 local devices runs the collectives on its first" in names
         assert set(EVERY_RANK + DDP) <= names, set(EVERY_RANK + DDP) - names

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import torchtpu  # noqa: F401
 
-from ..processes import free_port, run_together
+from ..processes import cpu_flags, free_port, run_together
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 # The debugmodel with 2 of its 6 blocks at dim 64 (of 256), in the job and in its reference: each
@@ -48,7 +48,7 @@ def _one_device_losses():
 
 
 def test_two_processes_fsdp_matches_one_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(4))
     port = free_port()
     outs = run_together(
         [[sys.executable, str(WORKER), str(port), str(i), "2", json.dumps(MODEL)] for i in range(2)], env
@@ -86,7 +86,7 @@ def test_every_process_of_a_cpu_job_reuses_its_compiled_programs(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        XLA_FLAGS=cpu_flags(1),
         TORCHTPU_CACHE_DIR=str(tmp_path / "xla"),
     )
     runs = []

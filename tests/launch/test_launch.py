@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ..processes import free_port
+from ..processes import cpu_flags, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -163,7 +163,7 @@ def single(tmp: Path, name: str, devices: int, train_args: list[str], train=TRAI
     return Job(
         [PY, "-m", "torchtpu.train", *train[1:], "--job.dump_folder", str(tmp / name), *train_args],
         tmp / f"{name}.console.log",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=cpu_flags(devices),
         JAX_PLATFORMS="cpu",
         **env,
     )

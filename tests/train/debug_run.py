@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from ..processes import cpu_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG_TOML = os.path.join(REPO, "train_configs", "debug_model.toml")
 
@@ -38,6 +40,6 @@ def two_block_process_env() -> dict:
         os.environ,
         PYTHONPATH=REPO,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=cpu_flags(8),
         TORCHTPU_TEST_N_LAYERS="2",
     )

@@ -27,6 +27,7 @@ from torchtpu.train.checkpoint.manager import (
     optimizer_state,
 )
 
+from ..processes import cpu_flags
 from .debug_run import REPO, debug_argv, two_block_process_env
 
 
@@ -332,7 +333,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
         ckpt.save(2, {{"x": torch.full((1 << 22,), 2.0).to("tpu")}})
         os._exit(0)   # die while step 2 is still being written in the background
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=cpu_flags(8), JAX_PLATFORMS="cpu")
     subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, check=True, timeout=120)
     ckpt = CheckpointManager(str(folder), interval=1)
     steps = ckpt.all_steps()

@@ -18,7 +18,7 @@ import torchtpu  # noqa: F401
 from torchtpu.train.config.job_config import ConfigError
 from torchtpu.train.config.manager import load_config
 
-from ..processes import free_port, run_together
+from ..processes import cpu_flags, free_port, run_together
 from .debug_run import DEBUG_TOML, REPO, debug_argv
 
 SEQ, STEPS = 32, 3
@@ -404,7 +404,7 @@ def test_sharded_load_peak_host_memory_is_a_hosts_share(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=cpu_flags(2),
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     n = 4

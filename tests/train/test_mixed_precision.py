@@ -20,6 +20,7 @@ import pytest
 import torchtpu  # noqa: F401
 from torchtpu.train.config.manager import load_config
 
+from ..processes import cpu_flags
 from .debug_run import REPO, debug_argv
 
 _DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)")
@@ -92,7 +93,7 @@ def single_device_jobs(tmp_path_factory):
     """A real one-device process (XLA given one CPU device) running the job once per precision, one
     after the other: {precision: its result}."""
     tmp = tmp_path_factory.mktemp("single_device")
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1))
     jobs = [argv(tmp / p, "--training.mixed_precision_param", p, "--tpu.xla_flags", "") for p in PRECISIONS]
     p = subprocess.run(
         [sys.executable, "-c", SINGLE_DEVICE, json.dumps(jobs)],
