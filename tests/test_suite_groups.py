@@ -3,7 +3,8 @@ module-scoped fixture into one xdist group, so the fixture (a trainer's referenc
 job, a vLLM engine) is built once. pytest-xdist applies a group by appending '@group' to the test's
 id in the worker; where a pytest / pytest-xdist pairing loses that append (pytest 9.2 with
 pytest-xdist 3.8), the tests spread over both workers, each fixture is built two or three times
-and the suite runs about 40% longer with every test still passing. This test fails instead."""
+and the suite runs longer with every test still passing (2,129 s against 1,941 s here with an empty
+compilation cache). This test fails instead."""
 
 import pytest
 
