@@ -5,7 +5,9 @@ attention_norm, ffn_norm; tok_embeddings, norm, output), and its per-head q/k no
 heads, so the Llama 3 plan (torchtpu.models.llama3.parallelize) shards it: tensor parallelism
 over heads and the feed-forward, FSDP per block, mixed precision, activation checkpointing, the
 layer scan (the Mixture-of-Experts blocks too: the scan carries their load-statistics buffers).
-Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE swap is needed.
+Its rotary table is real already (cos and sin), so nothing like Llama 3's real-RoPE swap is needed;
+`prepare_qwen3` runs each attention's query/key norm, rotary embedding and transpose as one op
+(`use_norm_rope_attention`, attention.py), the same numbers.
 
 The Mixture-of-Experts flavors take torchtitan's plan for their MoE layers (torchtpu.models.moe):
 expert parallelism (`apply_expert_parallel`) when the job's mesh has an "ep" dim, and tensor
@@ -21,14 +23,16 @@ import torch
 
 from ..llama3.parallelize import parallelize_llama
 from ..moe import parallelize_moe_family, use_ragged_experts
+from .attention import use_norm_rope_attention
 
 __all__ = ["parallelize_qwen3", "prepare_qwen3"]
 
 
 def prepare_qwen3(model: torch.nn.Module) -> torch.nn.Module:
     """torchtitan's Qwen3Model ready for tpu: its experts (if any) run as grouped matmuls on
-    unpadded groups (torchtpu.models.moe)."""
-    return use_ragged_experts(model)
+    unpadded groups (torchtpu.models.moe), and each attention's query/key path as one op
+    (attention.py)."""
+    return use_norm_rope_attention(use_ragged_experts(model))
 
 
 def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
