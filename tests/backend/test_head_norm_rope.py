@@ -170,3 +170,48 @@ def test_tpu_step_runs_the_kernels_and_cpu_step_does_not():
     assert "bf16[2,4,256,128]" in fwd.split(" custom-call(")[0], fwd  # one shard, head-major
     cpu_mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=jax.devices("cpu")[:4])
     assert names["forward"] not in compiled_for(cpu_mesh)
+
+
+def test_norm_rope_attention_is_torchtitans_attention():
+    """NormRopeAttention (what prepare_qwen3 makes of torchtitan's Qwen3 attention) computes
+    torchtitan's forward and gradients in float32: on CPU the output and the input's gradient bit for
+    bit (the weights' gradients are sums in another order), on tpu within float32 tolerances; with
+    explicit positions it runs torchtitan's own forward."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Attention
+
+    from torchtpu.models.qwen3.attention import NormRopeAttention, use_norm_rope_attention
+
+    args = Qwen3ModelArgs(dim=256, n_heads=4, n_kv_heads=2, head_dim=128, qk_norm=True, max_seq_len=256)
+    torch.manual_seed(0)
+    ref = Attention(args)
+    for p in ref.parameters():  # norm weights away from 1, so their gradients are tested too
+        torch.nn.init.normal_(p, std=0.5)
+    fused = use_norm_rope_attention(torch.nn.Sequential(Attention(args)))[0]
+    assert type(fused) is NormRopeAttention
+    fused.load_state_dict(ref.state_dict())
+    rope = precompute_rope_cache(128, 256)
+    x = torch.randn(2, 128, 256)
+
+    def run(module, x, rope, positions=None):
+        x = x.clone().requires_grad_()
+        out = module(x, rope, None, positions)
+        out.pow(2).sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+        return out.detach(), x.grad, grads
+
+    want = run(ref, x, rope)
+    got = run(fused, x, rope)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-4)
+    positions = torch.arange(128).flip(0)[None]
+    assert torch.equal(run(fused, x, rope, positions)[0], run(ref, x, rope, positions)[0])
+
+    fused.to("tpu")
+    on_tpu = run(fused, x.to("tpu"), rope.to("tpu"))
+    for a, b in zip(on_tpu[:2], want[:2]):  # (a squared-sum loss: gradients in the 1e5s)
+        torch.testing.assert_close(a.cpu(), b, atol=1e-5 * b.abs().max().item(), rtol=1e-4)
+    for a, b in zip(on_tpu[2], want[2]):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-5 * b.abs().max().item(), rtol=1e-4)

@@ -9,7 +9,9 @@ keeps the XLA lowering. The arithmetic is the same: float32 statistics, the weig
 float32, one rounding to the input's dtype.
 
 What they are for: per-head query/key norms, as Qwen3's (a norm over each head's
-128 values of a (batch, seq, heads, head_dim) view of a projection's output). Left to XLA, such
+128 values of a (batch, seq, heads, head_dim) view of a projection's output), where the model calls
+`F.rms_norm` for them (transformers' Qwen3 on tpu; torchtitan's Qwen3 attention runs its norm, rotary
+embedding and transpose as one op instead, head_norm_rope.py). Left to XLA, such
 a norm runs as several fusions over that view's layout with float32 intermediates between
 them; the kernels make one pass over the rows each way. At commit 82e2573, Qwen3 30B-A3B's
 estimated layer on v5p:2x2x4 is 88.11 ms with them, 90.09 ms with its query/key norms run as
