@@ -530,6 +530,23 @@ def test_op_selective_checkpointing_matches_full_and_keeps_matmuls_and_attention
     assert full[2][aten.mm.default] == 2 + blocks * (14 + (7 if scan else 6))
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_op_policy_recomputes_the_router_gates_shape_without_counting_it(monkeypatch, scan):
+    """torchtitan's default per_op_sac_force_recompute_mm_shapes_by_fqns (a MoE router's gate): a
+    matmul of a named linear layer's shape is recomputed and not counted. Named here for the Llama
+    block's w1 (whose shape w3 shares), the backward recomputes wk, wo, w1 and w3 (4 matmuls), where
+    the plain policy recomputes wk, wo and w3 (3), with the same losses as full recomputation."""
+    from torchtpu.backend import activation_checkpoint
+
+    monkeypatch.setattr(activation_checkpoint, "FORCE_RECOMPUTE_MM_FQNS", ("feed_forward.w1",))
+    aten = torch.ops.aten
+    full = _train_recording_backward("full", scan)
+    op = _train_recording_backward("op", scan)
+    assert full[0] == op[0]
+    blocks = 1 if scan else 2
+    assert op[2][aten.mm.default] == 2 + blocks * (14 + 4)
+
+
 class _GradDependentBlock(nn.Module):
     """A block whose kept ops (OpPolicy) differ with gradients on, as the backward recomputes it,
     from those with gradients off, as the scan's forward runs it."""

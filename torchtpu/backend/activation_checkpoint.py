@@ -139,10 +139,28 @@ OP_SAC_SAVED = frozenset(
 )
 
 
+# torchtitan's default `per_op_sac_force_recompute_mm_shapes_by_fqns`: a matmul whose weight has the
+# shape of a linear layer so named (a MoE router's gate) is always recomputed, and not counted
+FORCE_RECOMPUTE_MM_FQNS = ("moe.router.gate",)
+
+
+def force_recompute_shapes(block: torch.nn.Module) -> frozenset:
+    """The (in, out) shapes of the right-hand sides of the matmuls per-op checkpointing recomputes in
+    `block` whatever their position: those of its nn.Linear layers whose names contain one of
+    FORCE_RECOMPUTE_MM_FQNS, as torchtitan matches them (any matmul of that shape, the layer's or not)."""
+    return frozenset(
+        (m.in_features, m.out_features)
+        for name, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(f in name for f in FORCE_RECOMPUTE_MM_FQNS)
+    )
+
+
 class OpPolicy:
     """torchtitan's per-op selective checkpointing policy, for one run of one block: keep the
     outputs of the ops in OP_SAC_SAVED, except every second `aten.mm` (the 2nd, 4th, ... of the
-    block), and recompute everything else.
+    block), and recompute everything else. A matmul whose right-hand side has one of
+    `recompute_shapes` (`force_recompute_shapes`: a MoE router's gate) is recomputed and not
+    counted, as torchtitan's default `per_op_sac_force_recompute_mm_shapes_by_fqns` does.
 
     Matmuls are `aten.mm` because that is what torchtitan's blocks' linear layers dispatch on
     tpu, as on CUDA: nn.Linear without a bias (every torchtitan block's) reaches the dispatcher as
@@ -154,29 +172,33 @@ class OpPolicy:
     recomputation), so the forward and its recomputation pick the same ones and the choice is the
     same in every step."""
 
-    def __init__(self):
+    def __init__(self, recompute_shapes: frozenset = frozenset()):
         self.mm = 0
+        self.recompute_shapes = recompute_shapes
 
-    def saves(self, func) -> bool:
+    def saves(self, func, args=()) -> bool:
         if func not in OP_SAC_SAVED:
             return False
         if func is aten.mm.default:
+            if self.recompute_shapes and len(args) > 1 and tuple(args[1].shape) in self.recompute_shapes:
+                return False
             self.mm += 1
             return self.mm % 2 == 1
         return True
 
 
-def _op_sac_contexts():
+def _op_sac_contexts(recompute_shapes: frozenset = frozenset()):
     """PyTorch's selective checkpoint contexts (forward, recomputation) on OpPolicy.
 
     A recomputation that runs other ops than the forward did makes PyTorch's recomputation context
     raise ("... encountered during backward but not found in storage"), from inside the autograd
     engine: on tpu that error aborts the process as a CheckpointError does (see
     _forward_function_modes), never a wrong tensor. The layer scan's own replay raises a ScanError."""
-    policies = {False: OpPolicy(), True: OpPolicy()}  # the forward's and the recomputation's count
+    # the forward's and the recomputation's count
+    policies = {False: OpPolicy(recompute_shapes), True: OpPolicy(recompute_shapes)}
 
     def policy(ctx, func, *args, **kwargs):
-        saves = policies[ctx.is_recompute].saves(func)
+        saves = policies[ctx.is_recompute].saves(func, args)
         return CheckpointPolicy.MUST_SAVE if saves else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -199,6 +221,7 @@ class _Checkpointed(torch.nn.Module):
         super().__init__()
         self.module = module
         self.save_ops = save_ops
+        self.recompute_shapes = force_recompute_shapes(module) if save_ops else frozenset()
         self._register_state_dict_hook(_strip_wrapper)
         self._register_load_state_dict_pre_hook(_add_wrapper)
 
@@ -223,7 +246,7 @@ class _Checkpointed(torch.nn.Module):
         def contexts():
             if not self.save_ops:
                 return contextlib.nullcontext(), _forward_function_modes(modes)
-            forward, recompute = _op_sac_contexts()
+            forward, recompute = _op_sac_contexts(self.recompute_shapes)
             return forward, _entered(_forward_function_modes(modes), recompute)
 
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts)

@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..backend import random as tpu_random
-from ..backend.activation_checkpoint import OpPolicy
+from ..backend.activation_checkpoint import OpPolicy, force_recompute_shapes
 from ..backend.state import is_tracing, tracing
 from ..backend.tensor import Storage, TpuTensor, new_base, storage_of, storage_order
 from ..backend.views import array_of, row_index, storage_array, write
@@ -438,6 +438,10 @@ class _Job:
     save_ops: bool = False  # per-op selective checkpointing: keep the outputs of OpPolicy's ops
     kept: list | None = None  # the forward body's _Kept records, in order (set when it is traced)
 
+    def policy(self) -> OpPolicy:
+        """A fresh per-op policy for one run of the block (its matmul count starts at zero)."""
+        return OpPolicy(force_recompute_shapes(self.template))
+
     def extra_arrays(self):
         return [array_of(x) if isinstance(x, TpuTensor) else x for x in self.flat]
 
@@ -652,16 +656,16 @@ class _Keep(TorchDispatchMode):
     """The forward body's mode: runs every op and records, in order, the outputs of those OpPolicy
     keeps."""
 
-    def __init__(self):
+    def __init__(self, policy: OpPolicy):
         super().__init__()
-        self.policy = OpPolicy()
+        self.policy = policy
         self.kept: list[_Kept] = []
         self.arrays: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.policy.saves(func):
+        if not self.policy.saves(func, args):
             return out
         leaves, spec = tree_flatten(out)
         values, tensors = [], []
@@ -689,9 +693,9 @@ class _Replay(TorchDispatchMode):
     forward's outputs (this block's row of them), in the order the forward kept them; every other
     op runs. Raises a ScanError at the first kept op that is not the forward's."""
 
-    def __init__(self, kept: list[_Kept], arrays: list, device_index: int):
+    def __init__(self, kept: list[_Kept], arrays: list, device_index: int, policy: OpPolicy):
         super().__init__()
-        self.policy = OpPolicy()
+        self.policy = policy
         self.kept = kept
         self.arrays = arrays
         self.device_index = device_index
@@ -700,7 +704,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.policy.saves(func):
+        if not self.policy.saves(func, args):
             return func(*args, **kwargs)
         i = self.pos
         here = _Kept(func, _signature(args, kwargs), None, [], [])
@@ -768,7 +772,7 @@ class _ScanFunction(torch.autograd.Function):
         def body(carry, xs):
             index, xs_weights, block_buffers = xs
             param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
-            keep = _Keep() if job.save_ops else contextlib.nullcontext()
+            keep = _Keep(job.policy()) if job.save_ops else contextlib.nullcontext()
             with torch.no_grad(), keep:
                 out, buffers_out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index, block_buffers)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
@@ -824,7 +828,7 @@ class _ScanFunction(torch.autograd.Function):
             h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
             param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
             with torch.enable_grad():
-                replay = _Replay(job.kept, block_kept, dev) if job.save_ops else contextlib.nullcontext()
+                replay = _Replay(job.kept, block_kept, dev, job.policy()) if job.save_ops else contextlib.nullcontext()
                 with replay:
                     out, _ = job.call_block(h_t, param_ts, extra, index, block_buffers)
                 if job.save_ops:

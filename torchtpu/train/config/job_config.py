@@ -446,8 +446,8 @@ class ActivationCheckpoint:
         "2",
         'For mode = "selective": "N" recomputes every N-th block; "op" recomputes every '
         "block but keeps the outputs of torchtitan's per-op policy (every other matmul, "
-        "attention, reduce-scatters, max) instead of recomputing those ops, with the layer "
-        "scan and without it.",
+        "attention, reduce-scatters, max; a MoE router's gate always recomputed, torchtitan's "
+        "default) instead of recomputing those ops, with the layer scan and without it.",
         check=_selective_ac_option,
     )
 
