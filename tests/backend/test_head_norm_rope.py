@@ -103,6 +103,20 @@ def test_tpu_op_matches_torchtitan_on_cpu(monkeypatch, shape, dtype, kernels):
     torch.testing.assert_close(got[2], want[2], atol=1e-3 * want[2].abs().max().item(), rtol=2e-2)
 
 
+def test_kernels_take_what_fits_their_blocks():
+    """Where the kernels do not apply the op runs as XLA's fusions: a sequence off multiples of 128,
+    another head dim, or so many heads that 128 positions of them exceed a block (64 float32 heads)."""
+    import jax.numpy as jnp
+
+    def reason(b, s, h, d, dtype=jnp.bfloat16):
+        return head_norm_rope_tpu.unsupported_reason(jnp.zeros((b, s, h * d), dtype), d)
+
+    assert reason(2, 256, 32, 128) is None and reason(1, 128, 64, 128) is None
+    assert "multiple of 128" in reason(2, 200, 4, 128)
+    assert "head_dim 64" in reason(2, 256, 4, 64)
+    assert "exceed a block" in reason(1, 128, 64, 128, jnp.float32)
+
+
 def test_bad_rope_table_is_one_line():
     x, w, grad, rope = _inputs(1, 16, 2, 128, torch.float32)
     with pytest.raises(ValueError, match="does not cover 16 positions"):

@@ -19,7 +19,7 @@ Blocks: a grid step holds `block` positions of one sequence, every head of them 
 heads * head_dim) slab of the input, a (heads, block, head_dim) slab of the output) and the
 positions' (block, head_dim) rows of cos and sin; the heads are a loop inside. Where they apply
 (`unsupported_reason`): head_dim of 128 or 256, float32 or bfloat16, a sequence length with a
-block of a multiple of 128 positions dividing it. Sharding: per shard under `jax.shard_map`, the
+block of a multiple of 128 positions dividing it, and 128 positions of every head within 2 MiB. Sharding: per shard under `jax.shard_map`, the
 batch split over every mesh axis (as rms_norm_tpu.py); a tensor-parallel "tp" axis, or a batch the
 mesh does not divide, keeps the XLA lowering.
 """
@@ -50,8 +50,9 @@ _MAX_BLOCK = 512  # positions per grid step, at most (the heads' float32 tempora
 
 def _block(seq: int, width: int, itemsize: int) -> int | None:
     """Positions per grid step: the largest multiple of 128 up to _MAX_BLOCK dividing `seq` whose
-    slab fits _SLAB_BYTES (128 if none fits), or None when 128 does not divide `seq`."""
-    if seq % _LANES:
+    slab fits _SLAB_BYTES, or None when 128 does not divide `seq` or 128 positions' slab does not fit
+    (the backward double-buffers three slabs in scoped VMEM)."""
+    if seq % _LANES or _LANES * width * itemsize > _SLAB_BYTES:
         return None
     best = _LANES
     p = _LANES
@@ -86,8 +87,10 @@ def unsupported_reason(x, head_dim: int) -> str | None:
         return f"head_dim {head_dim} (the kernels take {' or '.join(map(str, _HEAD_DIMS))})"
     if jnp.dtype(x.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(x.dtype)} (the kernels take float32 or bfloat16)"
-    if _block(x.shape[1], x.shape[2], jnp.dtype(x.dtype).itemsize) is None:
+    if x.shape[1] % _LANES:
         return f"a sequence length of {x.shape[1]}, not a multiple of 128"
+    if _block(x.shape[1], x.shape[2], jnp.dtype(x.dtype).itemsize) is None:
+        return f"{x.shape[2]} values per position: 128 positions of them exceed a block's {_SLAB_BYTES >> 20} MiB"
     if _split(x) is None:
         return "a tensor-parallel mesh axis, or a batch the mesh does not divide"
     return None
