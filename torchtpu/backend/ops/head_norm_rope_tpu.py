@@ -27,16 +27,15 @@ mesh does not divide, keeps the XLA lowering.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec as P
 
-from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
+from .attention_tpu import interpreting
+from .rms_norm_tpu import batch_split, per_batch_shard
 
 __all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES"]
 
@@ -63,22 +62,6 @@ def _block(seq: int, width: int, itemsize: int) -> int | None:
     return best
 
 
-def _split(x):
-    """(mesh, the PartitionSpec entry splitting the batch, the number of shards) inside a program
-    over a mesh; (None, None, 1) without one; None where the kernels should not run."""
-    mesh = mesh_of(x)
-    if mesh is None:
-        return None, None, 1
-    sizes = dict(mesh.shape)
-    if sizes.get(MODEL_AXIS, 1) > 1:
-        return None
-    axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
-    shards = math.prod(sizes[a] for a in axes)
-    if x.shape[0] % shards:
-        return None
-    return mesh, axes[0] if len(axes) == 1 else axes, shards
-
-
 def unsupported_reason(x, head_dim: int) -> str | None:
     """Why the kernels cannot take `x` (batch, seq, heads * head_dim), or None."""
     if x.ndim != 3 or x.shape[2] % head_dim:
@@ -91,7 +74,7 @@ def unsupported_reason(x, head_dim: int) -> str | None:
         return f"a sequence length of {x.shape[1]}, not a multiple of 128"
     if _block(x.shape[1], x.shape[2], jnp.dtype(x.dtype).itemsize) is None:
         return f"{x.shape[2]} values per position: 128 positions of them exceed a block's {_SLAB_BYTES >> 20} MiB"
-    if _split(x) is None:
+    if batch_split(x) is None:
         return "a tensor-parallel mesh axis, or a batch the mesh does not divide"
     return None
 
@@ -110,12 +93,15 @@ def _sign(head_dim):
     return jnp.where(lane < head_dim // 2, -1.0, 1.0).astype(jnp.float32)
 
 
+def _operands(w_ref, cos_ref, sin_ref, head_dim):
+    """A grid step's weight and cos, sin rows in float32, and rotate_half's sign."""
+    f32 = jnp.float32
+    return w_ref[...].astype(f32), cos_ref[...].astype(f32), sin_ref[...].astype(f32), _sign(head_dim)
+
+
 def _forward_kernel(x_ref, w_ref, cos_ref, sin_ref, o_ref, *, heads, head_dim, eps):
     rnd = _rounding(o_ref.dtype)
-    w = w_ref[...].astype(jnp.float32)
-    c = cos_ref[...].astype(jnp.float32)
-    s = sin_ref[...].astype(jnp.float32)
-    sign = _sign(head_dim)
+    w, c, s, sign = _operands(w_ref, cos_ref, sin_ref, head_dim)
 
     def head(h, carry):
         lanes = pl.ds(pl.multiple_of(h * head_dim, _LANES), head_dim)
@@ -131,10 +117,7 @@ def _forward_kernel(x_ref, w_ref, cos_ref, sin_ref, o_ref, *, heads, head_dim, e
 
 def _backward_kernel(g_ref, x_ref, w_ref, cos_ref, sin_ref, dx_ref, dw_ref, *, heads, head_dim, eps):
     rnd = _rounding(dx_ref.dtype)
-    w = w_ref[...].astype(jnp.float32)
-    c = cos_ref[...].astype(jnp.float32)
-    s = sin_ref[...].astype(jnp.float32)
-    sign = _sign(head_dim)
+    w, c, s, sign = _operands(w_ref, cos_ref, sin_ref, head_dim)
 
     def head(h, dw):
         lanes = pl.ds(pl.multiple_of(h * head_dim, _LANES), head_dim)
@@ -217,20 +200,6 @@ def _backward_local(g, x, w, cos, sin, head_dim, eps):
 # ----------------------------------------------------------------------------- per shard
 
 
-def _per_shard(fn, x, operands, batch_split, out_split):
-    mesh, entry, _ = _split(x)
-    if mesh is None:
-        return fn(*operands)
-    spec = lambda s: P(entry) if s else P()  # noqa: E731
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=tuple(spec(s) for s in batch_split),
-        out_specs=tuple(spec(s) for s in out_split),
-        check_vma=False,
-    )(*operands)
-
-
 def forward(x, weight, cos, sin, head_dim: int, eps: float):
     """The op's output (batch, heads, seq, head_dim) from x (batch, seq, heads * head_dim), the
     norm weight (head_dim,) and cos, sin (seq, head_dim) already in x's dtype."""
@@ -239,7 +208,7 @@ def forward(x, weight, cos, sin, head_dim: int, eps: float):
         return (_forward_local(x, w, c, s, head_dim, eps),)
 
     operands = (x, weight.astype(jnp.float32), cos, sin)
-    return _per_shard(local, x, operands, (True, False, False, False), (True,))[0]
+    return per_batch_shard(local, x, operands, (True, False, False, False), (True,))[0]
 
 
 def backward(grad, x, weight, cos, sin, head_dim: int, eps: float):
@@ -249,5 +218,5 @@ def backward(grad, x, weight, cos, sin, head_dim: int, eps: float):
         return _backward_local(g, x, w, c, s, head_dim, eps)
 
     operands = (grad, x, weight.astype(jnp.float32), cos, sin)
-    dx, dw = _per_shard(local, x, operands, (True, True, False, False, False), (True, True))
+    dx, dw = per_batch_shard(local, x, operands, (True, True, False, False, False), (True, True))
     return dx, jnp.sum(dw, axis=0)

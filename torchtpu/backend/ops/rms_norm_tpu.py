@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
 
-__all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES"]
+__all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES", "batch_split", "per_batch_shard"]
 
 KERNEL_NAMES = {"forward": "torchtpu_rms_norm", "backward": "torchtpu_rms_norm_bwd"}
 _LANES = 128
@@ -69,10 +69,10 @@ def _block_rows(rows: int, dim: int) -> int | None:
     return None
 
 
-def _split(x):
+def batch_split(x):
     """(mesh, the PartitionSpec entry splitting the leading dim, the number of shards) for `x`
-    inside a program over a mesh; (None, None, 1) without one; None where the kernels should not
-    run (see the module doc)."""
+    inside a program over a mesh; (None, None, 1) without one; None where a per-row kernel should
+    not run (see the module doc). head_norm_rope_tpu.py splits its kernels the same way."""
     mesh = mesh_of(x)
     if mesh is None:
         return None, None, 1
@@ -95,7 +95,7 @@ def unsupported_reason(x, normalized_shape) -> str | None:
         return f"the normalized dim {dim} is not 128 or 256 (the kernels take per-head norms)"
     if jnp.dtype(x.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(x.dtype)} (the kernels take float32 or bfloat16)"
-    where = _split(x)
+    where = batch_split(x)
     if where is None:
         return "a tensor-parallel mesh axis, or a leading dim the mesh does not divide"
     if _block_rows(math.prod(x.shape[:-1]) // where[2], dim) is None:
@@ -191,8 +191,10 @@ def _backward_rows(g, x, r, w):
 # ----------------------------------------------------------------------------- per shard
 
 
-def _per_shard(fn, x, operands, specs, out_specs):
-    mesh, entry, _ = _split(x)
+def per_batch_shard(fn, x, operands, specs, out_specs):
+    """`fn(*operands)` per shard of `x`'s leading dim (`batch_split`): operands and results whose
+    entry in `specs` / `out_specs` is true are split with it, the others replicated."""
+    mesh, entry, _ = batch_split(x)
     if mesh is None:
         return fn(*operands)
     spec = lambda s: P(entry) if s else P()  # noqa: E731
@@ -215,7 +217,7 @@ def forward(x, weight, eps: float):
         return y.reshape(x.shape), r.reshape(x.shape[:-1] + (1,))
 
     operands = (x,) + ((weight,) if weight is not None else ())
-    return _per_shard(local, x, operands, (True,) + (False,) * (len(operands) - 1), (True, True))
+    return per_batch_shard(local, x, operands, (True,) + (False,) * (len(operands) - 1), (True, True))
 
 
 def backward(grad_out, x, rstd, weight):
@@ -230,5 +232,5 @@ def backward(grad_out, x, rstd, weight):
         return gi.reshape(x.shape), (gw[None] if has_weight else jnp.zeros((1, dim), jnp.float32))
 
     operands = (grad_out, x, rstd.astype(jnp.float32)) + ((weight,) if has_weight else ())
-    gi, gw = _per_shard(local, x, operands, (True, True, True) + (False,) * has_weight, (True, True))
+    gi, gw = per_batch_shard(local, x, operands, (True, True, True) + (False,) * has_weight, (True, True))
     return gi, (jnp.sum(gw, axis=0) if has_weight else None)
