@@ -196,3 +196,12 @@ _.reduce_scatter_single_coalesced
 _.hf_adapter
 # torchtitan's MoE load-balancing optimizer hook asks its ParallelDims for this (tests/train/reference.py)
 _.get_optional_mesh
+
+# PyTorch's dispatcher calls the tpu device's own kernels (torchtpu_autoload.KERNELS names them), its
+# dynamo backend registry the `torch_dynamo_backends` entry point, torch.cuda's readers these
+_._empty_memory_format
+_._copy_from
+_._pin_memory_cpu
+_._is_pinned_cpu
+_.compile_backend
+_.reset_max_memory_allocated

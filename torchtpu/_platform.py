@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 
 _VALID = ("tpu", "gpu", "cpu")
 
@@ -40,6 +41,56 @@ def has_tpu_chips() -> bool:
     return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def host_device_count() -> int:
+    """This process's devices, counted without starting JAX: the TPU chips it may use (all of the
+    host's, or those TPU_VISIBLE_CHIPS names), else XLA's CPU devices (1 unless XLA_FLAGS forces
+    more)."""
+    if has_tpu_chips() and os.environ.get("JAX_PLATFORMS", "tpu") != "cpu":
+        visible = os.environ.get("TPU_VISIBLE_CHIPS", "").strip()
+        if visible:
+            return len(visible.split(","))
+        return len(glob.glob("/dev/accel[0-9]*")) or len(glob.glob("/dev/vfio/[0-9]*")) or 1
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else 1
+
+
+def own_chip_rank() -> int | None:
+    """LOCAL_RANK when this process follows torchrun's convention for CUDA scripts with one chip per
+    process, else None.
+
+    torchrun (torchelastic) starts LOCAL_WORLD_SIZE processes on a host and sets LOCAL_RANK; a
+    script written for CUDA puts its tensors on `cuda:{LOCAL_RANK}` and calls `set_device`. When
+    such a process owns one device (one TPU chip, see `torchrun_tpu_env`, or one XLA CPU device),
+    `tpu:{LOCAL_RANK}` names that device, the current device starts there, and the other indices
+    of the host are its siblings' chips, which the process cannot reach.
+    """
+    rank, ranks = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if rank is None or ranks is None or int(ranks) <= 1:
+        return None
+    return int(rank) if host_device_count() == 1 else None
+
+
+def torchrun_tpu_env(env=os.environ) -> None:
+    """On a TPU VM under torchrun with one process per chip (LOCAL_WORLD_SIZE equal to the host's
+    chips), give each process its own chip before libtpu starts: libtpu's per-process chip
+    variables, unless the user set TPU_VISIBLE_CHIPS. A single-host slice only: a pod's hosts are
+    joined by JAX's own multi-host setup, one process per host (torchtpu-launch)."""
+    rank, ranks = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    if rank is None or ranks is None or "TPU_VISIBLE_CHIPS" in env or not has_tpu_chips():
+        return
+    chips = len(glob.glob("/dev/accel[0-9]*")) or len(glob.glob("/dev/vfio/[0-9]*"))
+    bounds = {4: "2,2,1", 8: "2,4,1"}.get(chips)
+    if int(ranks) != chips or bounds is None or int(env.get("WORLD_SIZE", ranks)) != chips:
+        return
+    port = 8476
+    env["TPU_VISIBLE_CHIPS"] = rank
+    env["TPU_CHIPS_PER_PROCESS_BOUNDS"] = "1,1,1"
+    env["TPU_PROCESS_BOUNDS"] = bounds
+    env["TPU_PROCESS_ADDRESSES"] = ",".join(f"localhost:{port + i}" for i in range(chips))
+    env["TPU_PROCESS_PORT"] = str(port + int(rank))
+    env["CLOUD_TPU_TASK_ID"] = rank
+
+
 def _has_gpu_plugin() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
@@ -65,6 +116,7 @@ def configure_jax() -> None:
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    torchrun_tpu_env()
     _count_compiles()
     configure_persistent_cache()
     if os.environ.get("JAX_PLATFORMS"):

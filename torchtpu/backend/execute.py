@@ -24,7 +24,7 @@ from . import random as tpu_random
 from .optable import LOWERINGS
 from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
 from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
-from .tensor import TpuTensor, new_base
+from .tensor import TpuTensor, internal_index, new_base
 from .views import array_of
 
 _T = "\x00T"  # a tpu tensor
@@ -348,7 +348,7 @@ def device_index_of(args, kwargs):
         if isinstance(v, TpuTensor):
             return v._st.device_index
         if isinstance(v, torch.device) and v.type == "tpu":
-            return v.index or 0
+            return 0 if v.index is None else internal_index(v.index)
     return 0
 
 

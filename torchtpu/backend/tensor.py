@@ -20,13 +20,34 @@ from . import dtypes
 from .state import HOOKS
 
 _DEVICES: dict[int, torch.device] = {}
+# The user's index of internal device 0 under torchrun's one-chip-per-process rule (LOCAL_RANK), else
+# None. Internally a storage's device_index counts this process's devices from 0 (0: its first);
+# users see and name devices by their own numbering, which differs only under that rule.
+_OWN: list[int | None] = [None]
+
+
+def set_own_index(rank: int | None) -> None:
+    _OWN[0] = rank
+    _DEVICES.clear()
 
 
 def torch_device(index: int) -> torch.device:
+    """The torch.device of internal index `index`."""
     d = _DEVICES.get(index)
     if d is None:
-        d = _DEVICES[index] = torch.device("tpu", index)
+        d = _DEVICES[index] = torch.device("tpu", index if _OWN[0] is None else _OWN[0] + index)
     return d
+
+
+def internal_index(user_index: int) -> int:
+    """The internal index of the user's tpu:`user_index`."""
+    own = _OWN[0]
+    if own is None or user_index == own:
+        return 0 if own is not None else user_index
+    raise RuntimeError(
+        f"tpu:{user_index} is another process's chip: under torchrun each process owns one tpu device, "
+        f"and this one (LOCAL_RANK={own}) owns tpu:{own}. Use f'tpu:{{LOCAL_RANK}}' or plain 'tpu'"
+    )
 
 
 _STRIDES: dict = {}

@@ -13,7 +13,7 @@ from .fallback import to_cpu
 from .handlers import cast, resize_tensor, set_meta
 from .optable import custom
 from .state import is_tracing, note_mesh
-from .tensor import TpuTensor, jax_device, new_base, place, storage_of
+from .tensor import TpuTensor, internal_index, jax_device, new_base, place, storage_of
 from .views import array_of, write
 
 aten = torch.ops.aten
@@ -77,7 +77,7 @@ def _to_copy(args, kwargs):
         cpu = to_cpu(x)
         with no_dispatch():
             return cpu.to(dtype=dtype, device=device, copy=False) if cpu.dtype != dtype or device.type != "cpu" else cpu
-    index = storage_of(x).device_index if device is None or device.index is None else device.index
+    index = storage_of(x).device_index if device is None or device.index is None else internal_index(device.index)
     a = array_of(x)
     jdt = dtypes.to_jax_dtype(dtype)
     if a.dtype != jdt:

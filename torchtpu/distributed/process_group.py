@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..backend.tensor import TpuTensor
+from ..backend.tensor import TpuTensor, internal_index, torch_device
 from ..backend.views import array_of, write
 
 __all__ = ["BACKEND_NAME", "TpuProcessGroup"]
@@ -252,7 +252,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         if self._global_ranks == list(range(size)) and size > 1:
             _join_jax(store, rank, size, timeout)
         # the rank's device: the current tpu device (torch.accelerator.set_device_index), tpu:0
-        self._index = torch.accelerator.current_device_index()
+        self._index = internal_index(torch.accelerator.current_device_index())
         me = jax.local_devices()[self._index]
         store.set(f"device/{rank}", str(me.id))
         keys = [f"device/{r}" for r in range(size)]
@@ -347,13 +347,14 @@ class TpuProcessGroup(dist.ProcessGroup):
         if devs != {"tpu"}:
             raise ValueError(f"the tpu process group got tensors on {sorted(devs)}; pass tpu tensors (or cpu ones)")
         local = len(jax.local_devices())
+        mine = torch_device(self._index).index
         for t in tensors:
             # an index past this process's devices is no other device: PyTorch's C++ (DDP's
             # parameter check) labels tensors it makes with the rank's number
-            if t.device.index not in (None, self._index) and t.device.index < local:
+            if t.device.index not in (None, mine) and t.device.index < local:
                 raise ValueError(
-                    f"the tpu process group runs rank {self._rank} on tpu:{self._index} (one device per rank), "
-                    f"got a tensor on {t.device}: move it to tpu:{self._index}, or use torchtpu's global mesh "
+                    f"the tpu process group runs rank {self._rank} on tpu:{mine} (one device per rank), "
+                    f"got a tensor on {t.device}: move it to tpu:{mine}, or use torchtpu's global mesh "
                     "(torchtpu.distributed.init_device_mesh) for several devices per process"
                 )
         return False

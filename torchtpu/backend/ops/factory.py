@@ -281,10 +281,13 @@ def complex_(real, imag):
 
 
 def _device_index(device):
+    """The internal index (tensor.internal_index) of a factory's device argument."""
+    from ..tensor import internal_index
+
     if device is None:
-        return torch.tpu.current_device()
+        return internal_index(torch.tpu.current_device())
     device = torch.device(device)
-    return device.index if device.index is not None else torch.tpu.current_device()
+    return internal_index(device.index if device.index is not None else torch.tpu.current_device())
 
 
 def _make_tri(lower_):
