@@ -3,10 +3,11 @@
 functional and out= variants.
 
 One call updates the whole parameter list in one XLA program, with PyTorch's CPU kernels'
-arithmetic: the per-step scalars (bias corrections, step size, Adagrad's decayed lr) are
-computed wide, then rounded to the parameters' compute type (float32 for float32, bfloat16 and
-float16; float64 for float64), and each element is updated in that compute type in the kernel's
-order of operations. AMP: grads are divided by `grad_scale` (and the unscaled grads are
+arithmetic: each element is updated in the parameters' compute type (float32 for float32,
+bfloat16 and float16; float64 for float64) in the kernel's order of operations. The per-step
+scalars (bias corrections, step size, Adagrad's decayed lr), which the kernels compute in double
+and round, are computed in the compute type too (1 - beta**step as -expm1(step * log(beta))), so
+a TPU program holds no float64: they agree with the kernels' to a float32 ulp or two. AMP: grads are divided by `grad_scale` (and the unscaled grads are
 written back, as PyTorch's kernels do), and a `found_inf` equal to 1 leaves every list as it
 was (the optimizer itself takes the step count back).
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from ..registry import aten, bind, custom, device_index_of, is_tracing, lower, plan_for, run, wrap, write_value
 
@@ -33,14 +34,6 @@ from ..registry import aten, bind, custom, device_index_of, is_tracing, lower, p
 def _compute_dtype(dtype):
     """The kernels' opmath type: float64 stays, every other floating type computes in float32."""
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
-def _scalar_dtype(compute):
-    """Where the per-step scalars are computed: float64 (as the kernels' `double`s) where it is
-    cheap; on TPU, where float64 is emulated, in the compute type."""
-    if compute == jnp.float64 or (jax.config.jax_enable_x64 and jax.default_backend() != "tpu"):
-        return jnp.float64
-    return jnp.float32
 
 
 def _one_minus_pow(beta: float, step, dtype):
@@ -124,13 +117,11 @@ def _adam(
     out["max_exp_avg_sqs"] = [] if amsgrad else None
     for i, param in enumerate(self):
         ct = _compute_dtype(param.dtype)
-        st = _scalar_dtype(ct)
         c = lambda x, ct=ct: np.asarray(x, ct)  # noqa: E731  a double rounded as the kernels' scalar_t(x)
         step = state_steps[i]
-        lr_w = _lr(lr, st)
-        bias_correction1 = _one_minus_pow(beta1, step, st)
-        bias_correction2_sqrt = jnp.sqrt(_one_minus_pow(beta2, step, st)).astype(ct)
-        step_size = (lr_w / bias_correction1).astype(ct)
+        lr_w = _lr(lr, ct)
+        bias_correction2_sqrt = jnp.sqrt(_one_minus_pow(beta2, step, ct))
+        step_size = lr_w / _one_minus_pow(beta1, step, ct)
 
         p = param.astype(ct)
         g = _unscale(grads[i], grad_scale, ct)
@@ -140,7 +131,7 @@ def _adam(
             g = -g
         if weight_decay != 0.0:
             if adamw:
-                p = p * (1 - lr_w * weight_decay).astype(ct)
+                p = p * (1 - lr_w * c(weight_decay))
             else:
                 g = g + p * c(weight_decay)
         # exp_avg.lerp_(grad, 1 - beta1), in the form lerp picks for the weight's size
@@ -205,7 +196,7 @@ def _sgd(
                 buf = momentum_buffer_list[i].astype(ct) * c(momentum) + g * c(1 - dampening)
             out["momentum_buffer_list"].append(_keep(skip, momentum_buffer_list[i], buf))
             g = g + buf * c(momentum) if nesterov else buf
-        p = p - g * _lr(lr, _scalar_dtype(ct)).astype(ct)
+        p = p - g * _lr(lr, ct)
         out["self"].append(_keep(skip, param, p))
     return out
 
@@ -218,10 +209,9 @@ def _adagrad(
     out = dict(self=[], grads=[] if grad_scale is not None else None, state_sums=[], state_steps=None)
     for i, param in enumerate(self):
         ct = _compute_dtype(param.dtype)
-        st = _scalar_dtype(ct)
         c = lambda x, ct=ct: np.asarray(x, ct)  # noqa: E731
-        step = state_steps[i].astype(st)
-        clr = (_lr(lr, st) / (1 + (step - 1) * lr_decay)).astype(ct)
+        step = state_steps[i].astype(ct)
+        clr = _lr(lr, ct) / (1 + (step - 1) * c(lr_decay))
         p = param.astype(ct)
         g = _unscale(grads[i], grad_scale, ct)
         if grad_scale is not None:
@@ -290,7 +280,8 @@ def _inplace_handler(func, tensor_lr):
             # in eager mode a float lr is a program input: a scheduler's new value every step
             # reuses the program (inside a traced step it is a constant of the trace)
             op = tensor_lr
-            kwargs = dict(kwargs, lr=wrap(jnp.asarray(float(kwargs["lr"])), device_index_of(args, kwargs)))
+            dtype = jnp.float64 if any(p.dtype == torch.float64 for p in args[0]) else jnp.float32
+            kwargs = dict(kwargs, lr=wrap(jnp.asarray(float(kwargs["lr"]), dtype), device_index_of(args, kwargs)))
         new = run(plan_for(op), op, args, kwargs)
         given = _arguments(func, args, kwargs)
         for name, lists in zip(written, new):
