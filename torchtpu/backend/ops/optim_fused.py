@@ -7,9 +7,11 @@ arithmetic: each element is updated in the parameters' compute type (float32 for
 bfloat16 and float16; float64 for float64) in the kernel's order of operations. The per-step
 scalars (bias corrections, step size, Adagrad's decayed lr), which the kernels compute in double
 and round, are computed in the compute type too (1 - beta**step as -expm1(step * log(beta))), so
-a TPU program holds no float64: they agree with the kernels' to a float32 ulp or two. AMP: grads are divided by `grad_scale` (and the unscaled grads are
-written back, as PyTorch's kernels do), and a `found_inf` equal to 1 leaves every list as it
-was (the optimizer itself takes the step count back).
+a TPU program holds no float64: they agree with the kernels' to a float32 ulp or two.
+
+AMP: grads are divided by `grad_scale` (and the unscaled grads are written back, as PyTorch's
+kernels do), and a `found_inf` equal to 1 leaves every list as it was (the optimizer itself
+takes the step count back).
 
 In-place variants have a bespoke handler: it runs the op's lowering, which returns only the
 lists the call changes (no copy of unchanged grads), and writes them. A float `lr` is sent to
