@@ -105,3 +105,35 @@ def test_transformers_gradient_checkpointing_with_dropout():
         model(input_ids=ids, labels=ids).loss.backward()
         grads[checkpointing] = [p.grad for p in model.parameters()]
     _close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+def test_selective_checkpointing_under_torch_compile_replays_the_forward_s_masks():
+    """torchtitan's selective AC with a compiled model: AOTAutograd saves each recomputed random op's
+    state with `run_and_save_rng_state` and replays it in the backward with `run_with_rng_state`.
+    With w's gradient being dropout(x) itself, a replay that drew another mask shows."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, w):
+        return F.dropout(x, p=0.5, training=True) * w
+
+    def step(x, w):
+        y = torch.utils.checkpoint.checkpoint(
+            block, x, w, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, recompute_all)
+        )
+        return y * 1.0
+
+    x = torch.rand(64, 32, device="tpu") + 0.5
+    w = torch.ones(64, 32, device="tpu", requires_grad=True)
+    compiled = torch.compile(step, backend="tpu")
+    for _ in range(2):  # the second call draws from another base key: its replay must follow it
+        w.grad = None
+        y = compiled(x, w)
+        y.sum().backward()
+        kept = y.detach().cpu() != 0
+        assert 0.3 < kept.float().mean() < 0.7
+        torch.testing.assert_close(w.grad.cpu(), y.detach().cpu())

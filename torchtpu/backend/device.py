@@ -477,4 +477,7 @@ def register() -> None:
     from . import autocast, module_moves
 
     module_moves.install()
+    from . import rng_prims
+
+    rng_prims.install()
     autocast.register()

@@ -402,7 +402,10 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 def register() -> None:
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
+    from . import rng_prims
+
     install()
+    rng_prims.install_compiled()
     if "tpu" not in _COMPILER_FNS:
         register_backend(name="tpu", compiler_fn=tpu_backend)
 
