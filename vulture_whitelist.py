@@ -205,3 +205,7 @@ _._pin_memory_cpu
 _._is_pinned_cpu
 _.compile_backend
 _.reset_max_memory_allocated
+# FlexAttention (torchtpu.backend.flex_attention, its tests): PyTorch calls a score_mod as (score, b, h, q_idx,
+# kv_idx) and a mask_mod as (b, h, q_idx, kv_idx), and the backward operator's kernel with its joint graph, by position
+_.q_idx
+_.joint_graph

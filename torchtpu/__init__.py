@@ -45,6 +45,9 @@ else:
     from . import distributed  # noqa: F401  (the sharding layer; registers torchtpu::shard)
     from ._platform import cache_root, persistent_cache_stats, platform  # noqa: F401
     from .backend import dynamo as _dynamo  # registers torch.compile backend "tpu"
+    from .backend import flex_attention as _flex_attention
+
+    _flex_attention.install()  # FlexAttention's higher-order operators on tpu tensors
     from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
     from .backend.compile import compile  # noqa: F401
     from .backend.tensor import TpuTensor  # noqa: F401

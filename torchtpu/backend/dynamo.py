@@ -399,13 +399,45 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return aot(gm, example_inputs)
 
 
+def _on_tpu(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Whether a Dynamo graph computes on tpu: an input, or a value it makes, is a tpu tensor."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            return True
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(val, torch.Tensor) and val.device.type == "tpu":
+            return True
+    return False
+
+
+def _route_tpu_graphs_past_inductor() -> None:
+    """torch.compile's default backend, Inductor, generates no code for tpu (torchtitan compiles
+    flex_attention, create_block_mask and varlen attention with it, whatever backend its job
+    names): a graph that computes on tpu and reaches Inductor is compiled by the tpu backend."""
+    wrapper = torch._TorchCompileInductorWrapper
+    inductor = wrapper.__call__
+    if getattr(inductor, "_torchtpu_routes", False):
+        return
+
+    def __call__(self, model_, inputs_, *, config_patches=None):
+        if _on_tpu(model_, inputs_):
+            return tpu_backend(model_, inputs_)
+        return inductor(self, model_, inputs_, config_patches=config_patches)
+
+    __call__._torchtpu_routes = True
+    wrapper.__call__ = __call__
+
+
 def register() -> None:
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    from . import rng_prims
+    from . import flex_attention, rng_prims
 
     install()
     rng_prims.install_compiled()
+    flex_attention.install_compiled()
+    _route_tpu_graphs_past_inductor()
     if "tpu" not in _COMPILER_FNS:
         register_backend(name="tpu", compiler_fn=tpu_backend)
 
