@@ -227,6 +227,14 @@ def _reduce_op_name(op) -> str:
     raise ValueError(f"reduce op {op} is not supported by the tpu backend; use one of {sorted(names.values())}")
 
 
+def _premul(op, tensor):
+    """The reduction's name and the input it reduces: PREMUL_SUM (FSDP2's gradient reduce-scatter
+    divides by its factor this way) multiplies every rank's input by its factor, then sums."""
+    if isinstance(op, _RO) and getattr(op, "op", None) == _RO.PREMUL_SUM:
+        return "sum", tensor * op.factor
+    return _reduce_op_name(op), tensor
+
+
 class TpuProcessGroup(dist.ProcessGroup):
     """A c10d process group whose collectives on tpu tensors are XLA programs (see the module doc)."""
 
@@ -368,13 +376,13 @@ class TpuProcessGroup(dist.ProcessGroup):
             opts = o
         if self._cpu(tensors):
             return self._gloo.allreduce(tensors, opts)
-        op = _reduce_op_name(opts.reduceOp)
         outs = []
         for t in tensors:
+            op, x = _premul(opts.reduceOp, t)
             if op == "avg" and not t.is_floating_point():
                 raise ValueError(f"all_reduce with ReduceOp.AVG needs a floating-point tensor, got {t.dtype}")
             self._meet("all_reduce", [op, list(t.shape), str(t.dtype)])
-            out = self._run("all_reduce", op, _local(t, self._device))
+            out = self._run("all_reduce", op, _local(x, self._device))
             write(t, _shaped(out, t.shape))
             outs.append(out)
         return _Work(outs, tensors)
@@ -439,13 +447,13 @@ class TpuProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         if self._cpu([output, input]):
             return self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
-        op = _reduce_op_name(opts.reduceOp if opts is not None else _RO.SUM)
+        op, x = _premul(opts.reduceOp if opts is not None else _RO.SUM, input)
         if input.numel() != output.numel() * self._size:
             raise ValueError(
                 f"reduce_scatter_tensor: input has {input.numel()} elements, needs {self._size} x {output.numel()}"
             )
         self._meet("reduce_scatter_tensor", [op, list(input.shape), str(input.dtype)])
-        out = self._run("reduce_scatter", (op, self._size), _local_flat(input, self._device))
+        out = self._run("reduce_scatter", (op, self._size), _local_flat(x, self._device))
         write(output, out.reshape(output.shape))
         return _Work([out], [output])
 
