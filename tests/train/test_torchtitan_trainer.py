@@ -70,3 +70,23 @@ def test_fsdp_over_two_processes_trains(straight):
     got = train(root, CONFIG, "--training.steps", "4", "--job.dump_folder", "fsdp2", nproc=2)
     assert sorted(got) == [1, 2, 3, 4]
     assert got[4] < got[1] - 0.5, got
+
+
+@pytest.mark.parametrize("experts, ranks", [(4, 1), (8, 2), (3, 4)])
+def test_moe_permutation_on_tpu_equals_torchtitan_s_cpu_reference(experts, ranks):
+    """torchtitan's MoE token permutation, its Triton kernel on CUDA, runs as tensor ops on tpu."""
+    import torch
+    from torchtitan.models.moe.kernels import generate_permute_indices
+
+    import torchtpu  # noqa: F401  (installs the replacement: torchtitan's module is imported already)
+
+    torch.manual_seed(experts * ranks)
+    counts = torch.randint(0, 7, (experts * ranks,), dtype=torch.int64)
+    counts[1] = 0  # an expert with no tokens from one rank
+    align = 8
+    max_len = int(counts.sum()) + (experts + 1) * align
+    want = generate_permute_indices(counts, experts, ranks, max_len, align, use_cpu=True)
+    got = generate_permute_indices(counts.to("tpu"), experts, ranks, max_len, align)
+    for g, w in zip(got, want):
+        assert g.device.type == "tpu"
+        assert torch.equal(g.cpu(), w), (g.cpu(), w)
