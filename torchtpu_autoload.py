@@ -22,6 +22,7 @@ itself when autoload is off.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 
@@ -101,6 +102,67 @@ KERNELS = (
 )
 
 
+def _loaded() -> bool:
+    return "torchtpu.backend.device" in sys.modules
+
+
+def _nothing_yet(answer, name: str):
+    """A torch.accelerator call before the device is loaded: no tpu array exists yet, so the
+    answer is `answer`; once loaded, torch.tpu's own answer (torchtpu.backend.device replaces
+    these routes when it loads, this one covers a reference taken before)."""
+
+    def route(*args, **kwargs):
+        if not _loaded():
+            return answer() if callable(answer) else answer
+        return getattr(torch.accelerator, name)(*args, **kwargs)
+
+    route.__name__ = name
+    return route
+
+
+def _loading(name: str):
+    """A torch.accelerator call that needs the device: loads torchtpu, then asks it."""
+
+    def route(*args, **kwargs):
+        _load_torchtpu()
+        return getattr(torch.accelerator, name)(*args, **kwargs)
+
+    route.__name__ = name
+    return route
+
+
+def _current_index() -> int:
+    if "LOCAL_RANK" in os.environ:  # torchrun's rank may own tpu:{LOCAL_RANK}: the device says
+        return _loading("current_device_index")()
+    return 0
+
+
+def _route_accelerator() -> None:
+    """torch.accelerator's memory and device calls for tpu go to C++ that expects a caching device
+    allocator, which a Python backend has none of (an internal assert, or a crash at exit): until
+    the device loads they answer that nothing is allocated; torchtpu routes them to torch.tpu."""
+    routes = {
+        "synchronize": _nothing_yet(None, "synchronize"),
+        "empty_cache": _nothing_yet(None, "empty_cache"),
+        "empty_host_cache": _nothing_yet(None, "empty_host_cache"),
+        "reset_peak_memory_stats": _nothing_yet(None, "reset_peak_memory_stats"),
+        "reset_accumulated_memory_stats": _nothing_yet(None, "reset_accumulated_memory_stats"),
+        "memory_stats": _nothing_yet(dict, "memory_stats"),
+        "memory_allocated": _nothing_yet(0, "memory_allocated"),
+        "memory_reserved": _nothing_yet(0, "memory_reserved"),
+        "max_memory_allocated": _nothing_yet(0, "max_memory_allocated"),
+        "max_memory_reserved": _nothing_yet(0, "max_memory_reserved"),
+        "get_memory_info": _loading("get_memory_info"),
+        "current_device_index": _nothing_yet(_current_index, "current_device_index"),
+        "current_device_idx": _nothing_yet(_current_index, "current_device_idx"),
+        "set_device_index": _loading("set_device_index"),
+        "set_device_idx": _loading("set_device_idx"),
+    }
+    for name, fn in routes.items():
+        if hasattr(torch.accelerator, name):
+            setattr(torch.accelerator, name, fn)
+
+
 def register_name() -> None:
     """Name the PrivateUse1 backend `tpu` and give it hooks, a device guard and `Tensor.tpu()`-style
     methods (torch only; idempotent)."""
@@ -122,6 +184,9 @@ def load() -> None:
         module = LazyDeviceModule("torch.tpu", "The tpu device (torchtpu): mirrors torch.cuda.")
         torch._register_device_module(NAME, module)
         DONE["module"] = module
+    if "routes" not in DONE:
+        _route_accelerator()
+        DONE["routes"] = True
     if "kernels" not in DONE:
         lib = torch.library.Library("aten", "IMPL")
         for op, key, kernel in KERNELS:

@@ -31,6 +31,9 @@ def test_import_torch_finds_tpu_and_loads_torchtpu_at_first_use():
         # what torchtitan, transformers and torchrun scripts ask first; none of it starts the device
         "print('found', torch._utils._get_available_device_type(), torch.accelerator.current_accelerator(),"
         " torch.tpu.is_available(), torch.device('tpu:0'))\n"
+        # what vLLM's CPU platform and PyTorch's own code call of the accelerator: nothing is on tpu yet
+        "torch.accelerator.synchronize(); torch.accelerator.empty_cache(); torch.accelerator.empty_host_cache()\n"
+        "print('memory', torch.accelerator.memory_allocated(), torch.accelerator.current_device_index())\n"
         "print('after queries', loaded())\n"
         "x = torch.arange(4.0, device='tpu') * 2\n"
         "print('tensor', x.device, x.cpu().tolist(), loaded())\n"
@@ -38,6 +41,7 @@ def test_import_torch_finds_tpu_and_loads_torchtpu_at_first_use():
     )
     assert "after import (False, False)" in out
     assert "found tpu tpu True tpu:0" in out
+    assert "memory 0 0" in out
     assert "after queries (False, False)" in out
     assert "tensor tpu:0 [0.0, 2.0, 4.0, 6.0] (True, True)" in out
     assert "cpu pinned False" in out
