@@ -122,6 +122,20 @@ def test_eager_patterns_match_cpu(pattern):
         close(got, want, f"d{name}")
 
 
+def test_bfloat16_matches_cpu():
+    """bfloat16 inputs: float32 scores and softmax, probabilities rounded to bfloat16 before the
+    product with v, as PyTorch's CPU flex_attention computes them."""
+    q, k, v = (x.bfloat16() for x in _qkv(seq=64))
+    mask = get_causal_mask_mod()
+    expected = flex_attention(
+        q, k, v, block_mask=create_block_mask(mask, None, None, 64, 64, device="cpu"), enable_gqa=True
+    )
+    block = create_block_mask(mask, None, None, 64, 64, device="tpu")
+    out = flex_attention(*(x.to("tpu") for x in (q, k, v)), block_mask=block, enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+    close(out, expected, "bfloat16 forward", rtol=1e-2, atol=1e-2)
+
+
 def test_gpt_oss_sinks_eager_match_cpu():
     """torchtitan's gpt-oss attention: return_lse, then sigmoid(lse - sink) scaling; the lse's
     gradient reaches q and k through the backward operator."""

@@ -58,6 +58,19 @@ def _acc(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
+_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _dot(eq, a, b, dtype):
+    """einsum of a and b for inputs of `dtype`: bfloat16/float16 operands (both rounded to it, as
+    PyTorch's math path rounds the probabilities and score gradients to the query's dtype) with
+    float32 accumulation, which the MXU does natively; wider inputs in full precision."""
+    if jnp.dtype(dtype) in _LOW:
+        return jnp.einsum(eq, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+    acc = _acc(dtype)
+    return jnp.einsum(eq, a.astype(acc), b.astype(acc), precision=lax.Precision.HIGHEST)
+
+
 # ----------------------------------------------------------------------------- the grid
 
 
@@ -117,7 +130,7 @@ def _grouped(q, k, v):
 
 
 def _scores(qg, k, scale, acc):
-    s = jnp.einsum("bkgle,bkse->bkgls", qg.astype(acc), k.astype(acc), precision=lax.Precision.HIGHEST)
+    s = _dot("bkgle,bkse->bkgls", qg, k, qg.dtype)
     B, Hkv, G, L, S = s.shape
     return (s * jnp.asarray(scale, acc)).reshape(B, Hkv * G, L, S)
 
@@ -153,7 +166,7 @@ def _block_forward(qg, k, v, start, blocks, score_fn, mask_fn, score_bufs, mask_
     lse = jnp.log(total) + shift  # -inf for a row with no kept key
     p = e / jnp.where(total > 0, total, 1)[..., None]
     pg = p.reshape(B, Hkv, G, rows, S)
-    out = jnp.einsum("bkgls,bksd->bkgld", pg, v.astype(acc), precision=lax.Precision.HIGHEST)
+    out = _dot("bkgls,bksd->bkgld", pg, v, qg.dtype)
     return out.reshape(B, H, rows, -1), lse, top
 
 
@@ -221,14 +234,14 @@ def _block_backward(qg, k, v, out, g, lse, dlse, start, blocks, score_fn, mask_f
     g = jnp.where(alive[..., None], g.astype(acc), 0)
     pg = p.reshape(B, Hkv, G, rows, S)
     gg = g.reshape(B, Hkv, G, rows, -1)
-    dv = jnp.einsum("bkgls,bkgld->bksd", pg, gg, precision=lax.Precision.HIGHEST)
-    dp = jnp.einsum("bkgld,bksd->bkgls", gg, v.astype(acc), precision=lax.Precision.HIGHEST).reshape(B, H, rows, S)
+    dv = _dot("bkgls,bkgld->bksd", pg, gg, qg.dtype)
+    dp = _dot("bkgld,bksd->bkgls", gg, v, qg.dtype).reshape(B, H, rows, S)
     delta = jnp.sum(out.astype(acc) * g, axis=-1)
     ds = p * (dp - delta[..., None] + jnp.where(alive, dlse, 0)[..., None])
     ds, *dbufs = vjp(ds)
     ds = (ds * jnp.asarray(scale, acc)).reshape(B, Hkv, G, rows, S)
-    dq = jnp.einsum("bkgls,bkse->bkgle", ds, k.astype(acc), precision=lax.Precision.HIGHEST)
-    dk = jnp.einsum("bkgls,bkgle->bkse", ds, qg.astype(acc), precision=lax.Precision.HIGHEST)
+    dq = _dot("bkgls,bkse->bkgle", ds, k, qg.dtype)
+    dk = _dot("bkgls,bkgle->bkse", ds, qg, qg.dtype)
     return dq, dk, dv, tuple(dbufs)
 
 
