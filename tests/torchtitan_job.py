@@ -18,7 +18,8 @@ from .processes import cpu_flags, free_port
 
 ASSETS = Path(__file__).parent / "assets" / "torchtitan"
 BUNDLED = Path(__file__).parent.parent / "torchtpu" / "train" / "assets"
-_STEP = re.compile(r"step:\s*(\d+)\s+\S*loss:\s*([0-9.]+)")
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:")
+_FIELD = re.compile(r"(\w+):\s*([0-9][0-9.,]*)")
 
 
 def workdir(root: Path) -> Path:
@@ -37,8 +38,9 @@ def workdir(root: Path) -> Path:
     return root
 
 
-def train(root: Path, config: str, *overrides: str, nproc: int = 1, timeout: int = 900) -> dict[int, float]:
-    """Run torchtitan.train under torchrun in `root`; return rank 0's loss per step."""
+def run(root: Path, config: str, *overrides: str, nproc: int = 1, timeout: int = 900) -> str:
+    """Run torchtitan.train under torchrun in `root` (its own logging, rank 0's lines only); return
+    the output with colour codes removed."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -61,8 +63,25 @@ def train(root: Path, config: str, *overrides: str, nproc: int = 1, timeout: int
         *overrides,
     ]
     p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
+    out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
     assert p.returncode == 0, out[-6000:]
-    losses = {int(s): float(v) for s, v in _STEP.findall(re.sub(r"\x1b\[[0-9;]*m", "", out))}
+    return out
+
+
+def steps(out: str) -> dict[int, dict]:
+    """torchtitan's per-step log lines: {step: {"loss": ..., "tps": ..., ...}}."""
+    found = {}
+    for line in out.splitlines():
+        m = _STEP.search(line)
+        if m:
+            record = {k: float(v.replace(",", "")) for k, v in _FIELD.findall(line[m.start() :])}
+            found[int(m.group(1))] = record
+    return found
+
+
+def train(root: Path, config: str, *overrides: str, nproc: int = 1, timeout: int = 900) -> dict[int, float]:
+    """Run torchtitan.train under torchrun in `root`; return rank 0's loss per step."""
+    out = run(root, config, *overrides, nproc=nproc, timeout=timeout)
+    losses = {s: r["loss"] for s, r in steps(out).items()}
     assert losses, out[-6000:]
     return losses
