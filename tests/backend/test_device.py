@@ -244,6 +244,36 @@ def test_unsupported_op_error_names_overload_and_fallback_works():
         fallback.WARNED.clear()
 
 
+def test_cpu_fallback_writes_back_mutated_tensor_lists():
+    """An op that mutates a Tensor[] (a fused optimizer's parameters and moments) and a Tensor
+    through the CPU fallback: every element and the tensor get the CPU kernel's values."""
+    from torchtpu.backend import fallback
+
+    def scale_all(xs, total, s):
+        for x in xs:
+            x.mul_(s)
+        total.add_(sum(x.sum() for x in xs))
+
+    lib = torch.library.Library("torchtpu_test_lists", "DEF")
+    lib.define("scale_all_(Tensor(a!)[] xs, Tensor(b!) total, float s) -> ()")
+    lib.impl("scale_all_", scale_all, "CPU")
+    xs = [torch.arange(3.0), torch.ones(2, 2)]
+    total = torch.zeros(())
+    txs, ttotal = [x.to("tpu") for x in xs], total.to("tpu")
+    torchtpu.set_cpu_fallback(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.ops.torchtpu_test_lists.scale_all_(txs, ttotal, 3.0)
+    finally:
+        torchtpu.set_cpu_fallback(False)
+        fallback.WARNED.clear()
+    torch.ops.torchtpu_test_lists.scale_all_(xs, total, 3.0)
+    for got, want in zip(txs, xs, strict=True):
+        assert torch.equal(got.cpu(), want)
+    assert torch.equal(ttotal.cpu(), total)
+
+
 def test_library_op_with_a_privateuse1_kernel_runs_it_and_foreach_copy():
     # FSDP2's copy-in/copy-out ops are such ops: their PrivateUse1 kernel is made of torch ops
     lib = torch.library.Library("torchtpu_test_pu1", "DEF")

@@ -56,10 +56,14 @@ def cpu_fallback(func, args, kwargs):
         out = func(*cargs, **ckwargs)
     plan = plan_for(func)
     for i in plan.mutated:
+        # a mutated Tensor[] (a fused optimizer's parameters and moments, a _foreach_ op's
+        # list) is written back element by element, as a single mutated tensor is
         tgt = argument(plan, args, kwargs, i)
         src = argument(plan, cargs, ckwargs, i)
-        if isinstance(tgt, TpuTensor):
-            write(tgt, jnp.asarray(dtypes.torch_to_numpy(src.contiguous())))
+        pairs = zip(tgt, src, strict=True) if isinstance(tgt, (list, tuple)) else [(tgt, src)]
+        for t, s in pairs:
+            if isinstance(t, TpuTensor):
+                write(t, jnp.asarray(dtypes.torch_to_numpy(s.contiguous())))
     if plan.mutated:
         return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
     return _to_tpu_like(out, index)
