@@ -2,10 +2,11 @@
 
 PyTorch runs FlexAttention as two higher-order operators, `flex_attention` and
 `flex_attention_backward` (torch/_higher_order_ops/flex_attention.py). Their autograd rule
-(`FlexAttentionAutogradOp`) is device-independent; below it each operator dispatches on the
-Python key to a kernel registered for the tensor's Python type. This module registers those
-kernels for `TpuTensor` (`py_impl(TpuTensor)`), so every route into FlexAttention on tpu lands
-here:
+(`FlexAttentionAutogradOp`) is device-independent (for real tpu tensors it runs without the joint
+graph of score_mod PyTorch would trace on every call: `_tpu_autograd`); below it each operator
+dispatches on the Python key to a kernel registered for the tensor's Python type. This module
+registers those kernels for `TpuTensor` (`py_impl(TpuTensor)`), so every route into
+FlexAttention on tpu lands here:
 
 - eager `flex_attention(q, k, v, ...)`: PyTorch wraps the operator in
   `torch.compile(backend="eager")`, so Dynamo turns `score_mod` and `mask_mod` into FX graphs
