@@ -15,11 +15,9 @@ every other device to torchtitan's own code.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
-
 import torch
+
+from .on_import import patch_on_import
 
 _PATCHED = "_torchtpu"
 
@@ -99,33 +97,5 @@ def _patch_utils(module) -> None:
 _PATCHES = {"torchtitan.models.moe.kernels": _patch_kernels, "torchtitan.tools.utils": _patch_utils}
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a module of _PATCHES right after it is imported."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _PATCHES:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            _PATCHES[fullname](module)
-
-        loader.exec_module = exec_then_patch
-        return spec
-
-
 def install() -> None:
-    for name, patch in _PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_PATCHES)
