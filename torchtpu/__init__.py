@@ -43,9 +43,11 @@ else:
     torch.autograd.set_multithreading_enabled(False)
 
     from . import distributed  # noqa: F401  (the sharding layer; registers torchtpu::shard)
+    from .integrations import dcp as _dcp
     from .integrations import torchtitan as _torchtitan
 
     _torchtitan.install()  # torchtitan's own trainer: its Triton MoE permutation and peak FLOPs on tpu
+    _dcp.install()  # torch.distributed.checkpoint's async saves stage tpu tensors by their values
     from ._platform import cache_root, persistent_cache_stats, platform  # noqa: F401
     from .backend import dynamo as _dynamo  # registers torch.compile backend "tpu"
     from .backend import flex_attention as _flex_attention
