@@ -330,6 +330,16 @@ def _autocast(query, key, value, score_mod, block_mask, scale, kernel_options, s
         )
 
 
+def _autocast_backward(*args, **kwargs):
+    """The backward under torch.autocast("tpu") (AOTAutograd traces a compiled forward's backward
+    with the forward's autocast state on): it runs in the dtypes the forward saved, as it does without
+    autocast."""
+    from torch._higher_order_ops.flex_attention import flex_attention_backward
+
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(DispatchKey.AutocastPrivateUse1)):
+        return flex_attention_backward(*args, **kwargs)
+
+
 def _pass_through(hop):
     """A kernel for AOTAutograd's aliasing check (`_AnalyzeCustomOpInputOutputMode`), which runs
     around the first call of a compiled graph: it leaves higher-order operators unchecked, but
@@ -360,6 +370,7 @@ def install() -> None:
     flex_attention.py_impl(TpuTensor)(_forward)
     flex_attention_backward.py_impl(TpuTensor)(_backward)
     flex_attention.py_impl(DispatchKey.AutocastPrivateUse1)(_autocast)
+    flex_attention_backward.py_impl(DispatchKey.AutocastPrivateUse1)(_autocast_backward)
     # py_impl refuses a second kernel for a key, so the autograd kernel is wrapped in place
     flex_attention.py_kernels[DispatchKey.Autograd] = _tpu_autograd(flex_attention.py_kernels[DispatchKey.Autograd])
     flex_attention._dispatch_cache.clear()
