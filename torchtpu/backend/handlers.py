@@ -248,16 +248,18 @@ def resize_tensor(t: TpuTensor, shape):
     """Resize `t` in place (for out= arguments): new metadata, fresh storage."""
     if t._vw:
         raise RuntimeError("torchtpu cannot resize a view; pass a base tensor as out=")
-    # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead.
+    # resize_'s meta kernel asserts a meta tensor; set_ re-describes the wrapper instead (over the
+    # wrapper's own storage, not the identity TpuTensor.untyped_storage gives).
     set_meta(
         aten.set_.source_Storage_storage_offset,
-        (t, t.untyped_storage(), 0, list(shape), list(contiguous_strides(tuple(shape)))),
+        (t, torch._C.TensorBase.untyped_storage(t), 0, list(shape), list(contiguous_strides(tuple(shape)))),
         {},
     )
     st = t._st
     st.shape = tuple(shape)
     st.array = None
     st.order = None
+    st.ident = None  # a new size: a new address, as a reallocation gives
     st.version += 1
 
 

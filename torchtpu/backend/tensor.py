@@ -11,9 +11,12 @@ what optimizers do to parameters, simply replace `storage.array` (views.py reads
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from . import dtypes
@@ -81,7 +84,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "__weakref__")
+    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "ident", "__weakref__")
 
     def __init__(self, array, shape, dtype, device_index):
         self.array = array
@@ -98,8 +101,52 @@ class Storage:
         # the base out in memory (torch.empty_strided, a strided tensor moved with
         # .to("tpu")), see memory_order. `array` always holds the logical values; only
         # as_strided reads memory positions.
+        # `ident` (set on first ask, read with storage_identity): the torch.UntypedStorage that
+        # stands for this storage in PyTorch's API.
         if HOOKS.create is not None:
             HOOKS.create(self)
+
+
+# Storage identity. A tpu storage has no host memory for PyTorch to point at, yet code that looks for
+# tensors sharing memory reads addresses: safetensors and transformers' save_pretrained group tensors by
+# `untyped_storage().data_ptr()` and `nbytes()`, then compare `data_ptr()` ranges; torch.save and
+# deepcopy keep shared storage shared. Each Storage gets, the first time it is asked, an address range
+# of its own, [address, address + nbytes), from a range no host pointer uses (2**56 up, never given
+# twice), and a torch.UntypedStorage of that address and size: the same object for the base and all
+# its views, so a view's data_ptr() is the address plus storage_offset() elements, as on CPU. The
+# address is an identity, not memory: nothing reads through it (a storage-level read, such as
+# `untyped_storage().cpu()`, raises in the tpu dispatcher).
+_NEXT_ADDRESS = [1 << 56]
+
+
+def storage_identity(st: Storage) -> torch.UntypedStorage:
+    """The torch.UntypedStorage standing for `st`: its address and byte size (see above)."""
+    ident = getattr(st, "ident", None)
+    if ident is None:
+        nbytes = st.dtype.itemsize
+        for n in st.shape:
+            nbytes *= n
+        address = _NEXT_ADDRESS[0]
+        _NEXT_ADDRESS[0] += -(-max(nbytes, 1) // 64) * 64
+        ident = st.ident = torch._C._construct_storage_from_data_pointer(address, torch_device(st.device_index), nbytes)
+    return ident
+
+
+def copy_storage(st: Storage) -> Storage:
+    """A storage with the values and layout of `st` in a buffer of its own."""
+    new = Storage(None if st.array is None else _copy_array(st.array), st.shape, st.dtype, st.device_index)
+    new.dist = st.dist
+    new.rows = st.rows
+    order = getattr(st, "order", None)
+    if order is not None:
+        new.order = order
+    return new
+
+
+_copy_array = jax.jit(jnp.copy)
+# (Storage, its version) -> the CPU copy of its values that one pickling pass gives every tensor of it
+_HOST_COPIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_OWN_ATTRS = frozenset(("_st", "_vw", "_vc", "_vv"))
 
 
 class TpuTensor(torch.Tensor):
@@ -152,6 +199,44 @@ class TpuTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
+    def untyped_storage(self):
+        return storage_identity(self._st)
+
+    def data_ptr(self):
+        return storage_identity(self._st).data_ptr() + self.storage_offset() * self.element_size()
+
+    def __deepcopy__(self, memo):
+        # PyTorch's rule for tensors (torch.Tensor.__deepcopy__), with the storage copied once per
+        # deepcopy: tensors that share a storage share its copy (tied weights stay tied).
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "deepcopy of a tpu tensor that autograd computed: as for any PyTorch tensor, only graph leaves "
+                "(tensors the user created) can be deep-copied; deepcopy its .detach() instead"
+            )
+        st = self._st
+        new_st = memo.get(id(st))
+        if new_st is None:
+            new_st = memo[id(st)] = copy_storage(st)
+            memo.setdefault(id(memo), []).append(st)  # deepcopy's keep-alive list: ids stay unique
+        new = TpuTensor(
+            new_st,
+            self._vw,
+            tuple(self.shape),
+            self.dtype,
+            strides=self.stride(),
+            offset=self.storage_offset(),
+            requires_grad=self.requires_grad,
+        )
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        attrs = {k: v for k, v in self.__dict__.items() if k not in _OWN_ATTRS}
+        if attrs:
+            new.__dict__.update(copy.deepcopy(attrs, memo))
+        return new
+
     def numpy(self, *, force: bool = False):
         # CUDA's rule: a device tensor is copied to the host explicitly; force=True does it here
         if force:
@@ -166,8 +251,24 @@ class TpuTensor(torch.Tensor):
         # that honours torch.load(map_location=...) and that weights_only loading accepts.
         return (
             torch._utils._rebuild_device_tensor_from_cpu_tensor,
-            (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
+            (self._host_copy(), self.dtype, str(self.device), self.requires_grad),
         )
+
+    def _host_copy(self) -> torch.Tensor:
+        """A CPU tensor with this tensor's values. Within one pickling pass (torch.save), the tensors
+        of one storage get views of one CPU copy of the whole storage, as PyTorch saves CPU tensors
+        that share memory: the file holds the storage once, and loading it on the CPU gives tensors
+        that share memory again."""
+        st = self._st
+        if st.dtype != self.dtype or getattr(st, "order", None) is not None or self.is_conj() or self.is_neg():
+            return self.detach().cpu()
+        key = (st, st.version)
+        host = _HOST_COPIES.get(key)
+        if host is None:
+            host = _HOST_COPIES[key] = TpuTensor(st, (), st.shape, st.dtype).cpu()
+        if tuple(self.shape) == tuple(host.shape) and self.stride() == host.stride() and not self.storage_offset():
+            return host
+        return host.as_strided(tuple(self.shape), self.stride(), self.storage_offset())
 
 
 def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuTensor:

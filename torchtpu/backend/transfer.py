@@ -123,9 +123,10 @@ def _resize_(args, kwargs):
 @custom(aten.set_.source_Tensor)
 def _set_source_tensor(args, kwargs):
     t, src = args
+    # the meta kernel re-describes the wrapper over its own (tpu) storage: a meta source is refused
     set_meta(
-        aten.set_.source_Tensor,
-        (t, torch.empty_strided(tuple(src.shape), src.stride(), dtype=src.dtype, device="meta")),
+        aten.set_.source_Storage_storage_offset,
+        (t, torch._C.TensorBase.untyped_storage(t), src.storage_offset(), list(src.shape), list(src.stride())),
         {},
     )
     t._st = storage_of(src)
