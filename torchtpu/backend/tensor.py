@@ -43,9 +43,11 @@ def torch_device(index: int) -> torch.device:
 
 
 def internal_index(user_index: int) -> int:
-    """The internal index of the user's tpu:`user_index`."""
+    """The internal index of the user's tpu:`user_index`. Under the one-chip rule index 0 names
+    the process's device too: PyTorch's C++ fills a device given without an index (`.to("tpu")`)
+    with its device guard's current index, which a Python backend's guard cannot keep (always 0)."""
     own = _OWN[0]
-    if own is None or user_index == own:
+    if own is None or user_index in (own, 0):
         return 0 if own is not None else user_index
     raise RuntimeError(
         f"tpu:{user_index} is another process's chip: under torchrun each process owns one tpu device, "

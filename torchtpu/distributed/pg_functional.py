@@ -55,7 +55,14 @@ def _handler(func, plan, pos):
                     f"{func} over the c10d process group {name!r} inside a traced tpu program: process-group "
                     "collectives run eagerly; inside compiled code use torchtpu's global mesh"
                 )
-            return func.redispatch(_BACKEND, *args, **kwargs)
+            out = func.redispatch(_BACKEND, *args, **kwargs)
+            # PyTorch's kernel registers the op's Work under the output's storage until wait_tensor
+            # finds it there. A tpu tensor's C++ storage is its own wrapper's, so a wait on a view or
+            # an alias of the output never found it, and each such Work (holding its output arrays)
+            # stayed registered: TP's step leaked one per step. Its arrays are futures XLA orders, so
+            # the values need no wait; the entry is taken out here, on the output itself.
+            _c10d.wait_tensor.default.redispatch(_BACKEND, out)
+            return out
         return _functional(plan, func, args, kwargs)
 
     return handle
