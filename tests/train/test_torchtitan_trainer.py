@@ -74,9 +74,9 @@ def test_tensor_parallel_over_two_processes_gives_one_process_losses(straight):
 
 def test_fsdp_over_two_processes_trains(straight):
     root, _ = straight
-    got = train(root, CONFIG, "--training.steps", "4", "--job.dump_folder", "fsdp2", nproc=2)
-    assert sorted(got) == [1, 2, 3, 4]
-    assert got[4] < got[1] - 0.5, got
+    got = train(root, CONFIG, "--training.steps", "3", "--job.dump_folder", "fsdp2", nproc=2)
+    assert sorted(got) == [1, 2, 3]
+    assert got[3] < got[1] - 0.5, got
 
 
 @pytest.mark.parametrize("experts, ranks", [(4, 1), (8, 2), (3, 4)])
