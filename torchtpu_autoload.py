@@ -21,6 +21,7 @@ itself when autoload is off.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -163,6 +164,34 @@ def _route_accelerator() -> None:
             setattr(torch.accelerator, name, fn)
 
 
+def _names_tpu(map_location) -> bool:
+    if isinstance(map_location, str):
+        return map_location.startswith(NAME)
+    if isinstance(map_location, torch.device):
+        return map_location.type == NAME
+    if isinstance(map_location, dict):
+        return any(_names_tpu(v) for v in map_location.values())
+    return False
+
+
+def _route_load() -> None:
+    """`torch.load(f, map_location="tpu")` before the device is loaded: PyTorch would allocate each
+    storage with the device's C++ allocator, which a Python backend has none of (a segfault).
+    torchtpu's torch.load (backend/serialization.py) reads onto the CPU and moves the tensors."""
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(f, map_location=None, *args, **kwargs):
+        if _names_tpu(map_location):
+            _load_torchtpu()
+            if torch.load is not load:
+                return torch.load(f, map_location, *args, **kwargs)
+        return original(f, map_location, *args, **kwargs)
+
+    torch.load = load
+    torch.serialization.load = load
+
+
 def register_name() -> None:
     """Name the PrivateUse1 backend `tpu` and give it hooks, a device guard and `Tensor.tpu()`-style
     methods (torch only; idempotent)."""
@@ -186,6 +215,7 @@ def load() -> None:
         DONE["module"] = module
     if "routes" not in DONE:
         _route_accelerator()
+        _route_load()
         DONE["routes"] = True
     if "kernels" not in DONE:
         lib = torch.library.Library("aten", "IMPL")

@@ -131,3 +131,24 @@ def test_current_device_is_one_place():
     finally:
         torch.accelerator.set_device_index(0)
     assert torch.tpu.current_device() == 0
+
+
+def test_torch_load_onto_tpu_keeps_ties_and_parameters():
+    """torch.load(map_location="tpu") as the device's first use: PyTorch alone would allocate each
+    storage with a C++ allocator the device does not have (the process died)."""
+    out = _python(
+        "import io, torch\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(4, 3)\n"
+        "buf = io.BytesIO()\n"
+        "torch.save({'w': m.weight, 'tied': m.weight, 'b': m.bias.detach(), 'step': 3}, buf)\n"
+        "for loc in ('tpu', torch.device('tpu:0'), {'cpu': 'tpu'}):\n"
+        "    buf.seek(0)\n"
+        "    sd = torch.load(buf, map_location=loc)\n"
+        "    print('loaded', sd['w'].device, isinstance(sd['w'], torch.nn.Parameter), sd['w'] is sd['tied'],"
+        " torch.equal(sd['w'].cpu(), m.weight.detach()), torch.equal(sd['b'].cpu(), m.bias.detach()), sd['step'])\n"
+        "buf.seek(0)\n"
+        "print('plain', torch.load(buf)['w'].device)\n"
+    )
+    assert out.count("loaded tpu:0 True True True True 3") == 3, out
+    assert "plain cpu" in out

@@ -477,7 +477,8 @@ def register() -> None:
     from . import autocast, module_moves
 
     module_moves.install()
-    from . import rng_prims
+    from . import rng_prims, serialization
 
     rng_prims.install()
+    serialization.install()
     autocast.register()
