@@ -211,7 +211,7 @@ def _cache_from_every_cpu_process() -> None:
     programs were compiled again by every run, resume and restart (in a 2-host `torchtpu-launch
     local` job of the debug model, ~50 s of compiling on host 1 while host 0 waited at its first
     collective). Their keys are distinct, so the writers do not contend. If JAX's internals change
-    shape, this does nothing and those processes compile as before.
+    shape, this does nothing and those processes compile their programs on every run.
     """
     try:
         from jax._src import compilation_cache, compiler, distributed

@@ -140,9 +140,9 @@ def generate(
     def step(token, start):
         return pick(forward_cached(model, token, start, cache)), start + 1
 
-    # donate=False: with donated buffers the decode program failed on XLA's CPU client ("buffer
-    # previously donated in the same call", two state inputs sharing one buffer) and crashed when
-    # the cache was made on device; until that is found, each step writes a new cache buffer.
+    # donate=False: with donated buffers the decode program fails on XLA's CPU client (two state
+    # inputs share one buffer, which it reports as donated twice in one call) and crashes when the
+    # cache is made on device; so each step writes a new cache buffer.
     prefill_fn, step_fn = torchtpu.compile(prefill, donate=False), torchtpu.compile(step, donate=False)
     token, pos = prefill_fn(place(torch.tensor([prompt_ids], dtype=torch.int64)), place(torch.tensor(0)))
     out = [token]

@@ -154,7 +154,7 @@ class OptimizerGraphCapture:
 
     def _enter(self, opt, args, kwargs):
         if id(opt) not in self.known:
-            raise NewOptimizer(opt)  # before it changes anything
+            raise NewOptimizer(opt)  # before it touches any state
         self.tc._is_compiling_flag = True
 
     def _exit(self, opt, args, kwargs):

@@ -60,7 +60,7 @@ CONFIG = Config()
 
 
 def note_mesh(jax_mesh) -> None:
-    """Arrays laid out over `jax_mesh` exist from now on (see Config)."""
+    """Arrays laid out over `jax_mesh` exist after this call (see Config)."""
     if jax_mesh.size > 1:
         CONFIG.mesh_active = True
         if jax_mesh.devices.flat[0].platform == "cpu":

@@ -1,6 +1,6 @@
 """DDP's `find_unused_parameters=True` (and `static_graph=True`) on tpu.
 
-DDP's reducer copies its map of the parameters a step used to the device through a pinned host
+DDP's reducer copies its map of the parameters that a step uses onto the device through a pinned host
 buffer, which it asks PyTorch's CPU allocator for; PyTorch hands that request to the device's
 C++ hooks, and a device registered from Python has no pinned allocator to give. XLA copies from
 any host buffer, so a plain buffer does the job: while a DDP backward that needs one runs, the

@@ -284,7 +284,7 @@ _CURRENT: DeviceMesh | None = None
 
 
 def current_mesh() -> DeviceMesh | None:
-    """The root mesh made by the last `init_device_mesh` (None before)."""
+    """The root mesh made by the last `init_device_mesh` (None while there is none)."""
     return _CURRENT
 
 

@@ -8,17 +8,17 @@ After this, inside a `torchtpu.compile`d step a loop such as torchtitan's
         h = layer(h, freqs_cis, attention_masks=..., positions=...)
 
 traces ONE block and runs it `len(layers)` times in an XLA while loop, so the program (and its
-compile time) no longer grows with depth. Eager calls (the compiled step's warm-up, inference,
-`init_weights`) still go block by block, exactly as before.
+compile time) does not grow with depth. Eager calls (the compiled step's warm-up, inference,
+`init_weights`) go block by block, exactly as without the scan.
 
-What stays as it was:
+What the scan leaves as it is:
 - Parameters. Every block keeps its own Parameters, so `state_dict()` names, shapes and values,
   checkpoints and each parameter's FSDP/TP layout are untouched. A model materialized from
   `meta` after `scan_layers` (the trainer's way) stores each parameter slot of the blocks as
   one [n_blocks, *shape] storage whose row i is block i's Parameter (a view;
   params._materialize_stacked): the loop body then slices block i's weights from those arrays,
   and an optimizer built on `optimizer_parameters(model)` updates each slot as one tensor after
-  `stack_gradients`, so the compiled step no longer holds one update per block and parameter
+  `stack_gradients`, so the compiled step does not hold one update per block and parameter
   (the Llama 3 8B step for v5p:2x2x1 compiles in 71-90 s instead of 319 s; docs/DESIGN_NOTES.md). Other models keep one storage per
   parameter; the loop body picks block i's from them (PARAMS_BY below). Either way the program
   holds no second copy of the weights; the gradients come out of the backward loop stacked and
@@ -259,7 +259,7 @@ def stack_gradients(groups, model: nn.Module | None = None) -> None:
     becomes their stack; theirs becomes None), so the optimizer and gradient clipping see them as one.
 
     With `model`, first check that `groups` are still its stacked slots: an optimizer built on
-    stacked tensors whose rows are no longer the model's parameters would update nothing the
+    stacked tensors whose rows are not the model's parameters would update nothing the
     model uses."""
     if model is not None:
         now = {(id(b), tuple(map(id, vs))) for b, vs in stacked_parameters(model)}

@@ -20,7 +20,7 @@ Without a run id the job is this one process.
 
 A lock whose holder is gone is stale and the next start takes it over:
 
-* written on this host: its pid no longer runs, or runs a process with other start ticks (a
+* written on this host: its pid runs no process, or a process with other start ticks (a
   recycled pid);
 * written on another host: its heartbeat is older than STALE_SECONDS. Ages are measured against
   the folder's own clock (the modification time of a file written just now), so hosts whose clocks
@@ -207,7 +207,7 @@ class DumpFolderLock:
 
     @staticmethod
     def _stale_reason(path: str, holder: dict) -> str | None:
-        """Why `holder` no longer holds the lock, or None while it does."""
+        """Why `holder` has lost the lock, or None while it holds it."""
         if holder.get("host") == socket.gethostname():
             pid = int(holder.get("pid", -1))
             if not _pid_alive(pid):

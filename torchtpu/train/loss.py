@@ -21,7 +21,7 @@ Chunks split the sequence dim, not the batch dim, so each chunk stays spread ove
 data-parallel ranks as the batch is. The output projection is the model's own module (its
 tensor-parallel and FSDP hooks run as usual); only its matmul is moved out of its forward, with
 the input and the weight it reads there (mixed precision's bf16 copy), whose gradient then flows
-back through FSDP's cast and layout as before. d/dW is summed in the weight parameter's layout
+back through FSDP's cast and layout as in the model's own forward. d/dW is summed in the weight parameter's layout
 after each chunk; with FSDP alone, a chunk with fewer tokens than the vocabulary (Llama 3 8B at
 chunk 2048 on 4 chips: 8,192 against 128,256) splits its logits over the vocabulary as the weight's
 rows are, so d/dW is computed in that layout, never as a whole float32 [vocab, dim] per chip.

@@ -182,7 +182,7 @@ class CheckpointManager:
         return os.path.join(self.folder, f"{STEP_PREFIX}_{int(step)}")
 
     def set_aside(self, step: int) -> str:
-        """Rename the (unreadable) checkpoint `step` to step_<N>.unreadable[-k] so it is no longer
+        """Rename the (unreadable) checkpoint `step` to step_<N>.unreadable[-k] so it is not
         a step of this folder: resuming skips it, and step N can be saved again. Nothing is deleted.
         Returns the new path. In a multi-host job only process 0 renames."""
         src = self.step_path(step)
