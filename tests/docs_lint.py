@@ -44,7 +44,6 @@ may say anything).
 
 from __future__ import annotations
 
-import ast
 import io
 import os
 import re
@@ -172,24 +171,36 @@ _QUOTED = re.compile(r'"[^"]*"')
 
 def comment_lines(source: str):
     """(line number, text) of each line of a Python module's comments and docstrings (module, class
-    and function), with `inline code` and "quoted text" blanked."""
-    lines = []
+    and function), with `inline code` and "quoted text" blanked. One pass of the tokenizer: a
+    docstring is a string that opens the module or follows a `def`/`class` header's colon."""
+    expect_doc, first, last = True, None, None
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            lines.append((tok.start[0], tok.string))
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=False)
-            if doc is not None:
-                first = node.body[0].lineno
-                lines += [(first + i, line) for i, line in enumerate(doc.splitlines())]
-    for number, line in sorted(lines):
-        yield number, _QUOTED.sub('""', _INLINE_CODE.sub("``", line))
+        kind = tok.type
+        if kind == tokenize.COMMENT:
+            yield tok.start[0], _blank(tok.string)
+        elif kind == tokenize.STRING and expect_doc and first is None:
+            for i, line in enumerate(tok.string.splitlines()):
+                yield tok.start[0] + i, _blank(line)
+            expect_doc = False
+        elif kind == tokenize.NEWLINE:
+            expect_doc = first in ("def", "class", "async") and last == ":"
+            first = None
+        elif kind not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING):
+            if first is None:
+                first = tok.string
+                expect_doc = expect_doc and kind == tokenize.STRING
+            last = tok.string
+
+
+def _blank(text: str) -> str:
+    return _QUOTED.sub('""', _INLINE_CODE.sub("``", text))
 
 
 def code_findings(source: str) -> list[tuple[int, str, str]]:
     """(line number, rule, matched words) for each piece of history wording, date or commit hash in
     the comments and docstrings of a Python module's source."""
+    if not any(pattern.search(source) for _, pattern in CODE_HISTORY):
+        return []  # blanking code and quotes only takes words away: no match in the whole text, none in its comments
     return _findings_in(comment_lines(source), CODE_HISTORY)
 
 
