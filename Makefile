@@ -23,13 +23,15 @@ $(STAMP): pyproject.toml requirements/vllm.txt
 install: $(STAMP)
 
 # Architecture (import-linter contracts), lint, format and dead code; configured in pyproject.toml.
-# Then the documents: no history wording, README.md's length (tests/docs_lint.py says the rules).
+# Then the documents and comments: no history wording, dates or commit hashes, README.md's length
+# (tests/docs_lint.py says the rules); and no module of torchtpu/ over 600 lines (tests/module_length.py).
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/vulture
 	$(PY) -m tests.docs_lint
+	$(PY) -m tests.module_length
 
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -p no:cacheprovider --durations=30 tests
