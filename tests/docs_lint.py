@@ -27,8 +27,9 @@ commands and quoted log lines may say anything):
 - No dates: `2026-12-06`, `Dec 2026`, `December 6, 2026`, `6 Dec 2026`. A figure is as old as the
   commit that wrote it, and git says when that was.
 - No commit hashes: 7 to 40 hexadecimal digits with at least one letter and one digit (`8cdf04b`);
-  a number in scientific notation (`5.8981e13`) is not one. A figure is measured on the code it sits
-  beside; a figure that is not has no place in a document.
+  a number in scientific notation (`5.8981e13`) is not one. A figure belongs to the code it sits
+  beside; one measured on other code says in words what differed ("with the two-kernel attention
+  backward").
 - ALLOWED lists the exact phrases exempted from a rule (with the reason); keep it short.
 
 Each document has a switch (CHECK_README, CHECK_BENCHMARKS, CHECK_DOCS); all are on. README.md's
