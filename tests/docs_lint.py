@@ -32,8 +32,7 @@ commands and quoted log lines may say anything):
   backward").
 - ALLOWED lists the exact phrases exempted from a rule (with the reason); keep it short.
 
-Each document has a switch (CHECK_README, CHECK_BENCHMARKS, CHECK_DOCS); all are on. README.md's
-dates and commit hashes have their own switch, CHECK_README_DATES (see there).
+Each document has a switch (CHECK_README, CHECK_BENCHMARKS, CHECK_DOCS); all are on.
 
 The comments and docstrings of every module under torchtpu/ (CHECK_CODE) follow the same rules with
 what differs in code (CODE_HISTORY): a comment narrates what a program does at run time in the past
@@ -56,10 +55,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The switch for README.md (its length and its wording).
 CHECK_README = True
 README_MAX_LINES = 250
-
-# README.md's dates and commit hashes: off while its benchmark table keeps a date column. The table's
-# figures belong to BENCHMARKS.md's; when README links there instead, this goes on (and stays on).
-CHECK_README_DATES = False
 
 # Documents checked besides README.md: BENCHMARKS.md and every Markdown file under docs/.
 CHECK_BENCHMARKS = True
@@ -241,8 +236,7 @@ def findings() -> list[str]:
     for name in checked_files():
         text = open(os.path.join(REPO, name), encoding="utf-8").read()
         allowed = [phrase for f, phrase, _ in ALLOWED if f == name]
-        dates = CHECK_README_DATES or name != "README.md"
-        out += [_finding(name, *found) for found in history_findings(text, allowed, dates)]
+        out += [_finding(name, *found) for found in history_findings(text, allowed)]
     for name in checked_modules():
         source = open(os.path.join(REPO, name), encoding="utf-8").read()
         out += [_finding(name, *found) for found in code_findings(source)]
