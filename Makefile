@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(PY) -m tests.module_length
 
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -p no:cacheprovider --durations=30 tests
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -p no:cacheprovider --durations=30 tests
 
 bench: $(STAMP)
 	$(PY) -m bench.eager_overhead

@@ -62,6 +62,10 @@ def pytest_configure(config):
     from tests.opinfo.pass_rate import register
 
     register(config)
+    # per-test CPU seconds into $SUITE_CPU_TIMES, when set (tests/durations.py)
+    from tests.durations import register as register_cpu_times
+
+    register_cpu_times(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -79,12 +83,12 @@ def pytest_collection_modifyitems(config, items):
             if defs and defs[-1].scope == "module":
                 item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{name}"))
                 break
-    # Long tests first, many short ones last, so the two workers end together: xdist hands out the
-    # groups first (largest first) and then single tests in this order, and a multi-minute launch or
-    # TPU-compile test taken last would leave the other worker idle. Stable: each module stays whole.
-    items.sort(key=lambda item: _RUN_ORDER.get(item.path.parent.name, 1))
+    # Longest work unit first, by the suite's recorded durations (tests/durations.py), so the two
+    # workers end together: `make test` passes --no-loadscope-reorder, so xdist keeps this order.
+    from tests.durations import load, run_order
 
-
-# tests/<directory> -> its place in the run (default 1): processes and TPU compiles, then the rest,
-# then the 1,220 OpInfo tests of a second or so each, which fill the end evenly.
-_RUN_ORDER = {"launch": 0, "train": 0, "distributed": 0, "opinfo": 2}
+    units = []
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        units.append((group.args[0] if group else item.nodeid, item.nodeid))
+    items[:] = [items[i] for i in run_order(units, load())]
