@@ -6,13 +6,15 @@ to whichever worker is free. tests/conftest.py sorts the collection longest unit
 recorded seconds, which is the longest-processing-time rule: the two workers end within about one short
 test of each other instead of one of them running a multi-minute job alone at the end.
 
-The file holds the seconds of every test that took at least `KEEP` in a run of the whole suite under
-`make test` on this project's 2-core machine (a unit's setup, call and teardown together). A test
-absent from it counts the `UNKNOWN` seconds of its directory. Re-record after adding slow tests:
+The file holds the CPU seconds (its pytest worker's and its child processes', setup to teardown) of
+every test that took at least `KEEP` in a run of the whole suite on this project's 2-core machine: on
+two busy cores a test's CPU seconds are what it costs the suite, whatever else loads the machine, where
+its wall seconds are not. A test absent from it counts the `UNKNOWN` seconds of its directory.
+Re-record after adding slow tests:
 
-    python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -p no:cacheprovider \\
-        --junitxml=/tmp/suite.xml tests
-    python -m tests.durations /tmp/suite.xml
+    SUITE_CPU_TIMES=/tmp/suite.jsonl python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder \\
+        -p no:cacheprovider tests
+    python -m tests.durations /tmp/suite.jsonl
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import os
 import resource
 import sys
 import time
-import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,28 +65,6 @@ def run_order(units: list[tuple[str, str]], seconds: dict[str, float]) -> list[i
         total[unit] += seconds[test] if test in seconds else guess(test)
         first.setdefault(unit, i)
     return sorted(range(len(units)), key=lambda i: (-total[units[i][0]], first[units[i][0]], i))
-
-
-def from_junit(paths: list[str]) -> dict[str, float]:
-    """Per-test seconds from pytest's JUnit XML reports (the most seen where a test ran more than once)."""
-    seconds: dict[str, float] = {}
-    for path in paths:
-        for case in ET.parse(path).getroot().iter("testcase"):
-            module = case.get("classname", "").replace(".", "/")
-            name = case.get("name", "")
-            # JUnit splits a test's id into a dotted "classname" and its name: tests.train.test_x[.Class]
-            parts = module.split("/")
-            for cut in range(len(parts), 0, -1):
-                path_part = "/".join(parts[:cut]) + ".py"
-                if Path(path_part).exists():
-                    nodeid = "::".join([path_part, *parts[cut:], name])
-                    break
-            else:
-                continue
-            t = float(case.get("time", 0))
-            if t >= KEEP:
-                seconds[base_id(nodeid)] = round(max(t, seconds.get(base_id(nodeid), 0.0)), 1)
-    return dict(sorted(seconds.items()))
 
 
 def cpu_seconds() -> float:
@@ -132,9 +111,9 @@ def from_cpu_times(paths: list[str]) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m tests.durations REPORT.xml [...]  (pytest --junitxml reports)", file=sys.stderr)
+        print("usage: python -m tests.durations FILE [...]  (files that SUITE_CPU_TIMES wrote)", file=sys.stderr)
         return 2
-    seconds = from_junit(argv)
+    seconds = from_cpu_times(argv)
     FILE.write_text(json.dumps(seconds, indent=0, sort_keys=True) + "\n")
     print(f"{FILE}: {len(seconds)} tests of {KEEP:g} s or more, {sum(seconds.values()):.0f} s in all")
     return 0
