@@ -55,6 +55,7 @@ else:
     _flex_attention.install()  # FlexAttention's higher-order operators on tpu tensors
     from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
     from .backend.compile import compile  # noqa: F401
+    from .backend.jax_op import jax_op  # noqa: F401
     from .backend.tensor import TpuTensor  # noqa: F401
     from .backend.transfer import from_jax, to_jax  # noqa: F401
 

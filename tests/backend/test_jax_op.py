@@ -1,0 +1,209 @@
+"""torchtpu.jax_op: a user's Pallas kernel and a plain JAX function with jax.custom_vjp as torch ops.
+
+PyTorch on CPU is the oracle: the ops' forward values and gradients equal PyTorch's softmax and
+PyTorch's formula for the JAX function, in strict eager, in torchtpu.compile, in
+torch.compile(backend="tpu"), under activation checkpointing, and per shard over 8 devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.utils.checkpoint
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+import torchtpu
+from tests.conftest import assert_close_to_cpu
+
+pytestmark = pytest.mark.usefixtures("keep_current_mesh")
+close = functools.partial(assert_close_to_cpu, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the user's code
+
+
+def _softmax_kernel(x_ref, o_ref):
+    x = x_ref[...].astype(jnp.float32)
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    o_ref[...] = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(o_ref.dtype)
+
+
+def pallas_softmax(x):
+    """A fused row softmax as a Pallas kernel over blocks of 8 rows (no gradient of its own)."""
+    rows, cols = x.shape
+    block = pl.BlockSpec((8, cols), lambda i: (i, 0))
+    return pl.pallas_call(
+        _softmax_kernel,
+        grid=(rows // 8,),
+        in_specs=[block],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+@jax.custom_vjp
+def fused_softmax(x):
+    return pallas_softmax(x)
+
+
+def _softmax_fwd(x):
+    y = pallas_softmax(x)
+    return y, y
+
+
+def _softmax_bwd(y, g):
+    return ((g - jnp.sum(g * y, axis=-1, keepdims=True)) * y,)
+
+
+fused_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def scaled_tanh(x, w, scale):
+    """tanh(x * w) * scale, with a hand-written gradient (w: one weight per column)."""
+    return jnp.tanh(x * w) * scale
+
+
+def _tanh_fwd(x, w, scale):
+    t = jnp.tanh(x * w)
+    return t * scale, (x, w, t)
+
+
+def _tanh_bwd(scale, res, g):
+    x, w, t = res
+    d = g * scale * (1 - t * t)
+    return d * w, jnp.sum(d * x, axis=0)
+
+
+scaled_tanh.defvjp(_tanh_fwd, _tanh_bwd)
+
+
+def torch_scaled_tanh(x, w, scale=2.0):
+    return torch.tanh(x * w) * scale
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The ops, registered once (a torch.library name is defined once per process)."""
+    return {
+        "softmax": torchtpu.jax_op("jaxop_test::fused_softmax", fused_softmax),
+        "tanh": torchtpu.jax_op("jaxop_test::scaled_tanh", lambda x, w, scale=2.0: scaled_tanh(x, w, scale)),
+        "softmax_rows": torchtpu.jax_op("jaxop_test::softmax_rows", fused_softmax, out_specs=P("dp")),
+        "tanh_rows": torchtpu.jax_op(
+            "jaxop_test::tanh_rows",
+            lambda x, w, scale=2.0: scaled_tanh(x, w, scale),
+            in_specs=(P("dp"), P()),
+            out_specs=P("dp"),
+        ),
+    }
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 32, generator=g), torch.randn(32, generator=g), torch.randn(64, 32, generator=g)
+
+
+def _reference(name, x, w, grad):
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = torch.softmax(xc, -1) if name == "softmax" else torch_scaled_tanh(xc, wc, 3.0)
+    y.backward(grad)
+    return y.detach(), xc.grad, (wc.grad if name == "tanh" else None)
+
+
+def _call(ops, name, x, w):
+    return ops[name](x) if name.startswith("softmax") else ops[name](x, w, 3.0)
+
+
+def _step(ops, name, mode):
+    """fn(x, w, grad) -> (output, x's gradient, w's gradient) on tpu, in `mode`."""
+
+    def step(x, w, grad):
+        if mode == "checkpoint":
+            y = torch.utils.checkpoint.checkpoint(lambda x, w: _call(ops, name, x, w) * 1.0, x, w, use_reentrant=False)
+        else:
+            y = _call(ops, name, x, w)
+        gx, gw = torch.autograd.grad(y, (x, w), grad, allow_unused=True)
+        return y.detach(), gx, gw
+
+    if mode == "torchtpu.compile":
+        return torchtpu.compile(step)
+    if mode == "torch.compile":
+        return torch.compile(step, backend="tpu")
+    return step
+
+
+@pytest.mark.parametrize("mode", ["eager", "torchtpu.compile", "torch.compile", "checkpoint"])
+@pytest.mark.parametrize("name", ["softmax", "tanh"])
+def test_forward_and_gradients_equal_pytorch(ops, name, mode):
+    x, w, grad = _data()
+    want = _reference(name, x, w, grad)
+    step = _step(ops, name, mode)
+    xt, wt, gt = x.to("tpu").requires_grad_(), w.to("tpu").requires_grad_(), grad.to("tpu")
+    for _ in range(2 if mode == "torchtpu.compile" else 1):  # the first call of torchtpu.compile runs eagerly
+        got = step(xt, wt, gt)
+    close(got[0], want[0], "output")
+    close(got[1], want[1], "x's gradient")
+    if name == "tanh":
+        close(got[2], want[2], "w's gradient")
+    else:
+        assert got[2] is None
+
+
+def test_sharded_over_8_devices_equals_unsharded(ops):
+    """Per shard (shard_map, rows over "dp"): in eager with in_specs from the placements, and in a
+    torchtpu.compile program with given in_specs (w replicated: its gradient sums the shards')."""
+    from torchtpu.distributed import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    x, w, grad = _data()
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    xs = distribute_tensor(x, mesh, (Shard(0),)).requires_grad_()
+    ws = distribute_tensor(w, mesh, (Replicate(),)).requires_grad_()
+    gs = distribute_tensor(grad, mesh, (Shard(0),))
+    for name in ("softmax_rows", "tanh_rows"):
+        want = _reference(name.split("_")[0], x, w, grad)
+        step = _step(ops, name, "torchtpu.compile" if name == "tanh_rows" else "eager")
+        for _ in range(2):
+            got = step(xs, ws, gs)
+        assert torchtpu.to_jax(got[0]).sharding.spec[0] == "dp", f"{name}: the output is not laid out per shard"
+        close(got[0], want[0], f"{name} output")
+        close(got[1], want[1], f"{name} x's gradient")
+        if name == "tanh_rows":
+            close(got[2], want[2], f"{name} w's gradient")
+
+
+# ----------------------------------------------------------------------------- the errors
+
+
+def test_mistakes_are_one_clear_error_naming_the_op(ops):
+    x = torch.randn(16, 32).to("tpu")
+    raw = torchtpu.jax_op("jaxop_test::raw_softmax", pallas_softmax)  # no gradient: no custom_vjp
+    torch.testing.assert_close(raw(x).cpu(), torch.softmax(x.cpu(), -1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="jaxop_test::raw_softmax: a gradient was asked for.*jax.custom_vjp"):
+        raw(x.clone().requires_grad_()).sum().backward()
+
+    wrong_fake = torchtpu.jax_op("jaxop_test::wrong_fake", lambda x: x * 2, fake=lambda x: x.new_empty((x.shape[0],)))
+    with pytest.raises(RuntimeError, match=r"jaxop_test::wrong_fake: output 0 is float32\[16, 32\], the op's fake"):
+        wrong_fake(x)
+
+    not_jax = torchtpu.jax_op("jaxop_test::not_jax", lambda x: "done")
+    with pytest.raises(RuntimeError, match="jaxop_test::not_jax: fn's output 0 is a str, not a JAX array"):
+        not_jax(x)
+
+    with pytest.raises(ValueError, match="'namespace::name'"):
+        torchtpu.jax_op("no_namespace", lambda x: x)
+    with pytest.raises(RuntimeError, match="jaxop_test::fused_softmax is already defined"):
+        torchtpu.jax_op("jaxop_test::fused_softmax", fused_softmax)
+    with pytest.raises(RuntimeError, match="jaxop_test::two_specs: 2 out_specs for 1 outputs"):
+        torchtpu.jax_op("jaxop_test::two_specs", lambda x: x, out_specs=(P("dp"), P()))
+
+    from torchtpu.distributed import Replicate, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    odd, w = (distribute_tensor(t, mesh, (Replicate(),)) for t in (torch.randn(12, 32), torch.randn(32)))
+    with pytest.raises(RuntimeError, match=r"jaxop_test::tanh_rows: input 'x'.s dim 0 of size 12 does not split into"):
+        ops["tanh_rows"](odd, w)  # in_specs (P("dp"), P()): 12 rows over 8 devices
