@@ -45,8 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import dtypes
 from .execute import device_index_of, run, wrap
-from .ops.attention_tpu import interpret_kernels, interpreting, mesh_of
 from .optable import CUSTOM, lower
+from .pallas_mode import interpret_kernels, interpreting, mesh_of
 from .plans import plan_for
 from .state import is_tracing
 from .tensor import TpuTensor, storage_of
@@ -64,7 +64,18 @@ class JaxOpError(RuntimeError):
     """A jax_op's function, fake or sharding does not fit the op (the message names the op)."""
 
 
-def jax_op(name: str, fn, *, schema=None, outputs: int = 1, backward=None, fake=None, in_specs=None, out_specs=None):
+def jax_op(
+    name: str,
+    fn,
+    *,
+    schema=None,
+    outputs: int = 1,
+    backward=None,
+    fake=None,
+    in_specs=None,
+    out_specs=None,
+    choose_platform: bool = True,
+):
     """Register the JAX function `fn` as the PyTorch custom op `name` ("namespace::op") and return it
     (`torch.ops.namespace.op`).
 
@@ -80,6 +91,8 @@ def jax_op(name: str, fn, *, schema=None, outputs: int = 1, backward=None, fake=
     out_specs: a PartitionSpec per output: run fn per shard with `jax.shard_map` over the mesh
     the inputs are laid out on; in_specs: a PartitionSpec per Tensor argument (default: each
     input's own placement). Without out_specs fn is one global function.
+    choose_platform: False for a function that picks its TPU and other-platform branches itself
+    (`lax.platform_dependent`, as the project's own kernels do); jax_op then calls it as it is.
     """
     namespace, opname = _split_name(name)
     if not callable(fn):
@@ -91,7 +104,7 @@ def jax_op(name: str, fn, *, schema=None, outputs: int = 1, backward=None, fake=
         )
     if schema is None:
         schema = _schema_from_signature(name, fn, outputs)
-    spec = _JaxOp(name, fn, schema, backward, fake, in_specs, out_specs)
+    spec = _JaxOp(name, fn, schema, backward, fake, in_specs, out_specs, choose_platform)
     lib = _LIBRARIES.get(namespace)
     if lib is None:
         lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
@@ -161,8 +174,9 @@ def _is_float(dtype) -> bool:
 class _JaxOp:
     """One op made by jax_op: its schema, and the functions it registers (see the module doc)."""
 
-    def __init__(self, name, fn, schema, backward, fake, in_specs, out_specs):
+    def __init__(self, name, fn, schema, backward, fake, in_specs, out_specs, choose_platform):
         self.name = name
+        self.choose_platform = choose_platform
         self.fn = fn
         self.user_backward = backward
         self.user_fake = fake
@@ -275,7 +289,7 @@ class _JaxOp:
 
     def _on_platform(self, g, operands):
         """g's Pallas kernels as Mosaic where the program is compiled for TPU, interpreted elsewhere."""
-        if interpreting():
+        if interpreting() or not self.choose_platform:
             return g(*operands)
 
         def interpreted(*a):

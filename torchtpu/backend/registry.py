@@ -4,7 +4,8 @@ Op modules register into the op table (`lower`, `custom`, `POST`; see optable.py
 import the dispatcher's modules themselves. A bespoke handler (`custom`) works on tensors, so
 it gets the dispatcher's services from here: running an op's plan (`plan_for`, `run`),
 wrapping results (`wrap`), writing a mutated argument (`write_value`), reading values
-(`array_of`, `to_cpu`) and re-dispatching (`dispatch`).
+(`array_of`, `to_cpu`) and re-dispatching (`dispatch`). An op whose whole implementation is a
+JAX function (a Pallas kernel's wrapper) is registered with `jax_op`, as users register theirs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from .execute import device_index_of, run, wrap
 from .fallback import to_cpu
 from .handlers import dispatch, write_value
+from .jax_op import jax_op
 from .optable import CUSTOM, LOWERINGS, POST, Lowering, aten, custom, lower
 from .plans import bind, plan_for
 from .state import CONFIG, is_tracing
@@ -30,6 +32,7 @@ __all__ = [
     "device_index_of",
     "dispatch",
     "is_tracing",
+    "jax_op",
     "lower",
     "plan_for",
     "run",

@@ -48,7 +48,6 @@ with TORCHTPU_PALLAS_ATTENTION=0.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -58,6 +57,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from torchtpu.backend.ops import attention_kernels
+
+from ..pallas_mode import interpret_kernels, interpreting, mesh_of  # noqa: F401  (the kernels here and in *_tpu.py use them)
 
 __all__ = [
     "enabled",
@@ -217,25 +218,7 @@ def bind_pallas(fn, args, costs, interpret):
 # ----------------------------------------------------------------------------- interpret mode
 
 
-@contextlib.contextmanager
-def interpret_kernels():
-    """Within this block, nn.py's attention runs the Pallas kernels in interpret mode on any
-    platform (numerics tests on CPU). The setting is part of JAX's jit cache key, so cached
-    per-op executables are not reused across it."""
-    from jax._src import config as jax_config
-
-    state = jax_config.pallas_tpu_interpret_mode_context_manager
-    prev = state.swap_local(True)
-    try:
-        yield
-    finally:
-        state.set_local(prev)
-
-
-def interpreting() -> bool:
-    from jax._src import config as jax_config
-
-    return bool(jax_config.pallas_tpu_interpret_mode_context_manager.value)
+# interpret_kernels, interpreting: backend/pallas_mode.py (jax_op.py shares them)
 
 
 # ----------------------------------------------------------------------------- per-shard calls
@@ -249,16 +232,6 @@ class _Split:
 
     def spec(self, ndim):
         return P(self.batch, self.heads, *([None] * (ndim - 2)))
-
-
-def mesh_of(*arrays):
-    """The mesh a program lays these arrays out on: inside a jit over mesh-sharded inputs JAX
-    records it (abstract) in the types of the inputs and of everything computed from them."""
-    for a in arrays:
-        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and mesh.size > 1:
-            return mesh
-    return None
 
 
 def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
