@@ -94,6 +94,9 @@ def ops():
         "softmax": torchtpu.jax_op("jaxop_test::fused_softmax", fused_softmax),
         "tanh": torchtpu.jax_op("jaxop_test::scaled_tanh", lambda x, w, scale=2.0: scaled_tanh(x, w, scale)),
         "softmax_rows": torchtpu.jax_op("jaxop_test::softmax_rows", fused_softmax, out_specs=P("dp")),
+        "softmax_given": torchtpu.jax_op(
+            "jaxop_test::softmax_given", fused_softmax, in_specs=(P("dp"),), out_specs=P("dp")
+        ),
         "tanh_rows": torchtpu.jax_op(
             "jaxop_test::tanh_rows",
             lambda x, w, scale=2.0: scaled_tanh(x, w, scale),
@@ -174,6 +177,27 @@ def test_sharded_over_8_devices_equals_unsharded(ops):
         close(got[1], want[1], f"{name} x's gradient")
         if name == "tanh_rows":
             close(got[2], want[2], f"{name} w's gradient")
+
+
+def test_ahead_of_time_for_v5p_the_kernel_is_a_custom_call_with_a_cost(ops):
+    """A training step with the user's kernel, compiled ahead of time for v5p:2x2x1 (rows over 4
+    chips), runs it as a Mosaic custom call per shard (16 of 64 rows); XLA's cost analysis counts
+    the step."""
+    from tests.backend.test_pallas_attention import _topology_devices
+    from torchtpu.distributed import Shard, empty, init_device_mesh
+
+    mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp",), devices=_topology_devices())
+
+    def step(x):
+        (g,) = torch.autograd.grad(ops["softmax_given"](x).square().sum(), (x,))
+        return g
+
+    x = empty((64, 256), torch.float32, mesh=mesh, placements=(Shard(0),)).requires_grad_()
+    compiled = torchtpu.compile(step).compile_for(x)
+    calls = [line for line in compiled.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert calls and all("f32[16,256]" in c.split(" custom-call(")[0] for c in calls), calls
+    cost = compiled.cost_analysis()
+    assert cost["flops"] > 0 and cost["optimal_seconds"] > 0, cost
 
 
 # ----------------------------------------------------------------------------- the errors

@@ -20,7 +20,8 @@
 Pallas: where a program is compiled for TPU the function's `pallas_call`s lower to Mosaic; on
 every other platform (XLA:CPU here) the function is traced in Pallas's interpret mode, so a
 kernel runs, and is tested, on CPU (`lax.platform_dependent` chooses at lowering time, as the
-project's own kernels do).
+project's own kernels do). The TPU branch is traced with JAX's 64-bit types off (Mosaic's index
+maps are 32-bit); its outputs must still have the fake's dtypes, else an error names the op.
 
 Sharding: by default the function is global (it sees whole arrays; XLA partitions it, which a
 Mosaic custom call does not allow on TPU). With `out_specs=` it runs per shard under
@@ -296,7 +297,13 @@ class _JaxOp:
             with interpret_kernels():
                 return g(*a)
 
-        return lax.platform_dependent(*operands, tpu=g, default=interpreted)
+        def on_tpu(*a):
+            # Mosaic index maps are 32-bit (a literal in one would be int64 with x64 on), and a
+            # TPU has no 64-bit floats: the TPU branch is traced with 64-bit types off
+            with jax.enable_x64(False):
+                return g(*a)
+
+        return lax.platform_dependent(*operands, tpu=on_tpu, default=interpreted)
 
     def _expected(self, values, arrays):
         """The fake's outputs for these arrays: [(shape, jax dtype)]."""
