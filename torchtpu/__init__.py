@@ -56,6 +56,7 @@ else:
     from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
     from .backend.compile import compile  # noqa: F401
     from .backend.jax_op import jax_op  # noqa: F401
+    from .backend.module_jax import module_from_jax, module_to_jax  # noqa: F401
     from .backend.tensor import TpuTensor  # noqa: F401
     from .backend.transfer import from_jax, to_jax  # noqa: F401
 

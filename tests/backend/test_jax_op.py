@@ -231,3 +231,23 @@ def test_mistakes_are_one_clear_error_naming_the_op(ops):
     odd, w = (distribute_tensor(t, mesh, (Replicate(),)) for t in (torch.randn(12, 32), torch.randn(32)))
     with pytest.raises(RuntimeError, match=r"jaxop_test::tanh_rows: input 'x'.s dim 0 of size 12 does not split into"):
         ops["tanh_rows"](odd, w)  # in_specs (P("dp"), P()): 12 rows over 8 devices
+
+
+def test_module_parameters_as_a_jax_pytree_and_back():
+    """A module's parameters go to JAX as the arrays they hold, a JAX update (an SGD step written with
+    jax.tree.map) comes back into the same Parameter objects, and the values equal PyTorch's update."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    want = {name: p.detach() - 0.1 * p.detach() ** 2 for name, p in model.named_parameters()}
+    model.to("tpu")
+    params = list(model.parameters())
+    tree = torchtpu.module_to_jax(model)
+    assert all(tree[name] is torchtpu.to_jax(p) for name, p in model.named_parameters())  # no copy
+    new = jax.tree.map(lambda p: p - 0.1 * p**2, tree)
+    torchtpu.module_from_jax(model, new)
+    assert list(model.parameters()) == params
+    for name, p in model.named_parameters():
+        assert torchtpu.to_jax(p) is new[name]  # no copy back either
+        close(p, want[name], name)
+    with pytest.raises(KeyError, match=r"not in the module \['bias'\], missing from the tree \['0.bias'\]"):
+        torchtpu.module_from_jax(model, {**{k: v for k, v in new.items() if k != "0.bias"}, "bias": new["0.bias"]})
