@@ -94,6 +94,9 @@ def ops():
         "softmax": torchtpu.jax_op("jaxop_test::fused_softmax", fused_softmax),
         "tanh": torchtpu.jax_op("jaxop_test::scaled_tanh", lambda x, w, scale=2.0: scaled_tanh(x, w, scale)),
         "softmax_rows": torchtpu.jax_op("jaxop_test::softmax_rows", fused_softmax, out_specs=P("dp")),
+        "softmax_fsdp": torchtpu.jax_op(
+            "jaxop_test::softmax_fsdp", fused_softmax, in_specs=(P("dp_shard"),), out_specs=P("dp_shard")
+        ),
         "softmax_given": torchtpu.jax_op(
             "jaxop_test::softmax_given", fused_softmax, in_specs=(P("dp"),), out_specs=P("dp")
         ),
@@ -177,6 +180,52 @@ def test_sharded_over_8_devices_equals_unsharded(ops):
         close(got[1], want[1], f"{name} x's gradient")
         if name == "tanh_rows":
             close(got[2], want[2], f"{name} w's gradient")
+
+
+class _Mixer(torch.nn.Module):
+    """Linear, a row softmax (the user's op on tpu, PyTorch's as the reference), Linear."""
+
+    def __init__(self, softmax):
+        super().__init__()
+        self.up, self.down, self.softmax = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8), softmax
+
+    def forward(self, x):
+        return self.down(self.softmax(self.up(x)))
+
+
+def test_fsdp_training_on_8_devices_equals_the_reference_ops_losses(ops):
+    """FSDP over 8 devices, SGD steps compiled with torchtpu.compile, the kernel per shard of the
+    batch: the losses equal those of the same model with torch.softmax, trained on CPU."""
+    from torchtpu.distributed import Shard, distribute_tensor, fully_shard, init_device_mesh
+
+    torch.manual_seed(0)
+    ref = _Mixer(lambda h: torch.softmax(h, -1))
+    model = _Mixer(ops["softmax_fsdp"])
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(64, 32, generator=g), torch.randn(64, 8, generator=g)
+
+    def train(model, x, target, compile):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(x, target):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = compile(step)
+        return torch.stack([step(x, target).cpu() for _ in range(3)]), step
+
+    want, _ = train(ref, x, target, lambda f: f)
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp_shard",))
+    fully_shard(model.to("tpu"), mesh=mesh)
+    xs, ts = (distribute_tensor(t, mesh, (Shard(0),)) for t in (x, target))
+    got, step = train(model, xs, ts, torchtpu.compile)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "manual_computation" in step.as_text(optimized=False)  # shard_map: the kernel runs per shard
+    assert want[2] < want[0]  # it trains
 
 
 def test_ahead_of_time_for_v5p_the_kernel_is_a_custom_call_with_a_cost(ops):
