@@ -52,7 +52,8 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as _gmm
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as _tgmm
 from jax.sharding import PartitionSpec as P
 
-from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
+from ..pallas_mode import interpreting, mesh_of
+from .attention_tpu import MODEL_AXIS
 
 __all__ = [
     "ROW_TILES",

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .attention_tpu import interpreting
+from ..pallas_mode import interpreting
 from .rms_norm_tpu import batch_split, per_batch_shard
 
 __all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES"]

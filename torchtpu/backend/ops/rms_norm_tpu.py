@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from .attention_tpu import MODEL_AXIS, interpreting, mesh_of
+from ..pallas_mode import interpreting, mesh_of
+from .attention_tpu import MODEL_AXIS
 
 __all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES", "batch_split", "per_batch_shard"]
 
