@@ -250,6 +250,32 @@ def test_ahead_of_time_for_v5p_the_kernel_is_a_custom_call_with_a_cost(ops):
     assert cost["flops"] > 0 and cost["optimal_seconds"] > 0, cost
 
 
+def test_two_outputs_a_given_backward_and_a_given_schema(ops):
+    """outputs=2 with backward= (its gradients, no jax.vjp), and schema= for a float argument."""
+    sin_cos = torchtpu.jax_op(
+        "jaxop_test::sin_cos",
+        lambda x, w: (jnp.sin(x) * w, jnp.cos(x)),
+        outputs=2,
+        backward=lambda x, w, g1, g2: (g1 * jnp.cos(x) * w - g2 * jnp.sin(x), jnp.sum(g1 * jnp.sin(x), axis=0)),
+    )
+    x, w, g1 = _data()
+    g2 = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.autograd.backward((torch.sin(xc) * wc, torch.cos(xc)), (g1, g2))
+    xt, wt = x.to("tpu").requires_grad_(), w.to("tpu").requires_grad_()
+    a, b = sin_cos(xt, wt)
+    torch.autograd.backward((a, b), (g1.to("tpu"), g2.to("tpu")))
+    close(a, torch.sin(x) * w, "first output")
+    close(b, torch.cos(x), "second output")
+    close(xt.grad, xc.grad, "x's gradient")
+    close(wt.grad, wc.grad, "w's gradient")
+
+    shrink = torchtpu.jax_op(
+        "jaxop_test::shrink", lambda x, eps: x / (jnp.abs(x) + eps), schema="(Tensor x, float eps) -> Tensor"
+    )
+    close(shrink(x.to("tpu"), 0.5), x / (x.abs() + 0.5), "schema= op")
+
+
 # ----------------------------------------------------------------------------- the errors
 
 

@@ -10,10 +10,10 @@
 - its fake (meta) implementation, from `jax.eval_shape` of the function (or the user's `fake=`):
   Dynamo, AOTAutograd and the dry run see shapes without running it;
 - its autograd formula: a second op, `<name>_vjp`, whose lowering is `jax.vjp` of the function
-  (a `jax.custom_vjp` inside it is honoured; `backward=` gives the pullback instead). The
-  backward op runs the function's forward again inside `jax.vjp` (the residuals JAX keeps are
-  not torch tensors): a kernel's forward runs twice per training step, as under full
-  rematerialisation. A function JAX cannot differentiate raises an error naming the op when a
+  (a `jax.custom_vjp` inside it is honoured). The backward op runs the function's forward again
+  inside `jax.vjp` (the residuals JAX keeps are not torch tensors): a kernel's forward runs twice
+  per training step, as under full rematerialisation. `backward=` gives the pullback instead, a
+  function of the op's arguments and the outputs' cotangents, which runs alone. A function JAX cannot differentiate raises an error naming the op when a
   gradient is asked for, also when the backward is traced (the vjp op's fake runs `jax.vjp`
   abstractly).
 
@@ -257,20 +257,30 @@ class _JaxOp:
             return f(*arrays), arrays
 
         def bwd(arrays, cts):
-            full = list(values)
-            for i, a in zip(self.tensor_pos, arrays):
-                full[i] = a
-            grads = self.user_backward(*full, *cts)
-            grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
-            if len(grads) != len(arrays):
-                raise JaxOpError(
-                    f"torchtpu.jax_op {self.name}: backward returned {len(grads)} gradient(s) for "
-                    f"{len(arrays)} tensor argument(s)"
-                )
-            return tuple(jnp.zeros_like(a) if gr is None else gr.astype(a.dtype) for gr, a in zip(grads, arrays))
+            return self._backward_grads(values, arrays, cts)
 
         g.defvjp(fwd, bwd)
         return g
+
+    def _backward_grads(self, values, arrays, cotangents):
+        """`backward=`'s gradients, one per tensor argument (zeros where it gives None)."""
+        full = list(values)
+        for i, a in zip(self.tensor_pos, arrays):
+            full[i] = a
+        grads = self.user_backward(*full, *cotangents)
+        grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+        if len(grads) != len(arrays):
+            raise JaxOpError(
+                f"torchtpu.jax_op {self.name}: backward returned {len(grads)} gradient(s) for "
+                f"{len(arrays)} tensor argument(s)"
+            )
+        for gr, a, k in zip(grads, arrays, range(len(arrays))):
+            if gr is not None and tuple(gr.shape) != tuple(a.shape):
+                raise JaxOpError(
+                    f"torchtpu.jax_op {self.name}: backward's gradient {k} has shape {list(gr.shape)}, its "
+                    f"argument {self.names[self.tensor_pos[k]]!r} {list(a.shape)}"
+                )
+        return tuple(jnp.zeros_like(a) if gr is None else gr.astype(a.dtype) for gr, a in zip(grads, arrays))
 
     def _sharded(self, f, arrays):
         """f per shard (shard_map) when the op has out_specs and the inputs lie on a mesh, else f."""
@@ -337,6 +347,10 @@ class _JaxOp:
     # ------------------------------------------------------------------------- autograd
     def _pullback(self, values, arrays, cotangents, *, sharded: bool):
         """The gradients of every tensor argument (zeros for integer ones) given the outputs'."""
+        if self.user_backward is not None and self.out_specs is None:
+            # the pullback itself: the forward need not run again (per shard, jax.vjp of the
+            # shard_map'ed custom_vjp below sums a replicated input's gradient over the shards)
+            return list(self._backward_grads(values, arrays, cotangents))
         f = self._function(values)
         if sharded:
             f = self._sharded(f, arrays)
