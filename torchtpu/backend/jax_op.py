@@ -76,6 +76,8 @@ def jax_op(
     in_specs=None,
     out_specs=None,
     choose_platform: bool = True,
+    cpu=None,
+    cpu_backward=None,
 ):
     """Register the JAX function `fn` as the PyTorch custom op `name` ("namespace::op") and return it
     (`torch.ops.namespace.op`).
@@ -94,6 +96,8 @@ def jax_op(
     input's own placement). Without out_specs fn is one global function.
     choose_platform: False for a function that picks its TPU and other-platform branches itself
     (`lax.platform_dependent`, as the project's own kernels do); jax_op then calls it as it is.
+    cpu, cpu_backward: optional PyTorch implementations of the op and of its pullback (as
+    `backward`'s) for CPU tensors; without them the op takes tpu tensors only.
     """
     namespace, opname = _split_name(name)
     if not callable(fn):
@@ -116,6 +120,10 @@ def jax_op(
     vjp_packet = getattr(getattr(torch.ops, namespace), f"{opname}_vjp")
     spec.vjp_op = vjp_packet.default
 
+    if cpu is not None:
+        lib.impl(opname, cpu, "CPU")
+    if cpu_backward is not None:
+        lib.impl(f"{opname}_vjp", spec.cpu_gradients(cpu_backward), "CPU")
     torch.library.register_fake(name, spec.fake_outputs, lib=lib)
     torch.library.register_fake(f"{name}_vjp", spec.fake_gradients, lib=lib)
     torch.library.register_autograd(name, spec.autograd_backward, setup_context=spec.setup_context, lib=lib)
@@ -189,11 +197,11 @@ class _JaxOp:
         self.tensor_pos = []
         for i, a in enumerate(parsed.arguments):
             t = str(a.type)
-            if t == "Tensor":
+            if t in ("Tensor", "Optional[Tensor]"):
                 self.tensor_pos.append(i)
             elif "Tensor" in t:
                 raise JaxOpError(
-                    f"torchtpu.jax_op {name}: argument {a.name} is {t}; jax_op takes plain Tensor arguments"
+                    f"torchtpu.jax_op {name}: argument {a.name} is {t}; jax_op takes Tensor and Tensor? arguments"
                 )
         if not all(str(r.type) == "Tensor" for r in parsed.returns) or not parsed.returns:
             raise JaxOpError(f"torchtpu.jax_op {name}: the schema must return one or more Tensors, got {schema!r}")
@@ -213,6 +221,10 @@ class _JaxOp:
         self.vjp_op = None
 
     # ------------------------------------------------------------------------- the call
+    def _present(self, values) -> list:
+        """The positions of the tensor arguments given in this call (a `Tensor?` one may be None)."""
+        return [i for i in self.tensor_pos if values[i] is not None]
+
     def _bind(self, args, kwargs):
         values = list(args) + [None] * (len(self.names) - len(args))
         for i, a in enumerate(self.arguments):
@@ -226,7 +238,7 @@ class _JaxOp:
     def _call(self, values, arrays):
         """fn on `arrays` (its tensor arguments) and the Python values in `values`: a tuple of outputs."""
         full = list(values)
-        for i, a in zip(self.tensor_pos, arrays):
+        for i, a in zip(self._present(values), arrays):
             full[i] = a
         out = self.fn(*full)
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -264,25 +276,20 @@ class _JaxOp:
 
     def _backward_grads(self, values, arrays, cotangents):
         """`backward=`'s gradients, one per tensor argument (zeros where it gives None)."""
+        pos = self._present(values)
         full = list(values)
-        for i, a in zip(self.tensor_pos, arrays):
+        for i, a in zip(pos, arrays):
             full[i] = a
-        grads = self.user_backward(*full, *cotangents)
-        grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
-        if len(grads) != len(arrays):
-            raise JaxOpError(
-                f"torchtpu.jax_op {self.name}: backward returned {len(grads)} gradient(s) for "
-                f"{len(arrays)} tensor argument(s)"
-            )
+        grads = self._per_given_tensor(values, self.user_backward(*full, *cotangents), "backward")
         for gr, a, k in zip(grads, arrays, range(len(arrays))):
             if gr is not None and tuple(gr.shape) != tuple(a.shape):
                 raise JaxOpError(
                     f"torchtpu.jax_op {self.name}: backward's gradient {k} has shape {list(gr.shape)}, its "
-                    f"argument {self.names[self.tensor_pos[k]]!r} {list(a.shape)}"
+                    f"argument {self.names[pos[k]]!r} {list(a.shape)}"
                 )
         return tuple(jnp.zeros_like(a) if gr is None else gr.astype(a.dtype) for gr, a in zip(grads, arrays))
 
-    def _sharded(self, f, arrays):
+    def _sharded(self, f, values, arrays):
         """f per shard (shard_map) when the op has out_specs and the inputs lie on a mesh, else f."""
         if self.out_specs is None:
             return f
@@ -292,10 +299,10 @@ class _JaxOp:
         in_specs = self.in_specs if self.in_specs is not None else _INFERRED_SPECS.get()
         if in_specs is None:
             raise JaxOpError(f"torchtpu.jax_op {self.name}: no in_specs for its per-shard call; pass in_specs=")
-        in_specs = tuple(in_specs)[: len(arrays)]
+        in_specs = tuple(spec for i, spec in zip(self.tensor_pos, in_specs) if values[i] is not None)
         sizes = dict(mesh.shape)
-        for i, (a, s) in enumerate(zip(arrays, in_specs)):
-            _check_spec(self.name, f"input {self.names[self.tensor_pos[i]]!r}", a.shape, s, sizes)
+        for i, a, spec in zip(self._present(values), arrays, in_specs):
+            _check_spec(self.name, f"input {self.names[i]!r}", a.shape, spec, sizes)
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=self.out_specs, check_vma=False)
 
     def _on_platform(self, g, operands):
@@ -322,7 +329,7 @@ class _JaxOp:
             outs = jax.eval_shape(self._function(values), *structs)
             return [(tuple(o.shape), jnp.dtype(o.dtype)) for o in outs]
         full = list(values)
-        for i, a in zip(self.tensor_pos, arrays):
+        for i, a in zip(self._present(values), arrays):
             full[i] = torch.empty(a.shape, dtype=dtypes.to_torch_dtype(a.dtype), device="meta")
         outs = self.user_fake(*full)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -330,8 +337,8 @@ class _JaxOp:
 
     def forward_lowering(self, *args, **kwargs):
         values = self._bind(args, kwargs)
-        arrays = [values[i] for i in self.tensor_pos]
-        g = self._sharded(self._function(values), arrays)
+        arrays = [values[i] for i in self._present(values)]
+        g = self._sharded(self._function(values), values, arrays)
         outs = self._on_platform(g, arrays)
         expected = self._expected(values, arrays)
         for k, (o, (shape, dtype)) in enumerate(zip(outs, expected)):
@@ -345,6 +352,29 @@ class _JaxOp:
         return outs[0] if self.n_out == 1 else tuple(outs)
 
     # ------------------------------------------------------------------------- autograd
+    def _per_given_tensor(self, values, grads, what):
+        """`grads` (one per Tensor argument of the schema) for the tensor arguments given (not None)."""
+        grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+        if len(grads) != len(self.tensor_pos):
+            raise JaxOpError(
+                f"torchtpu.jax_op {self.name}: {what} returned {len(grads)} gradient(s) for the "
+                f"{len(self.tensor_pos)} tensor argument(s) {[self.names[i] for i in self.tensor_pos]}"
+            )
+        return [gr for i, gr in zip(self.tensor_pos, grads) if values[i] is not None]
+
+    def cpu_gradients(self, cpu_backward):
+        """The vjp op's CPU kernel from `cpu_backward=` (PyTorch, one gradient per Tensor argument)."""
+
+        def kernel(*args, **kwargs):
+            values = self._bind(args, kwargs)
+            cotangents = values[len(self.names)] if len(values) > len(self.names) else kwargs["cotangents"]
+            values = values[: len(self.names)]
+            grads = self._per_given_tensor(values, cpu_backward(*values, *cotangents), "cpu_backward")
+            tensors = [values[i] for i in self._present(values)]
+            return [torch.zeros_like(t) if gr is None else gr.to(t.dtype) for gr, t in zip(grads, tensors)]
+
+        return kernel
+
     def _pullback(self, values, arrays, cotangents, *, sharded: bool):
         """The gradients of every tensor argument (zeros for integer ones) given the outputs'."""
         if self.user_backward is not None and self.out_specs is None:
@@ -353,7 +383,7 @@ class _JaxOp:
             return list(self._backward_grads(values, arrays, cotangents))
         f = self._function(values)
         if sharded:
-            f = self._sharded(f, arrays)
+            f = self._sharded(f, values, arrays)
         wrt = [k for k, a in enumerate(arrays) if _is_float(a.dtype)]
 
         def of_floats(*floats):
@@ -384,7 +414,7 @@ class _JaxOp:
         values = self._bind(args, kwargs)
         cotangents = list(values[len(self.names)] if len(values) > len(self.names) else kwargs["cotangents"])
         values = values[: len(self.names)]
-        arrays = [values[i] for i in self.tensor_pos]
+        arrays = [values[i] for i in self._present(values)]
         n = len(arrays)
 
         def g(*operands):
@@ -394,7 +424,7 @@ class _JaxOp:
 
     def fake_outputs(self, *args, **kwargs):
         values = self._bind(args, kwargs)
-        tensors = [values[i] for i in self.tensor_pos]
+        tensors = [values[i] for i in self._present(values)]
         if self.user_fake is not None:
             return self.user_fake(*values)
         arrays = [jax.ShapeDtypeStruct(_static_shape(self.name, t), dtypes.to_jax_dtype(t.dtype)) for t in tensors]
@@ -407,10 +437,12 @@ class _JaxOp:
         values = self._bind(args, kwargs)
         cotangents = values[len(self.names)] if len(values) > len(self.names) else kwargs["cotangents"]
         values = values[: len(self.names)]
-        tensors = [values[i] for i in self.tensor_pos]
+        tensors = [values[i] for i in self._present(values)]
         arrays = [jax.ShapeDtypeStruct(_static_shape(self.name, t), dtypes.to_jax_dtype(t.dtype)) for t in tensors]
         cts = [jax.ShapeDtypeStruct(_static_shape(self.name, c), dtypes.to_jax_dtype(c.dtype)) for c in cotangents]
         n = len(arrays)
+        if self.user_backward is not None:
+            return [torch.empty_like(t) for t in tensors]
         # traced abstractly now, so a function JAX cannot differentiate fails where the backward is built
         jax.eval_shape(lambda *ops: self._pullback(values, list(ops[:n]), ops[n:], sharded=False), *arrays, *cts)
         return [torch.empty_like(t) for t in tensors]
@@ -426,9 +458,9 @@ class _JaxOp:
         values = list(ctx.values)
         for i, t in zip(self.tensor_pos, ctx.saved_tensors):
             values[i] = t
-        gradients = self.vjp_op(*values, list(grads))
+        gradients = self.vjp_op(*values, [g.contiguous() for g in grads])
         result = [None] * len(values)
-        for k, i in enumerate(self.tensor_pos):
+        for k, i in enumerate(self._present(values)):
             if ctx.needs_input_grad[i] and values[i].is_floating_point():
                 result[i] = gradients[k]
         return tuple(result)
@@ -447,7 +479,9 @@ class _JaxOp:
 
         def handler(args, kwargs):
             values = self._bind(args, kwargs)
-            specs = tuple(self._placement(values[i], self.names[i]) for i in self.tensor_pos)
+            specs = tuple(
+                P() if values[i] is None else self._placement(values[i], self.names[i]) for i in self.tensor_pos
+            )
             token = _INFERRED_SPECS.set(specs)
             try:
                 out = run(plan_for(func), func, args, kwargs)

@@ -13,8 +13,9 @@ with cos and sin rounded to x's dtype first and each product and the sum in x's 
 query/key path (`q_norm`, `k_norm`, `apply_rotary_emb` and the transpose to attention's layout),
 as torchtitan writes it, in one op. On CPU it runs as those PyTorch ops; its gradient is theirs.
 
-On tpu the op lowers to one JAX function each way (forward, and `head_norm_rope_backward`, which
-its autograd formula calls): XLA's fusions anywhere, and where the program is compiled for TPU
+On tpu the op lowers to one JAX function each way (the op is registered with `jax_op`, with
+`head_norm_rope_backward` as its pullback, which its vjp op `torchtpu::head_norm_rope_vjp` runs):
+XLA's fusions anywhere, and where the program is compiled for TPU
 the Pallas kernels of head_norm_rope_tpu.py (one pass over the rows each way, written straight
 into the head-major layout). The arithmetic is the same in both: float32 norm statistics with the
 weight applied in float32 and one rounding (the rms_norm lowering's), then the rotation's products
@@ -27,15 +28,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ..registry import lower
+from ..registry import jax_op
 from . import head_norm_rope_tpu
-
-_lib = torch.library.Library("torchtpu", "FRAGMENT")
-_lib.define("head_norm_rope(Tensor x, Tensor? weight, float eps, Tensor rope, int head_dim) -> Tensor")
-_lib.define(
-    "head_norm_rope_backward(Tensor grad, Tensor x, Tensor? weight, float eps, Tensor rope, int head_dim) "
-    "-> (Tensor, Tensor)"
-)
 
 
 def _check(x, rope, head_dim):
@@ -70,46 +64,21 @@ def _cpu_forward(x, weight, eps, rope, head_dim):
     return _torch_forward(x, weight, eps, rope, head_dim)
 
 
-def _cpu_backward(grad, x, weight, eps, rope, head_dim):
+def _cpu_backward(x, weight, eps, rope, head_dim, grad):
+    """(x's gradient, the weight's or None, none for the table)."""
     if weight is None:
         _, vjp = torch.func.vjp(lambda x: _torch_forward(x, None, eps, rope, head_dim), x)
         (gx,) = vjp(grad)
-        return gx, torch.zeros(head_dim, dtype=torch.float32, device=x.device)
+        return gx, None, None
     _, vjp = torch.func.vjp(lambda x, w: _torch_forward(x, w, eps, rope, head_dim), x, weight)
     gx, gw = vjp(grad)
-    return gx, gw.float()
+    return gx, gw, None
 
 
-_lib.impl("head_norm_rope", _cpu_forward, "CompositeExplicitAutograd")
-_lib.impl("head_norm_rope_backward", _cpu_backward, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("torchtpu::head_norm_rope")
 def _fake(x, weight, eps, rope, head_dim):
     _check(x, rope, head_dim)
     b, s, width = x.shape
     return x.new_empty((b, width // head_dim, s, head_dim))
-
-
-@torch.library.register_fake("torchtpu::head_norm_rope_backward")
-def _fake_backward(grad, x, weight, eps, rope, head_dim):
-    return torch.empty_like(x), x.new_empty((head_dim,), dtype=torch.float32)
-
-
-def _setup(ctx, inputs, output):
-    x, weight, eps, rope, head_dim = inputs
-    ctx.save_for_backward(x, weight, rope)
-    ctx.eps, ctx.head_dim = eps, head_dim
-
-
-def _backward(ctx, grad):
-    x, weight, rope = ctx.saved_tensors
-    gx, gw = torch.ops.torchtpu.head_norm_rope_backward(grad.contiguous(), x, weight, ctx.eps, rope, ctx.head_dim)
-    gw = gw.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-    return gx, gw, None, None, None
-
-
-torch.library.register_autograd("torchtpu::head_norm_rope", _backward, setup_context=_setup)
 
 
 # ----------------------------------------------------------------------------- JAX
@@ -176,7 +145,6 @@ def _on_tpu(kernel, xla, x, head_dim, operands):
     return lax.platform_dependent(*operands, tpu=kernel, default=xla)
 
 
-@lower(torch.ops.torchtpu.head_norm_rope.default)
 def head_norm_rope(x, weight, eps, rope, head_dim):
     cos, sin = _tables(x, rope, head_dim)
     w = _weight(weight, head_dim)
@@ -190,8 +158,8 @@ def head_norm_rope(x, weight, eps, rope, head_dim):
     return _on_tpu(kernel, xla, x, head_dim, (x, w, cos, sin))
 
 
-@lower(torch.ops.torchtpu.head_norm_rope_backward.default)
-def head_norm_rope_backward(grad, x, weight, eps, rope, head_dim):
+def head_norm_rope_backward(x, weight, eps, rope, head_dim, grad):
+    """(x's gradient, the weight's float32 gradient or None, none for the table)."""
     cos, sin = _tables(x, rope, head_dim)
     w = _weight(weight, head_dim)
 
@@ -201,4 +169,19 @@ def head_norm_rope_backward(grad, x, weight, eps, rope, head_dim):
     def xla(g, x, w, cos, sin):
         return _xla_backward(g, x, w, cos, sin, head_dim, eps)
 
-    return _on_tpu(kernel, xla, x, head_dim, (grad.astype(x.dtype), x, w, cos, sin))
+    gx, gw = _on_tpu(kernel, xla, x, head_dim, (grad.astype(x.dtype), x, w, cos, sin))
+    return gx, (gw if weight is not None else None), None
+
+
+# Registered as users register a JAX function (backend/jax_op.py): the JAX forward and backward on
+# tpu, each choosing its kernels or XLA's fusions itself (_on_tpu), PyTorch's ops on CPU.
+jax_op(
+    "torchtpu::head_norm_rope",
+    head_norm_rope,
+    schema="(Tensor x, Tensor? weight, float eps, Tensor rope, int head_dim) -> Tensor",
+    backward=head_norm_rope_backward,
+    fake=_fake,
+    choose_platform=False,
+    cpu=_cpu_forward,
+    cpu_backward=_cpu_backward,
+)
