@@ -270,6 +270,18 @@ def test_two_outputs_a_given_backward_and_a_given_schema(ops):
     close(xt.grad, xc.grad, "x's gradient")
     close(wt.grad, wc.grad, "w's gradient")
 
+    # an integer output (argsort's) has no gradient; the float one's flows through jax.vjp
+    sort = torchtpu.jax_op("jaxop_test::sort", lambda x: (jnp.sort(x, axis=-1), jnp.argsort(x, axis=-1)), outputs=2)
+    xt = x.to("tpu").requires_grad_()
+    values, order = sort(xt)
+    values.backward(g1.to("tpu"))
+    xc = x.clone().requires_grad_()
+    want_values, want_order = torch.sort(xc, -1)
+    want_values.backward(g1)
+    assert order.dtype == torch.int64 and torch.equal(order.cpu(), want_order)
+    close(values, want_values, "sorted values")
+    close(xt.grad, xc.grad, "sort's gradient")
+
     shrink = torchtpu.jax_op(
         "jaxop_test::shrink", lambda x, eps: x / (jnp.abs(x) + eps), schema="(Tensor x, float eps) -> Tensor"
     )

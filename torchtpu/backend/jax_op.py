@@ -39,6 +39,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 from jax.sharding import NamedSharding
@@ -316,9 +317,12 @@ class _JaxOp:
 
         def on_tpu(*a):
             # Mosaic index maps are 32-bit (a literal in one would be int64 with x64 on), and a
-            # TPU has no 64-bit floats: the TPU branch is traced with 64-bit types off
+            # TPU has no 64-bit floats: the TPU branch is traced with 64-bit types off, its outputs
+            # cast to the types the other branch (and the fake) has
+            want = jax.eval_shape(g, *a)
             with jax.enable_x64(False):
-                return g(*a)
+                out = g(*a)
+            return jax.tree.map(lambda o, w: o.astype(w.dtype), out, want)
 
         return lax.platform_dependent(*operands, tpu=on_tpu, default=interpreted)
 
@@ -394,7 +398,10 @@ class _JaxOp:
 
         try:
             outs, pull = jax.vjp(of_floats, *[arrays[k] for k in wrt])
-            cts = tuple(jnp.asarray(c).astype(o.dtype) for c, o in zip(cotangents, outs))
+            cts = tuple(
+                jnp.asarray(c).astype(o.dtype) if _is_float(o.dtype) else np.zeros(o.shape, jax.dtypes.float0)
+                for c, o in zip(cotangents, outs)
+            )  # an integer output has no gradient: JAX's cotangent for it is float0
             grads = pull(cts)
         except JaxOpError:
             raise
