@@ -13,15 +13,15 @@
   (a `jax.custom_vjp` inside it is honoured). The backward op runs the function's forward again
   inside `jax.vjp` (the residuals JAX keeps are not torch tensors): a kernel's forward runs twice
   per training step, as under full rematerialisation. `backward=` gives the pullback instead, a
-  function of the op's arguments and the outputs' cotangents, which runs alone. A function JAX cannot differentiate raises an error naming the op when a
-  gradient is asked for, also when the backward is traced (the vjp op's fake runs `jax.vjp`
-  abstractly).
+  function of the op's arguments and the outputs' cotangents, which runs alone. A function JAX
+  cannot differentiate raises an error naming the op when a gradient is asked for, also when the
+  backward is traced (the vjp op's fake runs `jax.vjp` abstractly).
 
 Pallas: where a program is compiled for TPU the function's `pallas_call`s lower to Mosaic; on
 every other platform (XLA:CPU here) the function is traced in Pallas's interpret mode, so a
 kernel runs, and is tested, on CPU (`lax.platform_dependent` chooses at lowering time, as the
 project's own kernels do). The TPU branch is traced with JAX's 64-bit types off (Mosaic's index
-maps are 32-bit); its outputs must still have the fake's dtypes, else an error names the op.
+maps are 32-bit), and its outputs are cast to the types the function gives with them on.
 
 Sharding: by default the function is global (it sees whole arrays; XLA partitions it, which a
 Mosaic custom call does not allow on TPU). With `out_specs=` it runs per shard under
@@ -249,7 +249,7 @@ class _JaxOp:
                 "output(s); pass outputs= (or schema=) to match"
             )
         for k, o in enumerate(outs):
-            if not isinstance(o, (jax.Array, jax.core.Tracer, jax.ShapeDtypeStruct)):
+            if not isinstance(o, (jax.Array, jax.core.Tracer)):
                 raise JaxOpError(
                     f"torchtpu.jax_op {self.name}: fn's output {k} is a {type(o).__name__}, not a JAX array; "
                     "return jax.numpy arrays (jnp.asarray(value))"
@@ -270,7 +270,11 @@ class _JaxOp:
             return f(*arrays), arrays
 
         def bwd(arrays, cts):
-            return self._backward_grads(values, arrays, cts)
+            grads = self._backward_grads(values, arrays, cts)
+            # JAX's cotangent of an integer input is float0
+            return tuple(
+                gr if _is_float(a.dtype) else np.zeros(a.shape, jax.dtypes.float0) for gr, a in zip(grads, arrays)
+            )
 
         g.defvjp(fwd, bwd)
         return g
@@ -407,10 +411,11 @@ class _JaxOp:
             raise
         except Exception as e:
             raise JaxOpError(
-                f"torchtpu.jax_op {self.name}: a gradient was asked for, and JAX cannot differentiate its function "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Give the kernel a gradient with "
-                "jax.custom_vjp, or pass backward= to jax_op; or call the op under torch.no_grad() / on tensors "
-                "that do not require grad"
+                f"torchtpu.jax_op {self.name}: a gradient was asked for, and jax.vjp of its function failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). A function JAX cannot "
+                "differentiate (a bare pallas_call) needs a gradient of its own: wrap the kernel in jax.custom_vjp, "
+                "or pass backward= to jax_op; or call the op under torch.no_grad() / on tensors that do not "
+                "require grad"
             ) from e
         result = [jnp.zeros(a.shape, a.dtype) for a in arrays]
         for k, gr in zip(wrt, grads):
@@ -445,11 +450,11 @@ class _JaxOp:
         cotangents = values[len(self.names)] if len(values) > len(self.names) else kwargs["cotangents"]
         values = values[: len(self.names)]
         tensors = [values[i] for i in self._present(values)]
+        if self.user_backward is not None:
+            return [torch.empty_like(t) for t in tensors]
         arrays = [jax.ShapeDtypeStruct(_static_shape(self.name, t), dtypes.to_jax_dtype(t.dtype)) for t in tensors]
         cts = [jax.ShapeDtypeStruct(_static_shape(self.name, c), dtypes.to_jax_dtype(c.dtype)) for c in cotangents]
         n = len(arrays)
-        if self.user_backward is not None:
-            return [torch.empty_like(t) for t in tensors]
         # traced abstractly now, so a function JAX cannot differentiate fails where the backward is built
         jax.eval_shape(lambda *ops: self._pullback(values, list(ops[:n]), ops[n:], sharded=False), *arrays, *cts)
         return [torch.empty_like(t) for t in tensors]
