@@ -180,6 +180,18 @@ def test_sharded_over_8_devices_equals_unsharded(ops):
         close(got[1], want[1], f"{name} x's gradient")
         if name == "tanh_rows":
             close(got[2], want[2], f"{name} w's gradient")
+    # inside a compiled program a value's placement is known where torchtpu.distributed laid it out
+    # (the step's state: sharded parameters, tensors it reads) ...
+    state = distribute_tensor(x, mesh, (Shard(0),))
+    step = torchtpu.compile(lambda: ops["softmax_rows"](state))
+    for _ in range(2):
+        got = step()
+    close(got, torch.softmax(x, -1), "per shard over a sharded state tensor, traced")
+    # ... and not for a value computed in it, or a step's positional input: then in_specs are needed
+    step = torchtpu.compile(lambda x: ops["softmax_rows"](x * 2))
+    step(xs)  # eager warm-up: placements are the arrays' shardings
+    with pytest.raises(RuntimeError, match="jaxop_test::softmax_rows: the placement of input 'x' is not known"):
+        step(xs)
 
 
 class _Mixer(torch.nn.Module):
