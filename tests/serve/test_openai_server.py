@@ -1,5 +1,6 @@
 """Train, export, serve: a `torchtpu-train` run's Hugging Face export, served by vLLM's OpenAI
-server (`python -m vllm.entrypoints.openai.api_server`) on the tpu device.
+server started as every vLLM guide starts it (`vllm serve MODEL`, the console script) on the tpu
+device.
 
 The oracle is transformers on the CPU, reading the same folder with no other path given: its
 greedy tokens and text are what the server must return. One server (a real process on
@@ -132,11 +133,10 @@ def server(export, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     log_path = here / "server.log"
     port = free_port()
+    # `vllm serve` as typed: the console script of this environment's vLLM (make install)
     cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        os.path.join(os.path.dirname(sys.executable), "vllm"),
+        "serve",
         export,
         "--served-model-name",
         "trained",
