@@ -58,6 +58,16 @@ def test_platform_is_torchtpu():
     assert isinstance(vllm.platforms.current_platform, TpuPlatform)
 
 
+def test_the_default_kv_cache_holds_max_num_seqs_sequences_of_max_model_len(served):
+    """On XLA's CPU devices the cache is what the engine can ever use, not a share of the host's
+    memory: 8 sequences (max_num_seqs) of 512 tokens in blocks of 32, and the block pool's null block."""
+    llm, _, _ = served
+    config = llm.llm_engine.vllm_config
+    assert (config.scheduler_config.max_num_seqs, config.model_config.max_model_len) == (8, 512)
+    assert config.cache_config.block_size == 32
+    assert config.cache_config.num_gpu_blocks == 8 * (512 // 32) + 1
+
+
 def test_greedy_tokens_are_transformers(served):
     llm, model, family = served
     outs = _generate(llm, PROMPTS, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -27,12 +27,49 @@ def test_quantized_kv_cache_is_refused_with_the_fix(llama):
     assert "auto" in str(info.value), str(info.value)
 
 
-def test_a_cache_that_cannot_hold_max_model_len_is_vllms_error(llama):
-    # 4 blocks of 32 tokens (32 KiB each for this model) for max_model_len 512 (16 blocks)
-    with pytest.raises(ValueError, match=r"max_model_len|max seq len") as info:
-        with engine(llama, max_model_len=512, kv_cache_memory_bytes=4 * 32 * 1024):
+def _one_line_start_error(folder, **options) -> str:
+    with pytest.raises(ValueError) as info:
+        with engine(folder, **options):
             pass
-    assert "KV cache" in str(info.value)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_cache_that_cannot_hold_max_model_len_is_one_line_naming_the_fixes(llama):
+    # 4 blocks of 32 tokens (32 KiB each for this model in float32) for max_model_len 512 (16 blocks)
+    message = _one_line_start_error(llama, max_model_len=512, kv_cache_memory_bytes=4 * 32 * 1024)
+    assert "cannot hold one sequence of max_model_len=512 tokens" in message
+    assert "(kv_cache_memory_bytes)" in message
+    assert "lower max_model_len" in message and "--kv-cache-memory-bytes" in message
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_cache_on_xla_cpu_devices(llama, monkeypatch):
+    """vLLM-CPU's variable (GiB) is read where the tpu device runs on XLA's CPU devices: 0 GiB
+    holds nothing, which the start-up says."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    message = _one_line_start_error(llama)
+    assert "(VLLM_CPU_KVCACHE_SPACE=0) cannot hold one sequence" in message
+
+
+def test_gpu_memory_utilization_is_a_share_of_memory_for_the_whole_instance(llama):
+    """The share covers what the process already holds (its weights and runtime): a share smaller
+    than that leaves the cache nothing."""
+    import psutil
+
+    share = 64 << 20  # 64 MiB of the host's memory, less than this process holds (torch, jax, vLLM)
+    assert psutil.Process().memory_info().rss > share
+    util = share / psutil.virtual_memory().total
+    message = _one_line_start_error(llama, gpu_memory_utilization=util)
+    assert f"(gpu_memory_utilization={util} of the host's memory less this process's" in message
+
+
+def test_a_cache_larger_than_the_hosts_available_memory_is_refused(llama):
+    import psutil
+
+    too_big = psutil.virtual_memory().total * 2
+    message = _one_line_start_error(llama, kv_cache_memory_bytes=too_big)
+    assert "is more than the host's available memory" in message and "--kv-cache-memory-bytes" in message
 
 
 def test_an_architecture_without_a_tpu_attention_backend_names_it(tmp_path):
