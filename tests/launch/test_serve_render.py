@@ -74,6 +74,7 @@ def test_deployment_and_service_for_one_v6e_host():
         "bfloat16",
     ]
     assert c["resources"]["limits"] == c["resources"]["requests"] == {"google.com/tpu": 8}
+    assert c["env"] == []  # a ClusterIP Service with no --api-key-secret: no key
     assert c["ports"] == [{"name": "http", "containerPort": 8000}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
@@ -104,6 +105,8 @@ def test_options_reach_the_manifest_and_vllm_parses_the_server_arguments():
         "9000",
         "--service-type",
         "LoadBalancer",
+        "--api-key-secret",
+        "qwen-key",
         "--startup-minutes",
         "10",
         "--",
@@ -116,6 +119,7 @@ def test_options_reach_the_manifest_and_vllm_parses_the_server_arguments():
     assert c["startupProbe"]["failureThreshold"] == 60
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["spec"]["ports"][0]["port"] == 9000
+    assert c["env"] == [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "qwen-key", "key": "api-key"}}}]
 
     # what the container runs is a command line vLLM's OpenAI server accepts
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -137,6 +141,17 @@ def test_options_reach_the_manifest_and_vllm_parses_the_server_arguments():
         (["--tpu", "v6e:2x4", "--port", "0"], "--port 0: not a TCP port"),
         (["--tpu", "v6e-8"], "expected GENERATION:TOPOLOGY"),
         (["--tpu", "v6e:2x4", "--name", "Bad_Name"], "--name 'Bad_Name'"),
+        (
+            ["--tpu", "v6e:2x4", "--service-type", "LoadBalancer"],
+            "--service-type LoadBalancer exposes the server outside the cluster with no API key: pass "
+            "--api-key-secret SECRET",
+        ),
+        (["--tpu", "v6e:2x4", "--service-type", "NodePort"], "or --allow-unauthenticated if anyone"),
+        (["--tpu", "v6e:2x4", "--api-key-secret", "Key_1"], "--api-key-secret 'Key_1': not a Kubernetes Secret"),
+        (
+            ["--tpu", "v6e:2x4", "--api-key-secret", "k", "--api-key-secret-key", "a/b"],
+            "--api-key-secret-key 'a/b': not a Secret entry",
+        ),
     ],
 )
 def test_bad_options_exit_2_with_one_line(argv, message):
@@ -146,3 +161,31 @@ def test_bad_options_exit_2_with_one_line(argv, message):
     code, out, err = _run("gke-serve", *[x for kv in base.items() for x in kv])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def _container(*argv: str) -> dict:
+    deployment, _ = _render("--name", "srv", "--tpu", "v6e:2x4", "--image", "img", "--model", "/m", *argv)
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_the_api_key_comes_from_the_secret_entry_named():
+    c = _container("--service-type", "NodePort", "--api-key-secret", "srv-key", "--api-key-secret-key", "token")
+    assert c["env"] == [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "srv-key", "key": "token"}}}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # /health needs no key in vLLM
+        assert c[probe]["httpGet"]["path"] == "/health"
+
+
+def test_an_exposed_service_without_a_key_renders_only_when_the_flag_says_so():
+    c = _container("--service-type", "LoadBalancer", "--allow-unauthenticated")
+    assert c["env"] == []
+    assert "--api-key" not in c["args"]
+
+
+def test_a_key_on_the_servers_command_line_is_refused_for_any_service():
+    for key_args in (["--api-key", "sk-123"], ["--api-key=sk-123"]):
+        code, out, err = _run(
+            "gke-serve", "--name", "s", "--tpu", "v6e:2x4", "--image", "i", "--model", "/m", "--", *key_args
+        )
+        assert code == 2 and out == "" and "sk-123" not in err
+        assert len(err.strip().splitlines()) == 1 and "would stand in the manifest in plain text" in err, err

@@ -41,6 +41,8 @@ CHAT_TEMPLATE = (
 )
 START_TIMEOUT = 420  # seconds for the server to answer /health: imports, weights, compiling each step bucket
 REQUEST_TIMEOUT = 120
+API_KEY = "test-key-5f2c"  # the server's VLLM_API_KEY: requests to /v1 carry it as a bearer token
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +154,13 @@ def server(export, tmp_path_factory):
         "8",
         "--max-num-batched-tokens",
         "64",
-        "--kv-cache-memory-bytes",
-        str(16 << 20),
         "--chat-template",
         str(template),
     ]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("VLLM_TARGET_DEVICE", None)  # it would make vLLM skip platform plugins
     env["OMP_NUM_THREADS"] = "1"  # PyTorch's CPU work on one thread (XLA's devices have the cores)
+    env["VLLM_API_KEY"] = API_KEY  # as `torchtpu-launch gke-serve --api-key-secret` gives it from a Secret
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -176,7 +177,7 @@ def server(export, tmp_path_factory):
             assert time.monotonic() < deadline, f"no /health after {START_TIMEOUT} s:\n{log_path.read_text()[-4000:]}"
             time.sleep(1)
         print(f"vLLM's OpenAI server answered /health after {START_TIMEOUT - (deadline - time.monotonic()):.0f} s")
-        yield {"url": url, "log": log_path}
+        yield {"url": url, "log": log_path, "pid": proc.pid}
     finally:
         _stop(proc)
 
@@ -188,10 +189,8 @@ def _complete_characters(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def _post(server, path, body):
-    req = urllib.request.Request(
-        server["url"] + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post(server, path, body, headers=HEADERS):
+    req = urllib.request.Request(server["url"] + path, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
         assert r.status == 200
         return json.loads(r.read())
@@ -258,9 +257,7 @@ def test_chat_completion_answers_with_the_templated_greedy_tokens(server, export
 @pytest.mark.xdist_group("vllm")
 def test_streamed_completion_arrives_in_pieces_that_make_the_greedy_text(server, reference):
     body = {"model": "trained", "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "stream": True}
-    req = urllib.request.Request(
-        server["url"] + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(server["url"] + "/v1/completions", data=json.dumps(body).encode(), headers=HEADERS)
     pieces, done = [], False
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
         assert r.status == 200 and r.headers.get_content_type() == "text/event-stream"
@@ -277,3 +274,31 @@ def test_streamed_completion_arrives_in_pieces_that_make_the_greedy_text(server,
     assert done
     assert len([p for p in pieces if p]) > 1
     assert "".join(pieces) == _complete_characters(reference["text"][0])
+
+
+@pytest.mark.xdist_group("vllm")
+def test_a_server_with_an_api_key_answers_401_without_it(server):
+    """VLLM_API_KEY (what gke-serve's --api-key-secret sets from a Secret): /v1 answers 401 without
+    the key or with another one, 200 with it; /health, which probes read, needs none."""
+    body = {"model": "trained", "prompt": "1 + 2 =", "max_tokens": 2, "temperature": 0}
+    for headers in ({"Content-Type": "application/json"}, dict(HEADERS, Authorization="Bearer wrong-key")):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            _post(server, "/v1/completions", body, headers)
+        assert info.value.code == 401
+    assert len(_post(server, "/v1/completions", body)["choices"]) == 1
+    with urllib.request.urlopen(server["url"] + "/health", timeout=REQUEST_TIMEOUT) as r:
+        assert r.status == 200
+
+
+@pytest.mark.xdist_group("vllm")
+def test_the_servers_processes_stay_small_with_no_memory_options(server):
+    """Started with no KV-cache size or memory share, the API server and its engine process on XLA's
+    CPU devices hold a few GiB together, not a share of the host's memory."""
+    import psutil
+
+    root = psutil.Process(server["pid"])
+    tree = [root, *root.children(recursive=True)]
+    rss = sum(p.memory_info().rss for p in tree)
+    print(f"the server's {len(tree)} processes: {rss / (1 << 30):.2f} GiB resident")
+    assert len(tree) >= 2  # the API server and its engine process
+    assert rss < 4 << 30

@@ -305,6 +305,57 @@ def add_gke_serve_parser(sub) -> None:
         help="how long a pod may take to load and compile before /health must answer (default 30)",
     )
     p.add_argument("--workdir", default=None, help="the container's working folder (default /app)")
+    p.add_argument(
+        "--api-key-secret",
+        default=None,
+        metavar="SECRET",
+        help="a Kubernetes Secret holding the server's API key: the container reads it as VLLM_API_KEY, "
+        "and requests to /v1 then need 'Authorization: Bearer KEY' (docs/serving.md says how to create it)",
+    )
+    p.add_argument(
+        "--api-key-secret-key",
+        default="api-key",
+        metavar="KEY",
+        help="the entry of --api-key-secret that holds the key (default api-key)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help=f"render a {'/'.join(EXPOSED)} Service without --api-key-secret: anyone who reaches its "
+        "address can use the server",
+    )
+
+
+# Service types that give the server an address outside the cluster.
+EXPOSED = ("LoadBalancer", "NodePort")
+_SECRET_NAME = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # a Kubernetes object name (DNS subdomain)
+_SECRET_KEY = r"[-._a-zA-Z0-9]{1,253}"  # a Secret's data key
+
+
+def _api_key_env(args, server_args: list[str]) -> list[dict]:
+    """The container's environment for the API key: VLLM_API_KEY from the Secret's entry, or
+    nothing. An exposed Service with no key is refused unless --allow-unauthenticated says so; a key
+    on the server's command line (--api-key after --) is refused, as the manifest would show it."""
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in server_args):
+        raise RenderError(
+            "--api-key after --: the key would stand in the manifest in plain text; put it in a Kubernetes "
+            "Secret and pass --api-key-secret SECRET (docs/serving.md)"
+        )
+    secret = args.api_key_secret
+    if secret is None:
+        if args.service_type in EXPOSED and not args.allow_unauthenticated:
+            raise RenderError(
+                f"--service-type {args.service_type} exposes the server outside the cluster with no API key: pass "
+                "--api-key-secret SECRET (a Kubernetes Secret holding the key), or --allow-unauthenticated if "
+                "anyone who reaches the address may use it"
+            )
+        return []
+    if not re.fullmatch(_SECRET_NAME, secret):
+        raise RenderError(f"--api-key-secret {secret!r}: not a Kubernetes Secret name (lower case, digits, '-', '.')")
+    key = args.api_key_secret_key
+    if not re.fullmatch(_SECRET_KEY, key):
+        raise RenderError(f"--api-key-secret-key {key!r}: not a Secret entry name (letters, digits, '-', '_', '.')")
+    return [{"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
 
 
 def render_gke_serve(args, server_args: list[str]) -> str:
@@ -331,6 +382,7 @@ def render_gke_serve(args, server_args: list[str]) -> str:
             raise RenderError(f"{option} {value}: must be at least {low}")
     if not 1 <= args.port <= 65535:
         raise RenderError(f"--port {args.port}: not a TCP port (1 to 65535)")
+    env = _api_key_env(args, server_args)
     own = ["--model", args.model, "--host", "0.0.0.0", "--port", str(args.port), "--tensor-parallel-size", str(tp)]
     return _render(
         "serve_gke.yaml",
@@ -341,6 +393,7 @@ def render_gke_serve(args, server_args: list[str]) -> str:
         image=args.image,
         workdir=args.workdir or "/app",
         args=json.dumps(own + list(server_args)),  # a JSON list is a YAML flow sequence, every item quoted
+        env=json.dumps(env),
         port=args.port,
         chips_per_host=chips,
         startup_checks=args.startup_minutes * 6,  # probes every 10 s
