@@ -191,8 +191,12 @@ class TpuPlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
 
         model_config = vllm_config.model_config
-        if model_config is not None and vllm_config.speculative_config is not None:
-            raise ValueError("speculative decoding is not supported on tpu: leave speculative_config unset")
+        spec = vllm_config.speculative_config
+        if model_config is not None and spec is not None and spec.method != "ngram":
+            raise ValueError(
+                f"speculative decoding with method={spec.method!r} is not supported on tpu: use method='ngram' "
+                "(n-gram prompt lookup), or leave speculative_config unset"
+            )
         env = "VLLM_TPU_KVCACHE_SPACE"
         if os.environ.get(env):
             cache.kv_cache_memory_bytes = int(float(os.environ[env]) * (1 << 30))

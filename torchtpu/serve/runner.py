@@ -85,6 +85,7 @@ class TpuModelRunner(CPUModelRunner):
             self.scheduler_config.max_num_batched_tokens,
             self.scheduler_config.max_num_seqs,
             -(-self.model_config.max_model_len // self.block_size),
+            self.num_spec_tokens,
         )
 
     # -- the model

@@ -10,8 +10,9 @@ A step's program is specialised to its shapes, so the batch is padded:
 Each (tokens, requests) pair is one XLA program, compiled once (`Buckets.all()` at warm-up).
 
 A step's integer inputs travel to the device as one int32 array (`pack`), which the program
-slices (`unpack`): token ids, positions and cache slots per token; context lengths, query start
-offsets and logits rows per request; the request count; the block table. Padding tokens have
+slices (`unpack`): token ids, positions and cache slots per token; context lengths and query start
+offsets per request; the rows whose logits the step returns (one per request, and one per draft
+token under speculative decoding); the request count; the block table. Padding tokens have
 slot -1 (the cache write skips them) and belong to no request; padding requests have context
 length 0 and read logits row 0.
 """
@@ -41,15 +42,26 @@ def _powers(lo: int, hi: int) -> list[int]:
 class Bucket:
     tokens: int
     reqs: int
+    # logits rows the step returns: one per request, or with speculative decoding one per
+    # scheduled draft token too, at most min(tokens, reqs x (1 + drafts)); 0 means reqs
+    logits: int = 0
+
+    @property
+    def logits_rows(self) -> int:
+        return self.logits or self.reqs
 
 
 class Buckets:
     """The padding buckets of a runner: token counts x request counts."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_seq: int):
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_seq: int, draft_tokens: int = 0):
         self.token_sizes = _powers(MIN_TOKENS, _round_up(max_tokens, 8))
         self.req_sizes = _powers(MIN_REQS, _round_up(max_reqs, 8))
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.draft_tokens = draft_tokens  # speculative tokens per request and step
+
+    def _bucket(self, t: int, r: int) -> Bucket:
+        return Bucket(t, r, min(t, r * (1 + self.draft_tokens)) if self.draft_tokens else 0)
 
     def for_batch(self, num_tokens: int, num_reqs: int) -> Bucket:
         t = next((b for b in self.token_sizes if b >= num_tokens), None)
@@ -60,13 +72,13 @@ class Buckets:
                 f"bucket ({self.token_sizes[-1]} tokens, {self.req_sizes[-1]} requests): "
                 "max_num_batched_tokens/max_num_seqs changed after start-up"
             )
-        return Bucket(t, r)
+        return self._bucket(t, r)
 
     def all(self) -> list[Bucket]:
         """Every bucket a batch can fall in: a request bucket r serves token bucket t when some
         request count above the previous request bucket fits in t tokens."""
         prev = [0] + self.req_sizes[:-1]
-        return [Bucket(t, r) for t in self.token_sizes for r, p in zip(self.req_sizes, prev) if p < t]
+        return [self._bucket(t, r) for t in self.token_sizes for r, p in zip(self.req_sizes, prev) if p < t]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -83,7 +95,7 @@ def layout(bucket: Bucket, max_blocks_per_seq: int) -> dict[str, tuple[int, tupl
         ("kv_lens", (r,)),
         ("cu_q_lens", (r + 1,)),
         ("num_seqs", (1,)),
-        ("logits_indices", (r,)),
+        ("logits_indices", (bucket.logits_rows,)),
         ("block_tables", (r, max_blocks_per_seq)),
     ]
     out, off = {}, 0
