@@ -3,8 +3,8 @@
     python -m bench.torchtitan_trainer                # 10 steps each, median tokens/s of steps 3..10
     python -m bench.torchtitan_trainer --steps 6
 
-One XLA CPU device per run (on a TPU VM, one chip), torchtitan's llama3 debug config at seq_len 256 and
-local batch 8 in float32 (tests/assets/torchtitan/llama3_debug.toml):
+One XLA CPU device per run (on a TPU VM, one chip), torchtitan's llama3 debug config
+(tests/assets/torchtitan/llama3_debug.toml) at seq_len 256 and local batch 8 in float32:
   (a) `torchrun -m torchtitan.train`, eager: one XLA program per op;
   (b) the same with `--compile.enable --compile.backend tpu`: Dynamo graphs of the model and the loss;
   (c) `torchtpu-train` on the same model, sequence length, batch and optimizer: the whole step (forward,
@@ -28,6 +28,7 @@ from tests.torchtitan_job import run, steps, workdir
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32 = ("--training.mixed_precision_param", "float32")
+BATCH = ("--training.local_batch_size", "8")  # the test config's 2 sequences a step, as torchtitan ships: 8
 
 
 def _median_tps(records: dict[int, dict], first: int) -> float:
@@ -35,7 +36,7 @@ def _median_tps(records: dict[int, dict], first: int) -> float:
 
 
 def torchtitan(root: Path, steps_: int, *extra: str) -> float:
-    out = run(root, "llama3_debug.toml", "--training.steps", str(steps_), *FP32, *extra)
+    out = run(root, "llama3_debug.toml", "--training.steps", str(steps_), *FP32, *BATCH, *extra)
     return _median_tps(steps(out), 3)
 
 

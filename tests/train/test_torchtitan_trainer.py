@@ -1,5 +1,5 @@
 """torchtitan 0.2.2's own trainer on tpu, unmodified: `torchrun ... -m torchtitan.train --job.config_file
-llama3_debug.toml` (its llama3 debug config: fused AdamW, selective AC; seq_len 256), started as its
+llama3_debug.toml` (its llama3 debug config: fused AdamW, selective AC; 2 sequences of 256 tokens a step), started as its
 README starts it, in real processes (tests/torchtitan_job.py). Nothing imports torchtpu by hand:
 `import torch` finds the device through PyTorch's autoload, torchtitan's device detection picks
 `tpu`, and each torchrun rank puts itself on `tpu:{LOCAL_RANK}`.
@@ -76,7 +76,7 @@ def test_fsdp_over_two_processes_trains(straight):
     root, _ = straight
     got = train(root, CONFIG, "--training.steps", "3", "--job.dump_folder", "fsdp2", nproc=2)
     assert sorted(got) == [1, 2, 3]
-    assert got[3] < got[1] - 0.5, got
+    assert got[3] < got[1] - 0.25, got
 
 
 @pytest.mark.parametrize("experts, ranks", [(4, 1), (8, 2), (3, 4)])
