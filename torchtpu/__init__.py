@@ -4,6 +4,7 @@ import torch, torchtpu
 x = torch.randn(4, 4, device="tpu")
 """
 
+import contextlib as _contextlib
 import sys as _sys
 
 from ._platform import launch_process as _launch_process
@@ -72,24 +73,46 @@ else:
         """
         from ._platform import XLA_COMPILES
         from .backend import compile as _compile
+        from .backend import fused as _fused
 
         return dict(
             _state.STATS.snapshot(),
             xla_compiles=XLA_COMPILES[0],
             **_dynamo.STATS.snapshot(),
             **_compile.STATS.snapshot(),
+            **_fused.FUSED_STATS.snapshot(),
         )
 
     def reset_cache_stats() -> None:
         from .backend import compile as _compile
+        from .backend import fused as _fused
 
         _state.STATS.reset()
+        _fused.FUSED_STATS.reset()
         _dynamo.STATS.reset()
         _compile.STATS.reset()
 
     def set_debug(enabled: bool = True) -> None:
-        """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line."""
-        _state.CONFIG.debug = bool(enabled)
+        """Debug mode: run each op synchronously and raise on NaN/Inf, naming the op and line
+        (the eager mode "debug"; set_debug(False) returns to "strict")."""
+        set_eager_mode("debug" if enabled else "strict")
+
+    from .backend.fused import set_eager_mode  # noqa: E402
+
+    def get_eager_mode() -> str:
+        """The eager mode ops run in now: "strict", "fused" or "debug" (see set_eager_mode)."""
+        return _state.CONFIG.eager_mode
+
+    @_contextlib.contextmanager
+    def eager_mode(mode: str):
+        """Run the block in eager mode `mode` ("strict", "fused" or "debug"), then return to the
+        mode before it (leaving fused mode runs the ops recorded in the block)."""
+        previous = _state.CONFIG.eager_mode
+        set_eager_mode(mode)
+        try:
+            yield
+        finally:
+            set_eager_mode(previous)
 
     def set_cpu_fallback(enabled: bool = True) -> None:
         """Run ops that have no XLA lowering on the CPU (warning once per op)."""

@@ -21,11 +21,12 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from . import random as tpu_random
+from .fused import Deferred, force, record, recordable
 from .optable import LOWERINGS
 from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
 from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
 from .tensor import TpuTensor, internal_index, new_base
-from .views import array_of
+from .views import array_of, pending_array_of
 
 _T = "\x00T"  # a tpu tensor
 _C = "\x00C"  # a CPU tensor (0-dim scalars mixed with device tensors)
@@ -73,18 +74,18 @@ def _scalar_array(value, kind):
     return arr
 
 
-def _flat_value(a, leaves, dyn):
+def _flat_value(a, leaves, dyn, read=array_of):
     t = type(a)
     if t is TpuTensor:
-        leaves.append(array_of(a))
+        leaves.append(read(a))
         return _T
     if t is list or t is tuple:
         if a and any(isinstance(x, torch.Tensor) for x in a):
-            return tuple(_flat_value(x, leaves, False) for x in a)
+            return tuple(_flat_value(x, leaves, False, read) for x in a)
         return tuple(a) if t is list else a
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
-            leaves.append(array_of(a))
+            leaves.append(read(a))
             return _T
         leaves.append(dtypes.torch_to_numpy(a) if HOOKS.host is None else HOOKS.host(a))
         return _C
@@ -96,23 +97,27 @@ def _flat_value(a, leaves, dyn):
     return a
 
 
-def flatten(plan: OpPlan, args, kwargs):
+def flatten(plan: OpPlan, args, kwargs, read=None):
+    """(spec, kwspec, leaves) of a call; `read` gives a tensor's leaf (default: its array)."""
     leaves = []
     dyn_pos = plan.dyn_pos
     spec = []
     i = 0
     for a in args:
         if type(a) is TpuTensor:
-            arr = a._st.array
-            leaves.append(arr if arr is not None and not a._vw and HOOKS.read is None else array_of(a))
+            if read is None:
+                arr = a._st.array
+                leaves.append(arr if arr is not None and not a._vw and HOOKS.read is None else array_of(a))
+            else:
+                leaves.append(read(a))
             spec.append(_T)
         else:
-            spec.append(_flat_value(a, leaves, i in dyn_pos))
+            spec.append(_flat_value(a, leaves, i in dyn_pos, read or array_of))
         i += 1
     spec = tuple(spec)
     if kwargs:
         dyn_kw = plan.dyn_kw
-        kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw)) for k, v in kwargs.items())
+        kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw, read or array_of)) for k, v in kwargs.items())
     else:
         kwspec = ()
     return spec, kwspec, leaves
@@ -279,8 +284,12 @@ def _trace_body(func, impl, spec, kwspec, random, *leaves):
     return conform(out, expected)
 
 
-def run(plan: OpPlan, func, args, kwargs):
-    """Compute the functional outputs of `func` as JAX arrays."""
+def run(plan: OpPlan, func, args, kwargs, pending=False):
+    """Compute the functional outputs of `func` as JAX arrays. With `pending` (the dispatcher's
+    own calls, which wrap the outputs in tensors), in fused mode: as Deferred values of the op
+    recorded for backend.fused."""
+    if pending and CONFIG.fused and plan.jit and not STATE.trace_depth:
+        return _record(plan, func, args, kwargs)
     spec, kwspec, leaves = flatten(plan, args, kwargs)
     impl = plan.impl
     if impl is None:
@@ -299,20 +308,72 @@ def run(plan: OpPlan, func, args, kwargs):
         else:
             expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
         return conform(impl(args, kwargs), expected)
+    exe = _executable(plan, func, impl, spec, kwspec)
+    STATS.calls += 1
+    if CONFIG.sync_dispatch:
+        return jax.block_until_ready(exe(*leaves))
+    return exe(*leaves)
+
+
+def _executable(plan, func, impl, spec, kwspec):
     key = (spec, kwspec)
     exes = plan.executables
     try:
-        exe = exes[key]
+        return exes[key]
     except KeyError:
         try:
             hash(key)
         except TypeError:
             raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}") from None
         exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
+        return exe
+
+
+def _record(plan, func, args, kwargs):
+    """Fused mode: the op's executable and inputs recorded (backend.fused), its outputs Deferred.
+    An op on another device than tpu:0, or with an input that is no array, runs strictly."""
+    spec, kwspec, leaves = flatten(plan, args, kwargs, pending_array_of)
+    impl = plan.impl
+    if impl is None:
+        impl = plan.impl = _impl_for(func)
+    index = device_index_of(args, kwargs)
+    if plan.random:
+        leaves.append(tpu_random.next_key_data(index))
+    exe = _executable(plan, func, impl, spec, kwspec)
     STATS.calls += 1
-    if CONFIG.sync_dispatch:
-        return jax.block_until_ready(exe(*leaves))
-    return exe(*leaves)
+    if index == 0 and all(recordable(x) for x in leaves):
+        ints = _int_returns(plan, func, exe, spec, kwspec, leaves) if plan.int_returns else ()
+        if ints is not None:
+            out = record(exe, leaves)
+            if ints:
+                out = list(out)
+                for i, v in zip(plan.int_returns, ints):
+                    out[i] = v
+                out = tuple(out)
+            return out
+    return exe(*[force(x) for x in leaves])
+
+
+_INT_RETURNS: dict = {}
+
+
+def _int_returns(plan, func, exe, spec, kwspec, leaves):
+    """The values of an op's integer returns (sizes, such as attention's max sequence lengths),
+    which a recorded op must give before it runs: PyTorch's meta kernel's, by input shapes.
+    None when the meta kernel gives none (the op then runs strictly)."""
+    key = (exe, tuple((x.shape, x.dtype) for x in leaves))
+    try:
+        return _INT_RETURNS[key]
+    except KeyError:
+        pass
+    expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
+    ints = None
+    if isinstance(expected, (tuple, list)):
+        ints = tuple(expected[i] for i in plan.int_returns)
+        if not all(type(v) is int for v in ints):
+            ints = None
+    _INT_RETURNS[key] = ints
+    return ints
 
 
 def _impl_for(func):
@@ -358,7 +419,7 @@ def wrap(out, device_index):
         return None
     if isinstance(out, (list, tuple)):
         return type(out)(wrap(o, device_index) for o in out)
-    if isinstance(out, (jax.Array, jax.core.Tracer)):
+    if isinstance(out, (jax.Array, jax.core.Tracer)) or type(out) is Deferred:
         return new_base(out, device_index)
     if isinstance(out, np.ndarray):
         return new_base(jnp.asarray(out), device_index)

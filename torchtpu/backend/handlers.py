@@ -18,6 +18,7 @@ from torch.utils._mode_utils import no_dispatch
 from . import dtypes
 from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
+from .fused import Deferred, record
 from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
 from .state import CONFIG, STATE
@@ -76,10 +77,10 @@ def dispatch(func, args, kwargs):
     try:
         kind = plan.kind
         if kind == "functional":
-            out = run(plan, func, args, kwargs)
+            out = run(plan, func, args, kwargs, pending=True)
             if plan.like and not STATE.trace_depth:
                 out = _keep_layout(args[0], out)
-            if type(out) is _ArrayImpl:
+            if type(out) is _ArrayImpl or type(out) is Deferred:
                 a0 = args[0] if args else None
                 out = new_base(out, a0._st.device_index if type(a0) is TpuTensor else device_index_of(args, kwargs))
             else:
@@ -148,7 +149,7 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         targets.append(argument(plan, args, kwargs, i))
     if plan.lowering is not None:
         # Lowering returns (returns..., new values of mutated args in schema order).
-        out = run(plan, func, args, kwargs)
+        out = run(plan, func, args, kwargs, pending=True)
         n_ret = len(plan.returns_alias)
         new_values = list(out[n_ret:]) if isinstance(out, (tuple, list)) else []
         rets = out[:n_ret] if isinstance(out, (tuple, list)) else [out]
@@ -159,7 +160,7 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         raise unsupported(func)
     fplan = plan_for(plan.functional)
     fargs, fkwargs = _strip_outs(plan, args, kwargs)
-    result = run(fplan, plan.functional, fargs, fkwargs)
+    result = run(fplan, plan.functional, fargs, fkwargs, pending=True)
     results = result if isinstance(result, (tuple, list)) else [result]
     if len(targets) == 1 and isinstance(targets[0], (list, tuple)):
         # _foreach_X_: one list argument mutated by a functional returning a list
@@ -207,6 +208,8 @@ def write_value(t, new, resize=False):
     if tuple(new.shape) != want:
         if resize:
             resize_tensor(t, tuple(new.shape))
+        elif type(new) is Deferred:
+            new = record(_broadcast_fn(want), (new,))
         else:
             new = jnp.broadcast_to(new, want)
     jdt = dtypes.to_jax_dtype(t.dtype)
@@ -238,9 +241,16 @@ def _cast_fn(dtype):
     return jax.jit(lambda a: a.astype(dtype))
 
 
+@functools.cache
+def _broadcast_fn(shape):
+    return jax.jit(lambda a: jnp.broadcast_to(a, shape))
+
+
 def cast(a, jdt):
     if STATE.trace_depth or isinstance(a, jax.core.Tracer):
         return a.astype(jdt)
+    if type(a) is Deferred:
+        return record(_cast_fn(jdt), (a,))
     return _cast_fn(jdt)(a)
 
 

@@ -46,14 +46,33 @@ STATS = CacheStats()
 LOG_RECOMPILES = bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
 
 
+EAGER_MODES = ("strict", "fused", "debug")
+
+
+def _mode_from_environment() -> str:
+    mode = os.environ.get("TORCHTPU_EAGER_MODE") or ("debug" if os.environ.get("TORCHTPU_DEBUG") else "strict")
+    if mode not in EAGER_MODES:
+        raise ValueError(f"TORCHTPU_EAGER_MODE={mode!r}: choose one of {', '.join(EAGER_MODES)}")
+    return mode
+
+
 class Config:
-    debug = bool(os.environ.get("TORCHTPU_DEBUG"))
+    # the eager mode (backend.fused.set_eager_mode): `debug` checks every op's result, `fused`
+    # records ops for backend.fused while no device mesh exists (see note_mesh)
+    eager_mode = _mode_from_environment()
+    debug = eager_mode == "debug"
+    fused = eager_mode == "fused"
     cpu_fallback = bool(os.environ.get("TORCHTPU_CPU_FALLBACK"))
     # XLA:CPU runs the collectives of programs over several host devices with a rendezvous
     # that can deadlock when many such programs are in flight at once (async dispatch). Once
     # a device mesh exists on the CPU platform, eager ops therefore wait for their results.
     sync_dispatch = False
     mesh_active = False  # a device mesh exists: in-place writes keep mesh layouts
+
+    def set_mode(self, mode: str) -> None:
+        self.eager_mode = mode
+        self.debug = mode == "debug"
+        self.fused = mode == "fused" and not self.mesh_active
 
 
 CONFIG = Config()
@@ -63,6 +82,9 @@ def note_mesh(jax_mesh) -> None:
     """Arrays laid out over `jax_mesh` exist after this call (see Config)."""
     if jax_mesh.size > 1:
         CONFIG.mesh_active = True
+        # arrays laid out over a mesh keep their layouts through the strict path only: fused
+        # mode records no more ops (what it recorded runs when read)
+        CONFIG.fused = False
         if jax_mesh.devices.flat[0].platform == "cpu":
             CONFIG.sync_dispatch = True
 

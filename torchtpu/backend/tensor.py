@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import torch
 
 from . import dtypes
+from .fused import Deferred
 from .state import HOOKS
 
 _DEVICES: dict[int, torch.device] = {}
@@ -86,7 +87,7 @@ class Storage:
     as zeros. `version` changes on every write so views know when their cached read is stale.
     """
 
-    __slots__ = ("array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "ident", "__weakref__")
+    __slots__ = ("_array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "ident", "__weakref__")
 
     def __init__(self, array, shape, dtype, device_index):
         self.array = array
@@ -107,6 +108,26 @@ class Storage:
         # stands for this storage in PyTorch's API.
         if HOOKS.create is not None:
             HOOKS.create(self)
+
+    # In fused mode (backend.fused) the array may be a Deferred value of ops still to run:
+    # reading it here runs them, so every reader but the recording path gets an array.
+    @property
+    def array(self):
+        a = self._array
+        if type(a) is Deferred:
+            a = self._array = a.get()
+        return a
+
+    @array.setter
+    def array(self, value):
+        self._array = value
+
+    def pending_array(self):
+        """The array, or the Deferred value standing for it in fused mode (backend.fused)."""
+        a = self._array
+        if type(a) is Deferred and a.value is not None:
+            a = self._array = a.value
+        return a
 
 
 # Storage identity. A tpu storage has no host memory for PyTorch to point at, yet code that looks for

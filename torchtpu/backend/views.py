@@ -16,6 +16,7 @@ import torch
 from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 from . import dtypes
+from .fused import Deferred, force, record
 from .optable import LOWERINGS
 from .state import CONFIG, HOOKS, STATE
 from .tensor import Storage, TpuTensor, jax_device
@@ -57,12 +58,36 @@ def array_of(t: TpuTensor):
         a = st.array
         return a if a is not None and HOOKS.read is None else storage_array(st)
     if t._vv == st.version and t._vc is not None and HOOKS.read is None:
-        return t._vc
+        a = t._vc
+        if type(a) is Deferred:
+            a = t._vc = a.get()
+        return a
     base = storage_array(st)
     a = run_chain(vw, base, st.rows)
     if not STATE.trace_depth:
         t._vc = a
         t._vv = st.version
+    return a
+
+
+def pending_array_of(t: TpuTensor):
+    """`t`'s current values for an op being recorded in fused mode (backend.fused): an array, or
+    a Deferred value; a view of a pending storage is read by a recorded op too."""
+    st = t._st
+    a = st.pending_array()
+    if a is None or HOOKS.read is not None:
+        a = storage_array(st)
+    vw = t._vw
+    if not vw:
+        return a
+    if t._vv == st.version and t._vc is not None:
+        return t._vc
+    if _row_of(vw, a, st.rows) is not None:
+        a = run_chain(vw, force(a), st.rows)
+    else:
+        a = record(_jitted_chain(vw), (a,))
+    t._vc = a
+    t._vv = st.version
     return a
 
 
@@ -73,6 +98,14 @@ def write(t: TpuTensor, new) -> None:
         if st.dist is not None or CONFIG.mesh_active:
             new = _keep_dist_layout(st, new)
         st.array = new
+    elif type(new) is Deferred or type(st.pending_array()) is Deferred:
+        base = st.pending_array()
+        if base is None:
+            base = storage_array(st)
+        if _row_of(t._vw, base, st.rows) is None:
+            st.array = record(_jitted_scatter(t._vw), (base, new))
+        else:
+            st.array = scatter_chain(t._vw, force(base), force(new), st.rows)
     else:
         st.array = scatter_chain(t._vw, storage_array(st), new, st.rows)
     st.version += 1

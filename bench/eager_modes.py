@@ -1,0 +1,168 @@
+"""Step time of three tutorial training loops in each eager mode, against torchtpu.compile.
+
+    python -m bench.eager_modes [--steps N]
+
+The loops are PyTorch's own tutorials as users write them, each reading `loss.item()` every
+step: the quickstart MLP (784-512-512-10, SGD, batch 64), the CIFAR-10 CNN (SGD with
+momentum, batch 32) and a 2-layer `nn.TransformerEncoder` language model (AdamW, 8 x 64
+tokens). Each loop runs under strict eager, fused eager and `torchtpu.compile` (the same step
+function compiled whole) in this one process, from the same initial weights. Reports the
+median step time after warm-up, each mode's ratio against compiled, the XLA programs
+compiled during the timed steps (0 when a loop has settled) and the last loss of each mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torchtpu  # noqa: E402
+
+from .common import timed  # noqa: E402
+
+
+class Quickstart(nn.Module):
+    """The PyTorch quickstart tutorial's network (FashionMNIST, 28 x 28 images, 10 classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.linear_relu_stack = nn.Sequential(
+            nn.Linear(28 * 28, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+
+    def forward(self, x):
+        return self.linear_relu_stack(self.flatten(x))
+
+
+class CifarNet(nn.Module):
+    """The CIFAR-10 tutorial's CNN (32 x 32 RGB images, 10 classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class EncoderLM(nn.Module):
+    """A causal language model on `nn.TransformerEncoder` (2 layers), as in PyTorch's
+    language-modeling tutorial."""
+
+    def __init__(self, vocab=256, dim=64, heads=4, dropout=0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+
+def make_loop(name: str, *, batch: int | None = None, seq: int = 64, dropout: float = 0.0, seed: int = 0):
+    """(model, optimizer factory, loss function, batches) of the loop `name` on the CPU; batches
+    is a list of (inputs, targets) pairs, one per step, cycled."""
+    g = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed)
+    if name == "quickstart":
+        model, n = Quickstart(), batch or 64
+        batches = [(torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(4)]
+        return model, lambda p: torch.optim.SGD(p, lr=1e-3), nn.CrossEntropyLoss(), batches
+    if name == "cifar":
+        model, n = CifarNet(), batch or 32
+        batches = [(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(4)]
+        return model, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), nn.CrossEntropyLoss(), batches
+    if name == "encoder":
+        model, n = EncoderLM(dropout=dropout), batch or 8
+        batches = []
+        for _ in range(4):
+            tokens = torch.randint(0, 256, (n, seq + 1), generator=g)
+            batches.append((tokens[:, :-1], tokens[:, 1:]))
+
+        def lm_loss(logits, targets):
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        return model, lambda p: torch.optim.AdamW(p, lr=1e-3), lm_loss, batches
+    raise ValueError(f"unknown loop {name!r}: quickstart, cifar or encoder")
+
+
+LOOPS = ("quickstart", "cifar", "encoder")
+
+
+def train_step(model, opt, loss_fn):
+    """The tutorials' step: zero the gradients, forward, loss, backward, optimizer step."""
+
+    def step(inputs, targets):
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def on_device(name: str, device: str, **kwargs):
+    """The loop `name` with its model, optimizer and batches on `device`: (step, batches)."""
+    model, make_opt, loss_fn, batches = make_loop(name, **kwargs)
+    model = model.to(device)
+    opt = make_opt(model.parameters())
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    return train_step(model, opt, loss_fn), batches
+
+
+def _bench_mode(name, mode, steps):
+    from torchtpu._platform import XLA_COMPILES
+
+    with torchtpu.eager_mode("fused" if mode == "fused" else "strict"):
+        step, batches = on_device(name, "tpu")
+        if mode == "compiled":
+            step = torchtpu.compile(step)
+        i = [0]
+        losses = []
+
+        def run():
+            x, y = batches[i[0] % len(batches)]
+            i[0] += 1
+            loss = step(x, y).item()
+            losses.append(loss)
+            return loss
+
+        timed(run, lambda _: None, warmup=3, steps=2)
+        compiles = XLA_COMPILES[0]
+        seconds = timed(run, lambda _: None, warmup=0, steps=steps)
+        return seconds, XLA_COMPILES[0] - compiles, losses[-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    print(f"platform {torchtpu.platform()}, median of {args.steps} steps after warm-up, loss.item() every step")
+    print(f"{'loop':<12}{'mode':<10}{'ms/step':>10}{'/ compiled':>12}{'compiles':>10}  last loss")
+    for name in LOOPS:
+        results = {mode: _bench_mode(name, mode, args.steps) for mode in ("strict", "fused", "compiled")}
+        base = results["compiled"][0]
+        for mode, (seconds, compiles, loss) in results.items():
+            print(f"{name:<12}{mode:<10}{seconds * 1e3:>10.2f}{seconds / base:>11.2f}x{compiles:>10}  {loss:.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The eager modes (strict, fused, debug) and fused eager's semantics, against PyTorch on CPU.
+
+Fused mode records ops and runs them as one XLA program when a value is needed; these tests
+hold its results to the CPU's (and to strict mode's where random numbers are involved),
+check what makes it run (flush) and that a repeating training step compiles nothing once it
+has settled. The training loops are bench/eager_modes.py's, at small shapes.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import torchtpu
+from bench.eager_modes import make_loop, on_device, train_step
+from torchtpu._platform import XLA_COMPILES
+from torchtpu.backend import fused
+
+
+def flushes() -> int:
+    return torchtpu.cache_stats()["fused_flushes"]
+
+
+# ----------------------------------------------------------------------------- the switch
+
+
+def test_mode_switch_and_context_manager():
+    assert torchtpu.get_eager_mode() == "strict"
+    with torchtpu.eager_mode("fused"):
+        assert torchtpu.get_eager_mode() == "fused"
+        with torchtpu.eager_mode("debug"):
+            assert torchtpu.get_eager_mode() == "debug"
+        assert torchtpu.get_eager_mode() == "fused"
+    assert torchtpu.get_eager_mode() == "strict"
+    with pytest.raises(ValueError, match="unknown torchtpu eager mode 'lazy'"):
+        torchtpu.set_eager_mode("lazy")
+    assert torchtpu.get_eager_mode() == "strict"
+
+
+def test_debug_mode_names_the_op_that_made_a_nan():
+    x = torch.tensor([-1.0, 4.0]).to("tpu")
+    with torchtpu.eager_mode("debug"), pytest.raises(FloatingPointError, match="sqrt"):
+        torch.sqrt(x)
+    torch.sqrt(x)  # strict: no check
+
+
+def test_environment_chooses_the_mode(monkeypatch):
+    from torchtpu.backend.state import _mode_from_environment
+
+    monkeypatch.delenv("TORCHTPU_EAGER_MODE", raising=False)
+    monkeypatch.delenv("TORCHTPU_DEBUG", raising=False)
+    assert _mode_from_environment() == "strict"
+    monkeypatch.setenv("TORCHTPU_DEBUG", "1")  # today's switch for debug mode
+    assert _mode_from_environment() == "debug"
+    monkeypatch.setenv("TORCHTPU_EAGER_MODE", "fused")
+    assert _mode_from_environment() == "fused"
+    monkeypatch.setenv("TORCHTPU_EAGER_MODE", "eager")
+    with pytest.raises(ValueError, match="TORCHTPU_EAGER_MODE='eager'"):
+        _mode_from_environment()
+
+
+# ----------------------------------------------------------------------------- flush triggers
+
+
+@pytest.fixture
+def recorded():
+    """In fused mode: a CPU tensor and its tpu twin after a few recorded ops (nothing run yet)."""
+    with torchtpu.eager_mode("fused"):
+        cpu = torch.arange(12.0).reshape(3, 4)
+        t = cpu.to("tpu")
+        before = flushes()
+        cpu, t = (cpu * 2 - 1).T.exp(), (t * 2 - 1).T.exp()
+        assert flushes() == before
+        yield cpu, t, before
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.cpu(),
+        lambda t: t.sum().item(),
+        lambda t: t.tolist(),
+        lambda t: repr(t).removesuffix(")").removesuffix(", device='tpu:0'"),
+        lambda t: bool((t > 0).all()),
+        lambda t: torch.load(io.BytesIO(_saved(t)), map_location="cpu"),
+    ],
+    ids=["cpu", "item", "tolist", "print", "bool", "torch.save"],
+)
+def test_reading_a_value_runs_the_graph(recorded, read):
+    cpu, t, before = recorded
+    got = read(t)
+    assert flushes() == before + 1
+    want = read(cpu)
+    if isinstance(want, str):
+        assert got == want
+    else:
+        torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want))
+
+
+def _saved(t):
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def test_a_long_graph_runs_at_the_bound(monkeypatch):
+    monkeypatch.setattr(fused, "MAX_OPS", 5)
+    with torchtpu.eager_mode("fused"):
+        t = torch.ones(3).to("tpu")
+        before = flushes()
+        for _ in range(12):
+            t = t * 2
+        assert flushes() == before + 2  # at 5 and 10 ops, nothing read
+        assert t.tolist() == [4096.0] * 3
+
+
+# ----------------------------------------------------------------------------- semantics
+
+
+def test_views_and_in_place_ops_match_cpu():
+    def program(x):
+        base = x.clone()
+        row = base[1]
+        row.add_(10)  # a write through a view
+        base.T.mul_(2)  # through another
+        col = base[:, 2]
+        base.sub_(1)  # the views see it
+        y = col * 3 + row.sum()
+        z = base.view(-1)[::5]
+        z.fill_(-7)
+        return base, row, col, y
+
+    x = torch.arange(12.0).reshape(3, 4)
+    want = program(x)
+    with torchtpu.eager_mode("fused"):
+        before = flushes()
+        got = program(x.to("tpu"))
+        assert flushes() == before  # all recorded
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w)
+        assert flushes() == before + 1
+
+
+def test_dtype_promotion_and_cast_errors_match_cpu():
+    i = torch.arange(6, dtype=torch.int32)
+    with torchtpu.eager_mode("fused"):
+        t = i.to("tpu")
+        mixed = t * 1.5 + torch.ones(6, dtype=torch.float16).to("tpu")
+        assert mixed.dtype == (i * 1.5 + torch.ones(6, dtype=torch.float16)).dtype
+        torch.testing.assert_close(mixed.cpu(), i * 1.5 + torch.ones(6, dtype=torch.float16))
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            t.add_(1.5)
+
+
+def test_random_streams_equal_strict():
+    def draws():
+        torch.manual_seed(7)
+        x = torch.randn(4, 8, device="tpu")
+        d = torch.nn.functional.dropout(x, 0.5)
+        return [x.cpu(), d.cpu(), torch.rand(3, device="tpu").cpu()]
+
+    strict = draws()
+    with torchtpu.eager_mode("fused"):
+        fused_draws = draws()
+    for a, b in zip(strict, fused_draws):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- the tutorial loops
+
+SMALL = {"quickstart": dict(batch=4), "cifar": dict(batch=2), "encoder": dict(batch=2, seq=8)}
+
+
+@pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder"])
+def test_fused_loop_equals_cpu_and_settles(name):
+    """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
+    program, and the steps after the optimizer's state exists compile nothing."""
+    model, make_opt, loss_fn, batches = make_loop(name, **SMALL[name])
+    cpu_step = train_step(model, make_opt(model.parameters()), loss_fn)
+    want = [cpu_step(*batches[i]).item() for i in range(4)]
+    with torchtpu.eager_mode("fused"):
+        step, tpu_batches = on_device(name, "tpu", **SMALL[name])
+        got, compiled, ran = [], [], []
+        for i in range(4):
+            c, f = XLA_COMPILES[0], flushes()
+            got.append(step(*tpu_batches[i]).item())
+            compiled.append(XLA_COMPILES[0] - c)
+            ran.append(flushes() - f)
+    assert got == pytest.approx(want, rel=1e-4)
+    assert ran == [1, 1, 1, 1]
+    assert compiled[2:] == [0, 0]
+
+
+def test_dropout_training_equals_strict():
+    """Training with dropout: fused and strict draw the same masks, so the losses agree."""
+
+    def losses():
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        model = model.to("tpu")
+        step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy)
+        x, y = (
+            torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to("tpu"),
+            torch.tensor([0, 1, 1, 0]).to("tpu"),
+        )
+        return [step(x, y).item() for _ in range(3)]
+
+    strict = losses()
+    with torchtpu.eager_mode("fused"):
+        assert losses() == pytest.approx(strict, rel=1e-5)

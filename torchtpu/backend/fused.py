@@ -1,0 +1,241 @@
+"""Fused eager mode: ops on tpu tensors are recorded, and run later as one XLA program.
+
+In fused mode (`torchtpu.set_eager_mode("fused")`) an op whose executable is a `jax.jit`
+function does not launch it: the dispatcher records the call (the executable and its
+inputs) in a graph and gets back `Deferred` values, placeholders with the shape and dtype
+of the outputs and no device memory. Tensors hold them in their storages as they would hold
+arrays. The graph runs (`flush`) when Python needs a value: anything that reads a storage's
+array outside the recording path (`.item()`, `.cpu()`, printing, `bool()`, `torch.save`, a
+CPU op, an op without a jitted executable) forces the Deferred it finds, and forcing one
+runs the whole graph. It also runs once it holds `MAX_OPS` ops.
+
+A flush traces one function that calls the recorded executables in order on tracers and
+returns the values still referenced from Python (a Deferred nobody holds any more is an
+intermediate: XLA fuses it away). The program is cached under the graph's structure: the
+executables, how their inputs connect, and which values are returned. A loop that repeats
+the same ops therefore builds its program once; from then on each flush is a dictionary
+lookup and one launch. JAX specialises the program per input shapes and dtypes as it does
+any jitted function.
+
+The executables are the strict path's own (`execute.run`), so a fused program computes what
+strict eager computes, op by op: the same lowerings, the same dtype rules, the same random
+keys (drawn on the host when the op is recorded). What this module does not record runs
+strictly, after forcing its inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+import weakref
+
+import jax
+import numpy as np
+
+from .state import CONFIG, EAGER_MODES
+
+MAX_OPS = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
+_LOG_FLUSHES = bool(os.environ.get("TORCHTPU_LOG_FLUSHES"))
+
+
+class FusedStats:
+    """Fused-mode counters: ops recorded, graphs run (flushes), and programs built for a new
+    graph structure (each such program is traced and compiled on its first run)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.recorded = 0
+        self.flushes = 0
+        self.programs = 0
+
+    def snapshot(self) -> dict:
+        return {"fused_ops_recorded": self.recorded, "fused_flushes": self.flushes, "fused_programs": self.programs}
+
+
+FUSED_STATS = FusedStats()
+
+
+class Deferred:
+    """A value an op will produce when the graph it was recorded in runs."""
+
+    __slots__ = ("shape", "dtype", "weak_type", "value", "slot", "epoch", "error", "__weakref__")
+
+    def __init__(self, shape, dtype, weak_type, slot, epoch):
+        self.shape = shape
+        self.dtype = dtype
+        self.weak_type = weak_type
+        self.value = None
+        self.slot = slot
+        self.epoch = epoch
+        self.error = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def get(self):
+        """The array: runs the pending graph if this value is still to be computed."""
+        if self.value is None:
+            if self.error is not None:
+                raise self.error
+            if self.epoch != _GRAPH.epoch:
+                raise RuntimeError("torchtpu fused mode internal error: a deferred value outlived its graph")
+            flush()
+            if self.value is None:
+                raise RuntimeError("torchtpu fused mode internal error: a referenced value was not computed")
+        return self.value
+
+    def __repr__(self):
+        return f"Deferred({self.shape}, {self.dtype})"
+
+
+def force(x):
+    """`x` itself, or the array a Deferred `x` stands for."""
+    return x.get() if type(x) is Deferred else x
+
+
+class _Graph:
+    """The ops recorded since the last flush. Values (inputs and op outputs) are numbered in the
+    order they appear; a node is (executable, numbers of its inputs, number of its first output,
+    how many outputs)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+        self.inputs = []
+        self.input_slots = []
+        self.input_ids = {}
+        self.nodes = []
+        self.outputs = {}  # value number -> weakref to its Deferred
+        self.n = 0
+
+
+_GRAPH = _Graph(0)
+_SHAPES: dict = {}  # (executable, input avals) -> (output treedef, output avals)
+_PROGRAMS: dict = {}  # graph structure -> jitted program
+
+
+def _aval(x):
+    t = type(x)
+    if t is Deferred:
+        return (x.shape, x.dtype, x.weak_type)
+    if t is np.ndarray:
+        return (x.shape, x.dtype, False)
+    return (x.shape, x.dtype, x.weak_type)
+
+
+def recordable(x) -> bool:
+    return type(x) is Deferred or isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+
+
+def record(fn, leaves):
+    """Record `fn(*leaves)` (`fn` a jitted function of arrays) and return its outputs as
+    Deferred values, in the structure `fn` returns them."""
+    g = _GRAPH
+    refs = []
+    avals = []
+    for x in leaves:
+        if type(x) is Deferred:
+            if x.value is None:
+                if x.epoch != g.epoch:
+                    x.get()  # raises the error of the flush that lost it
+                refs.append(x.slot)
+                avals.append((x.shape, x.dtype, x.weak_type))
+                continue
+            x = x.value
+        slot = g.input_ids.get(id(x))
+        if slot is None:
+            slot = g.input_ids[id(x)] = g.n
+            g.n += 1
+            g.inputs.append(x)
+            g.input_slots.append(slot)
+        refs.append(slot)
+        avals.append(_aval(x))
+    key = (fn, tuple(avals))
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
+        out = jax.eval_shape(fn, *structs)
+        flat, treedef = jax.tree_util.tree_flatten(out)
+        shapes = _SHAPES[key] = (treedef, tuple((tuple(o.shape), o.dtype, o.weak_type) for o in flat))
+    treedef, out_avals = shapes
+    first = g.n
+    outs = []
+    for s, d, w in out_avals:
+        v = Deferred(s, d, w, g.n, g.epoch)
+        g.outputs[g.n] = weakref.ref(v)
+        g.n += 1
+        outs.append(v)
+    g.nodes.append((fn, tuple(refs), first, len(out_avals)))
+    FUSED_STATS.recorded += 1
+    result = jax.tree_util.tree_unflatten(treedef, outs)
+    if len(g.nodes) >= MAX_OPS:
+        flush()
+    return result
+
+
+def _program(nodes, input_slots, live, n, *inputs):
+    env = [None] * n
+    for slot, x in zip(input_slots, inputs):
+        env[slot] = x
+    for fn, refs, first, count in nodes:
+        out = jax.tree_util.tree_leaves(fn(*[env[r] for r in refs]))
+        env[first : first + count] = out
+    return [env[v] for v in live]
+
+
+def flush() -> None:
+    """Run the recorded ops as one program and give every live Deferred its array."""
+    global _GRAPH
+    g = _GRAPH
+    if not g.nodes:
+        return
+    _GRAPH = _Graph(g.epoch + 1)
+    live = []
+    values = []
+    for slot, ref in g.outputs.items():
+        d = ref()
+        if d is not None:
+            live.append(slot)
+            values.append(d)
+    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS[key] = jax.jit(functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n))
+        FUSED_STATS.programs += 1
+    FUSED_STATS.flushes += 1
+    if _LOG_FLUSHES:
+        print(
+            f"[torchtpu] fused flush: {len(g.nodes)} ops, {len(live)} outputs, from\n"
+            + "".join(traceback.format_stack(limit=12)[:-2]),
+            file=sys.stderr,
+        )
+    try:
+        outs = program(*g.inputs)
+    except Exception as e:
+        for d in values:
+            d.error = e
+        raise
+    for d, o in zip(values, outs):
+        d.value = o
+
+
+def set_eager_mode(mode: str) -> None:
+    """Choose how eager ops run: "strict" (one program per op), "fused" (ops recorded and run
+    as one program when a value is needed) or "debug" (strict, each op waited for and checked
+    for NaN/Inf). Leaving fused mode runs what was recorded."""
+    if mode not in EAGER_MODES:
+        raise ValueError(f"unknown torchtpu eager mode {mode!r}: choose one of {', '.join(EAGER_MODES)}")
+    if CONFIG.eager_mode == "fused" and mode != "fused":
+        flush()
+    CONFIG.set_mode(mode)
