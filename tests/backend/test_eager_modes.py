@@ -27,23 +27,25 @@ def flushes() -> int:
 
 
 def test_mode_switch_and_context_manager():
-    assert torchtpu.get_eager_mode() == "strict"
-    with torchtpu.eager_mode("fused"):
-        assert torchtpu.get_eager_mode() == "fused"
-        with torchtpu.eager_mode("debug"):
-            assert torchtpu.get_eager_mode() == "debug"
-        assert torchtpu.get_eager_mode() == "fused"
-    assert torchtpu.get_eager_mode() == "strict"
-    with pytest.raises(ValueError, match="unknown torchtpu eager mode 'lazy'"):
-        torchtpu.set_eager_mode("lazy")
-    assert torchtpu.get_eager_mode() == "strict"
+    with torchtpu.eager_mode("strict"):
+        assert torchtpu.get_eager_mode() == "strict"
+        with torchtpu.eager_mode("fused"):
+            assert torchtpu.get_eager_mode() == "fused"
+            with torchtpu.eager_mode("debug"):
+                assert torchtpu.get_eager_mode() == "debug"
+            assert torchtpu.get_eager_mode() == "fused"
+        assert torchtpu.get_eager_mode() == "strict"
+        with pytest.raises(ValueError, match="unknown torchtpu eager mode 'lazy'"):
+            torchtpu.set_eager_mode("lazy")
+        assert torchtpu.get_eager_mode() == "strict"
 
 
 def test_debug_mode_names_the_op_that_made_a_nan():
     x = torch.tensor([-1.0, 4.0]).to("tpu")
     with torchtpu.eager_mode("debug"), pytest.raises(FloatingPointError, match="sqrt"):
         torch.sqrt(x)
-    torch.sqrt(x)  # strict: no check
+    with torchtpu.eager_mode("strict"):
+        torch.sqrt(x)  # no check
 
 
 def test_environment_chooses_the_mode(monkeypatch):

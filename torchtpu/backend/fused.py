@@ -123,6 +123,7 @@ class _Graph:
 _GRAPH = _Graph(0)
 _SHAPES: dict = {}  # (executable, input avals) -> (output treedef, output avals)
 _PROGRAMS: dict = {}  # graph structure -> jitted program
+_MAX_PROGRAMS = 256
 
 
 def _aval(x):
@@ -211,6 +212,8 @@ def flush() -> None:
     key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n)
     program = _PROGRAMS.get(key)
     if program is None:
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            _PROGRAMS.clear()  # graphs that never repeat: keep the cache's memory bounded
         program = _PROGRAMS[key] = jax.jit(functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n))
         FUSED_STATS.programs += 1
     FUSED_STATS.flushes += 1
