@@ -96,7 +96,7 @@ def write(t: TpuTensor, new) -> None:
     st = t._st
     if not t._vw:
         if st.dist is not None or CONFIG.mesh_active:
-            new = _keep_dist_layout(st, new)
+            new = _keep_dist_layout(st, force(new))
         st.array = new
     elif type(new) is Deferred or type(st.pending_array()) is Deferred:
         base = st.pending_array()
