@@ -107,6 +107,13 @@ def _saved(t):
     return buf.getvalue()
 
 
+def test_synchronize_runs_the_graph(recorded):
+    cpu, t, before = recorded
+    torch.tpu.synchronize()
+    assert flushes() == before + 1
+    torch.testing.assert_close(t.cpu(), cpu)
+
+
 def test_a_long_graph_runs_at_the_bound(monkeypatch):
     monkeypatch.setattr(fused, "MAX_OPS", 5)
     with torchtpu.eager_mode("fused"):

@@ -15,6 +15,7 @@ import torch
 import torchtpu_autoload as autoload
 
 from .. import _platform
+from . import fused
 from . import random as tpu_random
 from . import tensor as tpu_tensor
 from .tensor import new_empty
@@ -210,7 +211,8 @@ class DeviceProperties:
 
 def _synchronize(device=None) -> None:
     """Wait for every array computed or in flight on the device (XLA runs a device's programs in
-    order, so this is CUDA's synchronize)."""
+    order, so this is CUDA's synchronize). Ops recorded in fused mode run first."""
+    fused.flush()
     target = _jax_device(device)
     for a in jax.live_arrays():
         try:
@@ -237,6 +239,7 @@ class Event(torch.Event):
         self._recorded = False
 
     def record(self, stream=None) -> None:
+        fused.flush()  # the ops recorded in fused mode are work before this point
         target = tpu_tensor.jax_device(_current[0])
         pending = []
         for a in jax.live_arrays():

@@ -168,6 +168,8 @@ def record(fn, leaves):
         structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
         out = jax.eval_shape(fn, *structs)
         flat, treedef = jax.tree_util.tree_flatten(out)
+        if treedef == jax.tree_util.tree_structure(0):
+            treedef = None  # one array: no structure to rebuild
         shapes = _SHAPES[key] = (treedef, tuple((tuple(o.shape), o.dtype, o.weak_type) for o in flat))
     treedef, out_avals = shapes
     first = g.n
@@ -179,7 +181,7 @@ def record(fn, leaves):
         outs.append(v)
     g.nodes.append((fn, tuple(refs), first, len(out_avals)))
     FUSED_STATS.recorded += 1
-    result = jax.tree_util.tree_unflatten(treedef, outs)
+    result = outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
     if len(g.nodes) >= MAX_OPS:
         flush()
     return result
