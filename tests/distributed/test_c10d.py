@@ -22,12 +22,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ..processes import cpu_flags, free_port, run_together
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 WORKER = HERE / "c10d_worker.py"
+CUDA_SCRIPT = HERE / "ddp_cuda_script.py"
 TUTORIAL = HERE / "ddp_tutorial.py"
 
 
@@ -173,11 +175,24 @@ def _run(cmd, env, timeout=600, cwd=None) -> str:
     return p.stdout
 
 
-def test_ddp_tutorial_under_torchrun_matches_gloo_on_cpu():
-    # --tee 3: torchrun copies each rank's lines with a prefix, so the two ranks' lines never mix
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3"]
-    out = _run(torchrun + ["--master-port", str(free_port()), str(TUTORIAL)], _env())
-    _assert_tutorial_matches(_tutorial_results(out), 2)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_script_written_for_cuda_under_torchrun_matches_gloo_on_cpu(nproc):
+    """tests/distributed/ddp_cuda_script.py: `tpu:{LOCAL_RANK}`, `torch.tpu.set_device`, a
+    DistributedSampler, `DDP(model, device_ids=[local_rank])`, a checkpoint with a map_location; each rank
+    owns one XLA CPU device, whose index is its LOCAL_RANK (the torchrun rule, docs/process-groups.md)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--tee", "3"]
+    out = _run(torchrun + ["--master-port", str(free_port()), str(CUDA_SCRIPT)], _env())
+    lines = re.findall(r"(epoch \d|weights) (tpu|cpu) rank (\d+) (?:loss )?(.+)$", out, re.M)
+    found = {(what, dev, int(rank)): np.array(eval(value), ndmin=1) for what, dev, rank, value in lines}
+    assert len(found) == 3 * 2 * nproc, sorted(found)
+    for what in ("epoch 0", "epoch 1", "weights"):
+        for r in range(nproc):
+            np.testing.assert_allclose(
+                found[(what, "tpu", r)], found[(what, "cpu", r)], rtol=0, atol=1e-5, err_msg=f"{what} rank {r}"
+            )
+    for r in range(nproc):  # DDP kept the replicas equal; the ranks saw other batches
+        np.testing.assert_array_equal(found[("weights", "tpu", r)], found[("weights", "tpu", 0)])
+    assert len({float(found[("epoch 1", "tpu", r)][0]) for r in range(nproc)}) > 1
 
 
 def test_ddp_tutorial_under_torchtpu_launch_with_4_hosts_matches_gloo_on_cpu(tmp_path):
