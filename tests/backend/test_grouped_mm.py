@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts ops on the tpu device: `torch._grouped_mm` (lowered to
-`jax.lax.ragged_dot`) and `torch.histc` of integer expert ids, with PyTorch on CPU as the oracle.
+"""The Mixture-of-Experts ops on the tpu device: `torch._grouped_mm` (megablox's kernels on TPU,
+grouped_mm_blocked's loops over row tiles elsewhere) and `torch.histc` of integer expert ids, with
+PyTorch on CPU as the oracle.
 
 The grouped matmul is checked against a Python loop over the groups on the CPU (one matmul per
 expert over the rows it received), forward and gradients, in bfloat16, with empty
@@ -286,8 +287,8 @@ def test_megablox_kernels_declare_the_tiles_their_grid_runs(share):
 def test_grouped_mm_with_stored_weights_gives_the_input_gradient_in_float32():
     """`linalg.grouped_mm_stored` (the expert dispatch's backward: the token gradients times the
     experts' weights as stored, float32 out) gives PyTorch's CPU input gradient of the experts,
-    through megablox's gmm without a transpose (Pallas interpret mode, on TPU) and through
-    `ragged_dot` (elsewhere); rows past the last group zero."""
+    through megablox's gmm without a transpose (Pallas interpret mode, on TPU) and through the loop
+    over row tiles (elsewhere); rows past the last group zero."""
     import jax.numpy as jnp
 
     from torchtpu.backend.ops import attention_tpu
@@ -545,3 +546,118 @@ def test_megablox_tiles_fit_scoped_vmem_and_compile_for_v5p():
                 return gmm(x, w_t, sizes, out, tile, transpose_rhs=True)
 
         jax.jit(experts).lower(spec(m, k), spec(groups, n, k), spec(groups, dtype=jnp.int32)).compile()
+
+
+# Off TPU (grouped_mm_blocked.py): groups of 0, 9, 0, 21 and 8 rows over 40 rows, 2 past the last
+# group; the row tile for 40 rows in 5 groups is 8, so groups start and end inside tiles and span
+# several of them
+BLOCKED_ENDS = [0, 9, 9, 30, 38]
+
+
+def test_grouped_mm_off_tpu_equals_pytorch_cpu_kernel_in_every_form():
+    """Off TPU the three forms of `_grouped_mm` (bfloat16, the dtype PyTorch's checks let through)
+    run as grouped_mm_blocked's loops over row tiles:
+    the experts' (M, K) x (G, K, N), the weight gradient's (K, M) x (M, N) -> (G, K, N), and
+    (G, P, K) x (K, M) -> (P, M) with the groups over M. Each gives PyTorch's CPU `_grouped_mm`,
+    forward and gradients (PyTorch's autograd reaching the other forms through `_grouped_mm`'s
+    backward formulas), with empty groups, groups across tiles and rows past the last group (zero
+    here; PyTorch's CPU kernel leaves them unwritten, so they are not compared)."""
+    from torchtpu.backend.ops import grouped_mm_blocked
+
+    assert grouped_mm_blocked.tile_rows(40, len(BLOCKED_ENDS)) == 8
+    torch.manual_seed(7)
+    m, k, n, p, end = 40, 16, 24, 32, BLOCKED_ENDS[-1]
+    offs = torch.tensor(BLOCKED_ENDS, dtype=torch.int32)
+    cases = {
+        "(M, K) x (G, K, N)": ((m, k), (len(BLOCKED_ENDS), k, n), (m, n)),
+        "(K, M) x (M, N)": ((k, m), (m, n), (len(BLOCKED_ENDS), k, n)),
+        "(G, P, K) x (K, M)": ((len(BLOCKED_ENDS), p, k), (k, m), (p, m)),
+    }
+    dtype = torch.bfloat16
+    tol = dict(rtol=1e-2, atol=1e-2)  # float32 accumulation, one bfloat16 rounding, sums in another order
+    for form, (a_shape, b_shape, out_shape) in cases.items():
+        a = torch.randn(a_shape, dtype=dtype, requires_grad=True)
+        b = torch.randn(b_shape, dtype=dtype, requires_grad=True)
+        grad = torch.randn(out_shape, dtype=dtype)
+        ref = torch._grouped_mm(a, b, offs=offs)
+        ref.backward(grad)
+        at, bt = (t.detach().to("tpu").requires_grad_() for t in (a, b))
+        out = torch._grouped_mm(at, bt, offs=offs.to("tpu"))
+        assert out.shape == out_shape and out.dtype == dtype, form
+        out.backward(grad.to("tpu"))
+        # the rows (columns, in the last form) of no group: not compared, zero here
+        part = {"(M, K) x (G, K, N)": (slice(0, end),), "(G, P, K) x (K, M)": (slice(None), slice(0, end))}
+        keep = part.get(form, (slice(None),))
+        assert_close_to_cpu(out[keep].float(), ref.detach()[keep].float(), f"{form} output", **tol)
+        if form == "(M, K) x (G, K, N)":
+            assert torch.count_nonzero(out[end:].cpu()) == 0 and torch.count_nonzero(at.grad[end:].cpu()) == 0
+            assert torch.count_nonzero(bt.grad[0].cpu()) == 0 and torch.count_nonzero(bt.grad[2].cpu()) == 0
+            assert_close_to_cpu(at.grad[:end].float(), a.grad[:end].float(), f"{form} grad a", **tol)
+            assert_close_to_cpu(bt.grad.float(), b.grad.float(), f"{form} grad b", **tol)
+        elif form == "(K, M) x (M, N)":
+            assert_close_to_cpu(at.grad[:, :end].float(), a.grad[:, :end].float(), f"{form} grad a", **tol)
+            assert_close_to_cpu(bt.grad[:end].float(), b.grad[:end].float(), f"{form} grad b", **tol)
+        else:
+            assert_close_to_cpu(at.grad.float(), a.grad.float(), f"{form} grad a", **tol)
+            assert_close_to_cpu(bt.grad[:, :end].float(), b.grad[:, :end].float(), f"{form} grad b", **tol)
+
+
+def test_grouped_mm_off_tpu_under_jax_autodiff_gives_pytorch_gradients():
+    """The expert dispatch differentiates the experts with `jax.vjp` (distributed.expert_parallel):
+    off TPU the grouped matmuls' own rules (grouped_mm_blocked: a loop over row tiles again, never
+    JAX's transpose of the loop) give PyTorch's CPU gradients in bfloat16, for the experts' form
+    and for the weight gradient's form differentiated once more; an empty group's weight gets zero."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops.linalg import grouped_mm
+
+    torch.manual_seed(8)
+    m, k, n, end = 40, 16, 24, BLOCKED_ENDS[-1]
+    ends = jnp.asarray(BLOCKED_ENDS, jnp.int32)
+    as_jax = lambda t: jnp.asarray(t.detach().float().numpy(), jnp.bfloat16)  # noqa: E731
+    to_torch = lambda a: torch.from_numpy(jax.device_get(a.astype(jnp.float32)).copy()).to("tpu")  # noqa: E731
+    tol = dict(rtol=1e-2, atol=1e-2)
+    for a_shape, b_shape, out_shape in (((m, k), (len(BLOCKED_ENDS), k, n), (m, n)), ((k, m), (m, n), (5, k, n))):
+        a = torch.randn(a_shape, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(b_shape, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(out_shape, dtype=torch.bfloat16)
+        ref = torch._grouped_mm(a, b, offs=torch.tensor(BLOCKED_ENDS, dtype=torch.int32))
+        ref.backward(grad)
+        out, vjp = jax.vjp(lambda x, y: grouped_mm(x, y, ends), as_jax(a), as_jax(b))
+        ga, gb = vjp(as_jax(grad))
+        if len(a_shape) == 2 and len(b_shape) == 3:
+            assert_close_to_cpu(to_torch(out)[:end], ref.detach()[:end].float(), "output", **tol)
+            assert_close_to_cpu(to_torch(ga)[:end], a.grad[:end].float(), "grad x", **tol)
+            assert_close_to_cpu(to_torch(gb), b.grad.float(), "grad w", **tol)
+            assert not jnp.any(gb[0]) and not jnp.any(gb[2]) and not jnp.any(ga[end:])
+        else:
+            assert_close_to_cpu(to_torch(out), ref.detach().float(), "weight-gradient form", **tol)
+            assert_close_to_cpu(to_torch(ga)[:, :end], a.grad[:, :end].float(), "its grad a", **tol)
+            assert_close_to_cpu(to_torch(gb)[:end], b.grad[:end].float(), "its grad b", **tol)
+
+
+def test_grouped_mm_off_tpu_memory_is_bounded_at_debugmodel_moe_shapes():
+    """One of Qwen3 debugmodel_moe's expert matmuls with its gradients under `jax.vjp`, compiled for
+    XLA's CPU backend: 16,384 routed rows of 256 through 64 experts of 256 x 768, bfloat16 (56 MiB
+    of operands). XLA's temporaries stay under 256 MiB (measured 208.5 MiB); `jax.lax.ragged_dot`,
+    which XLA:CPU computes densely over every expert, needed 7,776 MiB for the same program."""
+    import jax.numpy as jnp
+
+    from torchtpu.backend.ops.linalg import grouped_mm
+
+    m, k, n, groups = 16384, 256, 768, 64
+
+    def experts_and_grads(x, w, ends, gy):
+        y, vjp = jax.vjp(lambda a, b: grouped_mm(a, b, ends), x, w)
+        return y, vjp(gy)
+
+    args = [
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+    ]
+    compiled = jax.jit(experts_and_grads).lower(*args).compile()
+    assert "ragged" not in compiled.as_text()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 256 * 2**20, f"{temp / 2**20:.1f} MiB of temporaries"

@@ -20,7 +20,7 @@ chip, under one `jax.shard_map`:
 2. an all-to-all over "ep" swaps the buckets, so each chip holds every row routed to its experts,
    with each row's local expert id (padding rows get the id one past the last);
 3. a stable sort by local expert id groups them, and `run_experts(weights, x, tokens_per_expert)`
-   (torch code: torchtitan's grouped matmul, megablox's kernels on TPU, `jax.lax.ragged_dot`
+   (torch code: torchtitan's grouped matmul, megablox's kernels on TPU, loops over row tiles
    elsewhere) runs each local expert on its own rows only; the padding rows lie past the last
    group and come out zero;
 4. the rows go back through the inverse permutation and a second all-to-all, are put back in

@@ -3,13 +3,14 @@
 The router (scores, token-choice top-k, tokens per expert by `torch.histc`), the token reordering
 and the combine run as torchtitan writes them. The experts run through torchtitan's own
 `_run_experts_grouped_mm`: three `torch._grouped_mm` calls over the tokens each expert received,
-which the op table lowers to `jax.lax.ragged_dot` (backend/ops/linalg.py). Nothing is dropped and
-no expert computes a token it was not routed.
+which the op table lowers to megablox's grouped-matmul kernels on TPU and to loops over row tiles
+elsewhere (backend/ops/linalg.py). Nothing is dropped and no expert computes a token it was not
+routed.
 
 One thing differs from torchtitan's path on CUDA, without changing a number: there, before the
 grouped matmul, `indices_padding_wrapper` pads every expert's group of tokens to a multiple of 8
 rows (what CUDA's grouped GEMM needs for alignment) with a triton kernel that only runs on CUDA.
-`ragged_dot` takes groups of any size, so `use_ragged_experts(model)` makes each `GroupedExperts`
+The op table's grouped matmul takes groups of any size, so `use_ragged_experts(model)` makes each `GroupedExperts`
 call the grouped matmul on the unpadded groups, as torchtitan does itself under expert parallelism.
 The padding rows are zeros whose outputs are dropped, so the results are the same. The experts
 always run as that grouped matmul: parallelizing a model whose MoE layers set use_grouped_mm=False

@@ -96,9 +96,12 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     - without offs, (G, M, K) x (G, K, N) -> (G, M, N), a batched matmul.
 
     On TPU the first two run as megablox's grouped-matmul kernels (grouped_mm_tpu.py) where they
-    apply; elsewhere, and for what the kernels do not take, as `jax.lax.ragged_dot` (other backends
-    compute it masked). Rows (or columns) past the last group are zero, and accumulation is in
-    float32 for bfloat16 inputs, rounded once, as in the other matmuls here."""
+    apply, and what the kernels do not take as `jax.lax.ragged_dot`. A program compiled for any
+    other platform runs all three as loops over row tiles (grouped_mm_blocked.py): XLA's CPU
+    backend computes a `ragged_dot` densely, every row against every group. `lax.platform_dependent`
+    picks the path when the program is lowered, for the platform it is compiled for. Rows (or
+    columns) past the last group are zero, and accumulation is in float32 for bfloat16 inputs,
+    rounded once, as in the other matmuls here."""
     if bias is not None:
         raise NotImplementedError("torchtpu _grouped_mm: bias is not supported (as in PyTorch's CUDA kernel)")
     from .. import dtypes
@@ -111,7 +114,7 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     if (self.ndim, mat2.ndim) not in ((2, 3), (2, 2), (3, 2)):
         raise ValueError(f"_grouped_mm with offs takes 2-D/3-D operands, got {self.ndim}-D and {mat2.ndim}-D")
     if (self.ndim, mat2.ndim) == (3, 2):
-        return _ragged_grouped_mm(self, mat2, offs, dt)
+        return _off_tpu_blocked(self, mat2, offs, dt, _ragged_grouped_mm)
     from . import grouped_mm_tpu
 
     form = "(M, K) x (G, K, N)" if mat2.ndim == 3 else "(K, M) x (M, N)"
@@ -132,24 +135,25 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
 
     if reason is None and grouped_mm_tpu.interpreting():
         return tpu(self, mat2, offs)
-    return lax.platform_dependent(self, mat2, offs, tpu=tpu, default=lambda a, b, o: _ragged_grouped_mm(a, b, o, dt))
+    return lax.platform_dependent(self, mat2, offs, tpu=tpu, default=lambda a, b, o: _blocked_grouped_mm(a, b, o, dt))
 
 
 def grouped_mm_stored(x, w, offs, out_dtype):
     """`grouped_mm`'s (M, K) x (G, K, N) form with `w` read as laid out (megablox's gmm without
-    transposing the weights, on TPU; `jax.lax.ragged_dot` elsewhere, or where the kernel does not
-    apply), in `out_dtype` (a JAX dtype): the product a backward rule takes with weights the forward
-    read transposed. Not differentiable on TPU."""
+    transposing the weights, on TPU, or `jax.lax.ragged_dot` where the kernel does not apply; the
+    loop over row tiles of grouped_mm_blocked.py elsewhere), in `out_dtype` (a JAX dtype): the
+    product a backward rule takes with weights the forward read transposed. Not differentiable on
+    TPU."""
     from . import grouped_mm_tpu
 
     ends = jnp.minimum(offs.astype(jnp.int32), x.shape[0])
     reason = grouped_mm_tpu.unsupported_reason(x.shape, w.shape, x.dtype, w.dtype, grouped_mm_tpu.shards_of(x, w))
 
     def default(a, b, o):
-        return _ragged_grouped_mm(a, b, o, out_dtype)
+        return _blocked_grouped_mm(a, b, o, out_dtype)
 
     if reason is not None:
-        return default(x, w, ends)
+        return _off_tpu_blocked(x, w, ends, out_dtype, _ragged_grouped_mm)
 
     def tpu(a, b, o):
         return grouped_mm_tpu.stored_gmm(a, b, o, out_dtype)
@@ -168,8 +172,38 @@ def _grouped_kw(a, b, dt):
     return {"precision": precision, "preferred_element_type": acc}
 
 
+def _off_tpu_blocked(self, mat2, offs, dt, on_tpu):
+    """`on_tpu(self, mat2, offs, dt)` in a program compiled for TPU, `_blocked_grouped_mm` in one
+    compiled for any other platform."""
+    return lax.platform_dependent(
+        self,
+        mat2,
+        offs,
+        tpu=lambda a, b, o: on_tpu(a, b, o, dt),
+        default=lambda a, b, o: _blocked_grouped_mm(a, b, o, dt),
+    )
+
+
+def _blocked_grouped_mm(self, mat2, offs, dt):
+    """_grouped_mm with offs as grouped_mm_blocked's loops over row tiles (programs for platforms
+    other than TPU; any shape)."""
+    from . import grouped_mm_blocked as blocked
+
+    kw = _grouped_kw(self, mat2, dt)
+    precision, acc = kw["precision"], kw["preferred_element_type"]
+    if self.ndim == 2 and mat2.ndim == 3:
+        # the weights read as (G, N, K): torchtitan stores them so and passes them transposed, and
+        # XLA cancels the two transposes
+        return blocked.gmm(self, jnp.swapaxes(mat2, 1, 2), offs, True, precision, acc, dt)
+    if self.ndim == 2 and mat2.ndim == 2:
+        return blocked.tgmm(self, mat2, offs, precision, acc, dt)
+    # (M, N)^T = (N, K) x (G, M, K)^T, the groups ragged over N
+    return blocked.gmm(mat2.T, self, offs, True, precision, acc, dt).T
+
+
 def _ragged_grouped_mm(self, mat2, offs, dt):
-    """_grouped_mm with offs as `jax.lax.ragged_dot` (any platform, any shape)."""
+    """_grouped_mm with offs as `jax.lax.ragged_dot` (any platform, any shape; programs for TPU
+    take it where megablox's kernels do not apply)."""
     kw = _grouped_kw(self, mat2, dt)
     if self.ndim == 2 and mat2.ndim == 3:
         out = lax.ragged_dot(self, mat2, _group_sizes(offs, self.shape[0]), **kw)
