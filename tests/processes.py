@@ -43,3 +43,47 @@ def run_together(commands, env, timeout=600) -> list[str]:
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     return outs
+
+
+def run_with_peak_rss(cmd, env, *, rss_limit: int, timeout: float, cwd=None) -> tuple[int, str, int]:
+    """Run `cmd` (stdout and stderr to a temporary file) and return (exit status, output, peak
+    resident set in bytes, the kernel's count for that process). The process is killed once its
+    resident set passes `rss_limit` bytes (read every 50 ms), so that a test of a memory bound fails
+    rather than taking the machine's memory from the other processes; past `timeout` seconds too."""
+    import os
+    import signal
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        start, why = time.monotonic(), None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if why is None:
+                rss = _resident_bytes(proc.pid)
+                if rss > rss_limit:
+                    why = f"killed at {rss / 2**30:.2f} GiB resident, past the {rss_limit / 2**30:.2f} GiB limit"
+                elif time.monotonic() - start > timeout:
+                    why = f"killed after {timeout:.0f} s"
+                if why is not None:
+                    os.kill(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        out = log.read() + (f"\n[{why}]" if why else "")
+    return proc.returncode, out, usage.ru_maxrss * 1024
+
+
+def _resident_bytes(pid: int) -> int:
+    """The resident set of process `pid` in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
