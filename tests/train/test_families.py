@@ -548,7 +548,9 @@ def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
     block's recomputation apart from its forward, as the loop that runs does in its two bodies: in the
     Qwen3 MoE step under per-op checkpointing, each layer's dispatch sorts its rows by expert in the
     forward and again in the recomputation: the straight-line program holds the argsorts once per
-    loop body, none merged with the forward's."""
+    loop body, none merged with the forward's. Compiled for a v5p slice, the target the dry run
+    costs: a program for XLA:CPU runs the experts' grouped matmuls as loops of their own
+    (grouped_mm_blocked.py), and the two loop bodies counted here are the layer scan's."""
     import re
 
     from torchtpu.distributed.scan import straight_line_loops
@@ -556,7 +558,7 @@ def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
     from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
-    argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.scan_layers", "true")
+    argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.topology", "v5p:2x2x1", "--tpu.scan_layers", "true")
     cfg = load_config(
         [*argv, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     )
