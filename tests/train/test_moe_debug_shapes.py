@@ -19,12 +19,12 @@ QWEN3_DEBUG_TOML = os.path.join(REPO, "train_configs", "qwen3_debug.toml")
 
 
 def test_shipped_debugmodel_moe_trains_within_a_memory_bound(tmp_path):
-    """Two steps of the shipped debugmodel_moe on 2 XLA CPU devices (FSDP 2; 2 sequences of 64 per
+    """One step of the shipped debugmodel_moe on 2 XLA CPU devices (FSDP 2; 2 sequences of 64 per
     device, 1,024 routed rows; the layer scan under full recomputation keeps the compile short): the
-    process stays under 9 GiB resident and the losses are finite. Measured 8.26 GiB; the parameters
+    process stays under 9 GiB resident and the loss is finite. Measured 8.02 GiB; the parameters
     and AdamW's moments are 3.5 GiB, and each device gathers a layer's 64 experts whole. The same
-    job with `jax.lax.ragged_dot` as the experts' matmul peaked at 10.03 GiB (and took 116 s for
-    its first step, where this one takes 26)."""
+    job with `jax.lax.ragged_dot` as the experts' matmul peaked at 10.04 GiB (its step took 131 s,
+    this one 14). The process peaks in its first step: a second one adds time, not memory."""
     cmd = [
         sys.executable,
         "-m",
@@ -36,7 +36,7 @@ def test_shipped_debugmodel_moe_trains_within_a_memory_bound(tmp_path):
         "--job.dump_folder",
         str(tmp_path),
         "--training.steps",
-        "2",
+        "1",
         "--training.seq_len",
         "64",
         "--training.local_batch_size",
@@ -56,6 +56,6 @@ def test_shipped_debugmodel_moe_trains_within_a_memory_bound(tmp_path):
     status, out, peak = run_with_peak_rss(cmd, env, rss_limit=limit, timeout=600, cwd=REPO)
     assert status == 0, out[-3000:]
     assert "qwen3 debugmodel_moe: 315,758,848 parameters" in out, out[-3000:]
-    losses = [float(v) for v in re.findall(r"step \d+/2 \|.*?\| loss ([-\d.naif]+)", out)]
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), out[-3000:]
+    losses = [float(v) for v in re.findall(r"step \d+/1 \|.*?\| loss ([-\d.naif]+)", out)]
+    assert len(losses) == 1 and math.isfinite(losses[0]), out[-3000:]
     assert peak <= limit, f"peak resident set {peak / 2**30:.2f} GiB"
