@@ -6,14 +6,15 @@ to whichever worker is free. tests/conftest.py sorts the collection longest unit
 recorded seconds, which is the longest-processing-time rule: the two workers end within about one short
 test of each other instead of one of them running a multi-minute job alone at the end.
 
-The file holds the CPU seconds (its pytest worker's and its child processes', setup to teardown) of
-every test that took at least `KEEP` in a run of the whole suite on this project's 2-core machine: on
-two busy cores a test's CPU seconds are what it costs the suite, whatever else loads the machine, where
-its wall seconds are not. A test absent from it counts the `UNKNOWN` seconds of its directory.
-Re-record after adding slow tests:
+The file holds each test's wall seconds (setup to teardown) from a whole-suite run on an otherwise idle
+2-core machine with an empty compilation cache, as CI runs it: how long a test keeps its worker is what
+the order needs. SUITE_CPU_TIMES records the CPU seconds too (the worker's and its child processes'),
+which say what a test costs whatever else loads the machine: the measure for making the suite cheaper.
+A test absent from the file counts the `UNKNOWN` seconds of its directory. Re-record after adding slow
+tests:
 
-    SUITE_CPU_TIMES=/tmp/suite.jsonl python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder \\
-        -p no:cacheprovider tests
+    XDG_CACHE_HOME=$(mktemp -d) SUITE_CPU_TIMES=/tmp/suite.jsonl python -m pytest -n 2 --dist loadgroup \\
+        --no-loadscope-reorder -p no:cacheprovider tests
     python -m tests.durations /tmp/suite.jsonl
 """
 
@@ -98,14 +99,14 @@ def register(config) -> None:
         config.pluginmanager.register(CpuTimes(os.path.abspath(path)), "suite-cpu-times")
 
 
-def from_cpu_times(paths: list[str]) -> dict[str, float]:
-    """Per-test CPU seconds from SUITE_CPU_TIMES files (the most seen where a test ran more than once)."""
+def from_records(paths: list[str]) -> dict[str, float]:
+    """Per-test wall seconds from SUITE_CPU_TIMES files (the most seen where a test ran more than once)."""
     seconds: dict[str, float] = {}
     for path in paths:
         for line in open(path):
             record = json.loads(line)
-            if record["cpu"] >= KEEP:
-                seconds[record["test"]] = max(record["cpu"], seconds.get(record["test"], 0.0))
+            if record["wall"] >= KEEP:
+                seconds[record["test"]] = max(record["wall"], seconds.get(record["test"], 0.0))
     return dict(sorted(seconds.items()))
 
 
@@ -113,7 +114,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m tests.durations FILE [...]  (files that SUITE_CPU_TIMES wrote)", file=sys.stderr)
         return 2
-    seconds = from_cpu_times(argv)
+    seconds = from_records(argv)
     FILE.write_text(json.dumps(seconds, indent=0, sort_keys=True) + "\n")
     print(f"{FILE}: {len(seconds)} tests of {KEEP:g} s or more, {sum(seconds.values()):.0f} s in all")
     return 0
