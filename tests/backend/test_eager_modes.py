@@ -19,6 +19,20 @@ from torchtpu._platform import XLA_COMPILES
 from torchtpu.backend import fused
 
 
+@pytest.fixture(autouse=True)
+def as_in_a_process_without_a_mesh():
+    """Fused mode records only while the process has made no device mesh (backend.state.note_mesh:
+    after one, it runs ops strictly). Under `make test` an earlier test in this pytest worker may
+    have made one; each test here runs as it would in a process that has not."""
+    from torchtpu.backend.state import CONFIG
+
+    saved = CONFIG.mesh_active, CONFIG.fused
+    CONFIG.mesh_active = False
+    CONFIG.fused = CONFIG.eager_mode == "fused"
+    yield
+    CONFIG.mesh_active, CONFIG.fused = saved
+
+
 def flushes() -> int:
     return torchtpu.cache_stats()["fused_flushes"]
 
