@@ -67,6 +67,16 @@ def _losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
+def _cpu_and_tpu(res: dict, root: str, data, name: str, **kwargs):
+    """The same run with `use_cpu=True` and on tpu, no checkpoints: losses as res["cpu_<name>"] and
+    res["tpu_<name>"]; returns the tpu Trainer."""
+    for device in ("cpu", "tpu"):
+        trainer = _trainer(f"{root}/{device}_{name}", data, save_strategy="no", use_cpu=device == "cpu", **kwargs)
+        trainer.train()
+        res[f"{device}_{name}"] = _losses(trainer)
+    return trainer
+
+
 def main(path: str) -> None:
     import transformers
 
@@ -93,22 +103,9 @@ def main(path: str) -> None:
     resumed.train(resume_from_checkpoint=f"{root}/tpu/checkpoint-4")
     res["resumed"] = {s: v for s, v in _losses(resumed).items() if s > 4}
 
-    extra = dict(gradient_accumulation_steps=2, gradient_checkpointing=True, save_strategy="no")
-    cpu = _trainer(f"{root}/cpu_acc", data, use_cpu=True, **extra)
-    cpu.train()
-    res["cpu_acc"] = _losses(cpu)
-    tpu = _trainer(f"{root}/tpu_acc", data, **extra)
-    tpu.train()
-    res["tpu_acc"] = _losses(tpu)
-
+    _cpu_and_tpu(res, root, data, "acc", gradient_accumulation_steps=2, gradient_checkpointing=True)
     # bf16 mixed precision: autocast on each device (CPU's and tpu's bf16 policies), the same run
-    extra = dict(bf16=True, save_strategy="no")
-    cpu = _trainer(f"{root}/cpu_bf16", data, use_cpu=True, **extra)
-    cpu.train()
-    res["cpu_bf16"] = _losses(cpu)
-    tpu = _trainer(f"{root}/tpu_bf16", data, **extra)
-    tpu.train()
-    res["tpu_bf16"] = _losses(tpu)
+    tpu = _cpu_and_tpu(res, root, data, "bf16", bf16=True)
     res["bf16_autocast"] = str(tpu.accelerator.mixed_precision)
 
     # fp16 mixed precision: accelerate refuses the device named tpu (its GradScaler branch)
