@@ -121,7 +121,7 @@ _.redistribute_inputs
 _.get_group
 _.get_local_rank
 
-# Read by name: ChipSpec fields (topology.chip_spec returns them as a dict), a config key refused when
+# Read by name: ChipSpec fields (hardware.chip_spec returns them as a dict), a config key refused when
 # changed (profiler_warmup, expert_tensor_parallel_degree), attributes the config-honesty test reads
 # through strings.
 _.expert_tensor_parallel_degree

@@ -30,8 +30,10 @@ import math
 import os
 import re
 
-PEAK_FLOPS = 459e12  # v5p bf16
-HBM_BYTES_PER_S = 2.765e12  # v5p
+from torchtpu import costing
+from torchtpu.hardware import CHIPS
+
+CHIP = CHIPS["v5p"]
 # what XLA's cost model charges a v5p collective per result byte on the meshes measured here (a
 # 403 MB all-gather over 16 chips: 0.895 ms); a fit, not a datasheet figure
 ICI_BYTES_PER_S = 4.5e11
@@ -41,7 +43,7 @@ _BYTES.update({"s64": 8, "u64": 8, "f64": 8})
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _INST = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+COLLECTIVES = (*costing.COLLECTIVES, "ragged-all-to-all")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
 
 
@@ -154,7 +156,8 @@ class Program:
                 kind = "other fusion"
             else:
                 kind = "other"
-            yield kind, name, max(flops / PEAK_FLOPS, (inputs + out) / HBM_BYTES_PER_S), inputs + out, flops
+            seconds = costing.roofline_seconds(flops, inputs + out, CHIP.peak_bf16_flops, CHIP.hbm_bandwidth)
+            yield kind, name, seconds, inputs + out, flops
 
 
 _CYCLES = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+) = .*?"estimated_cycles":"(\d+)"', re.M)

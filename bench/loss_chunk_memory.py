@@ -24,7 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def compile_once(argv, layers: int, chunk: int, dump: str) -> dict:
-    from torchtpu.distributed.topology import compile_report, count_collectives, dump_compiles_to, largest_temporaries
+    from torchtpu.costing import count_collectives, largest_temporaries
+    from torchtpu.distributed.topology import compile_report, dump_compiles_to
     from torchtpu.train.config.manager import load_config
     from torchtpu.train.dry_run.estimate import compile_step, unrolled
     from torchtpu.train.trainer import Trainer

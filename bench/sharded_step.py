@@ -64,16 +64,16 @@ from bench.train_step import (  # noqa: E402
 )
 from torchtpu.distributed import distribute_tensor, empty, init_device_mesh, materialize  # noqa: E402
 from torchtpu.distributed.params import partition_spec  # noqa: E402
-from torchtpu.distributed.topology import aot_compile, chip_spec, compile_report, topology_devices  # noqa: E402
+from torchtpu.distributed.topology import aot_compile, compile_report, topology_devices  # noqa: E402
+from torchtpu.hardware import CHIPS, TP_AXIS  # noqa: E402
 from torchtpu.models.llama3 import parallelize_llama  # noqa: E402
 from torchtpu.models.llama3.parallelize import batch_placements  # noqa: E402
 
-DP, TP = "dp_shard", "tp"
+DP, TP = "dp_shard", TP_AXIS
 TOPOLOGY = "v5p:2x2x1"
-# v5p per chip: bf16 peak and HBM bandwidth from torchtpu's chip table (topology.chip_spec).
+# v5p per chip: bf16 peak and HBM bandwidth from torchtpu's chip table (torchtpu.hardware).
 # A float32 matmul at Precision.HIGHEST runs as 6 bf16 MXU passes, at DEFAULT as 1.
-V5P_BF16 = chip_spec("v5p")["peak_bf16_flops"]
-V5P_HBM_BW = chip_spec("v5p")["hbm_bandwidth"]
+V5P = CHIPS["v5p"]
 HIGHEST_PASSES = 6
 
 
@@ -261,9 +261,9 @@ def precision_counts(hlo: str) -> dict:
 
 
 def roofline(rep, highest: bool):
-    peak = V5P_BF16 / (HIGHEST_PASSES if highest else 1)
+    peak = V5P.peak_bf16_flops / (HIGHEST_PASSES if highest else 1)
     tf = rep["flops_per_device"] / peak
-    tm = rep["bytes_accessed_per_device"] / V5P_HBM_BW
+    tm = rep["bytes_accessed_per_device"] / V5P.hbm_bandwidth
     return max(tf, tm), tf, tm
 
 
@@ -413,8 +413,8 @@ def main():
             f"**TPU {TOPOLOGY} (4 chips), compiled ahead of time** on this host (libtpu's compiler, no TPU). "
             f"'XLA est. step' is `compile_report(...)['estimated_step_seconds']` (XLA's cost model; n/a when "
             f"it gives none). 'roofline est.' is computed here: max(flops / peak, bytes accessed / "
-            f"{V5P_HBM_BW / 1e12:.3f} TB/s), with peak {V5P_BF16 / 1e12:.0f} TFLOP/s for programs whose float32 "
-            f"dots run at DEFAULT precision (1 bf16 MXU pass) and {V5P_BF16 / HIGHEST_PASSES / 1e12:.1f} TFLOP/s "
+            f"{V5P.hbm_bandwidth / 1e12:.3f} TB/s), with peak {V5P.peak_bf16_flops / 1e12:.0f} TFLOP/s for programs whose float32 "
+            f"dots run at DEFAULT precision (1 bf16 MXU pass) and {V5P.peak_bf16_flops / HIGHEST_PASSES / 1e12:.1f} TFLOP/s "
             f"(6 passes) for those at HIGHEST. torchtpu asks for HIGHEST on float32 matmuls (PyTorch's "
             f"float32 semantics), so 'pure JAX (highest)' (`jax.default_matmul_precision('highest')`) is the "
             f"same-math reference"

@@ -60,11 +60,11 @@ def main() -> None:
 
 
 def _report(args, trainer, t0: float) -> None:
-    from torchtpu.distributed.topology import chip_spec
+    from torchtpu.hardware import CHIPS, parse_topology
     from torchtpu.train.dry_run.estimate import _runs_layer_scan, estimate_lines, leading_dense_layers, step_estimate
 
     est = step_estimate(trainer, {}, unscanned_copies=args.unscanned_copies)
-    peak = chip_spec(args.topology.split(":")[0])["peak_bf16_flops"]
+    peak = CHIPS[parse_topology(args.topology).generation].peak_bf16_flops
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
     print("\n".join(estimate_lines(trainer, est, peak)))
     layer = (est.get("per_layer") or {}).get("estimated_step_seconds")
@@ -85,6 +85,7 @@ def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
     iteration X2(m) = outside(m) + 2 body. So body = X2(m4) - X(m4), the part outside the loops grows
     by (X(m4) - X(m2)) / (m4 - m2) per block, and the step is outside(sloped) + sloped x body, with
     m2, m4 the costing copies' scanned blocks."""
+    from torchtpu.costing import mfu_percent
     from torchtpu.distributed.scan import straight_line_loops
     from torchtpu.distributed.topology import costing_compiles
     from torchtpu.train.dry_run.estimate import _step_report, costing_depths, leading_dense_layers
@@ -111,9 +112,10 @@ def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
     grow = (x4 - x2) / (m4 - m2)
     outside = x4 - body + (sloped - m4) * grow
     step = (outside + sloped * body) * trainer.dims.grad_accum_steps
-    mfu = trainer.flops_per_token * trainer.dims.tokens_per_step / (step * trainer.dims.world_size * peak)
+    dims = trainer.dims
+    mfu = mfu_percent(trainer.flops_per_token * dims.tokens_per_step, step, dims.world_size, peak)
     print(
-        f"XLA's cost of the loop  {step:.3f} s per step, MFU {100 * mfu:.1f}%: the loop body {body * 1e3:.2f} ms "
+        f"XLA's cost of the loop  {step:.3f} s per step, MFU {mfu:.1f}%: the loop body {body * 1e3:.2f} ms "
         f"per layer; outside the loops {outside * 1e3:.1f} ms per micro-batch, {grow * 1e3:.2f} ms more per layer "
         f"({n4}-layer program with 2 and 1 blocks per iteration: {x4_paired * 1e3:.1f} and {x4 * 1e3:.1f} ms; "
         f"{n2} layers: {x2 * 1e3:.1f} ms)"

@@ -14,7 +14,7 @@
     over stacked parameters; attention by `jax.nn.dot_product_attention` (causal) or, with
     --pallas, the Pallas TPU flash-attention kernel inside `shard_map`; int32 token ids.
 
-Both are costed the same way (torchtpu.distributed.topology.depth_extrapolated_cost: XLA's cost
+Both are costed the same way (torchtpu.costing.depth_extrapolated_cost: XLA's cost
 model on shallow unrolled programs, extrapolated to the model's depth, which a scan cannot
 fool: unrolled 2- and 4-layer programs of both, like for like; the dry run costs a scanned job with
 copies that keep its scan, unrolled into straight-line code, which XLA costs somewhat higher
@@ -44,14 +44,18 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from bench import jax_llama, jax_moe  # noqa: E402
+from torchtpu.costing import (  # noqa: E402
+    COSTING_DEPTHS,
+    depth_extrapolated_cost,
+    largest_temporaries,
+    mfu_percent,
+    temporaries_lines,
+)
 from torchtpu.distributed.topology import (  # noqa: E402
     aot_compile,
     compile_report,
     costing_compiles,
-    depth_extrapolated_cost,
     dump_compiles_to,
-    largest_temporaries,
-    temporaries_lines,
     topology_devices,
 )
 
@@ -271,7 +275,7 @@ def main(argv=None):
     a, overrides = ap.parse_known_args(argv)  # the rest: torchtpu-train options, e.g. --training.seq_len 4096
 
     from torchtpu.train.config.manager import load_config
-    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS, recompute_text, unrolled, with_loop_warning
+    from torchtpu.train.dry_run.estimate import recompute_text, unrolled, with_loop_warning
     from torchtpu.train.model_builder import ac_settings
 
     cfg = load_config(["--config", a.config, "--dry-run", "--tpu.topology", a.topology, *overrides])
@@ -329,7 +333,7 @@ def main(argv=None):
         row = {
             "est. step / micro-batch": f"{s * 1e3:.1f} ms" if s else "n/a",
             "tokens/s per chip": f"{tokens_micro / s / chips:,.0f}" if s else "n/a",
-            "est. MFU": f"{100 * model_per_chip / (s * peak):.1f}%" if s else "n/a",
+            "est. MFU": f"{mfu_percent(flops_per_token * tokens_micro, s, chips, peak):.1f}%" if s else "n/a",
             "XLA FLOPs / chip": f"{e['flops_per_device']:.4g} ({e['flops_per_device'] / model_per_chip:.2f}x model)",
         }
         small = (small_tt if name == "torchtpu" else small_ref)[-1]

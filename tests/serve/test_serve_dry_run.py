@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from torchtpu.distributed.topology import CHIPS, libtpu_available
+from torchtpu.distributed.topology import libtpu_available
+from torchtpu.hardware import CHIPS
 
 pytestmark = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
 

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from torchtpu.costing import depth_extrapolated_cost
 from torchtpu.distributed.topology import (
     aot_compile,
     compile_report,
     costing_compiles,
-    depth_extrapolated_cost,
     libtpu_available,
     topology_mesh,
 )

@@ -197,15 +197,16 @@ def _metric_records(t):
     return [json.loads(line) for line in open(path) if '"loss"' in line]
 
 
-def test_registry_is_what_the_config_offers():
-    """The configuration's [model] name/flavor choices are the registry's families and flavors, and
-    each flavor is one of torchtitan's."""
+def test_registry_flavors_are_torchtitans():
+    """Each flavor the registry offers (and so the configuration: [model] name/flavor) is one of
+    torchtitan's, and every "module:attr" the registry names resolves."""
     import importlib
 
-    from torchtpu.models.registry import FAMILIES, UnknownModel, get_family, model_flavors
-    from torchtpu.train.config.job_config import MODEL_FLAVORS
+    from torchtpu.models.registry import FAMILIES, UnknownModel, get_family, resolve
 
-    assert MODEL_FLAVORS == model_flavors()
+    for family in FAMILIES.values():
+        for path in (family.args_table, family.model_class, family.preparer, family.parallelizer, family.flops_counter):
+            assert callable(resolve(path)) or isinstance(resolve(path), dict), path
     for family in FAMILIES.values():
         for flavor in family.flavors:
             assert family.model_args(flavor) is not family.model_args(flavor)  # a fresh copy each time
@@ -553,8 +554,8 @@ def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
     (grouped_mm_blocked.py), and the two loop bodies counted here are the layer scan's."""
     import re
 
+    from torchtpu.costing import computation, while_loops
     from torchtpu.distributed.scan import straight_line_loops
-    from torchtpu.distributed.topology import _computation, while_loops
     from torchtpu.train.dry_run.estimate import compile_step
     from torchtpu.train.trainer import Trainer
 
@@ -572,7 +573,7 @@ def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
 
     bodies = [lp["body"] for lp in while_loops(loop)]
     assert len(bodies) == 2 and not while_loops(straight)
-    in_bodies = sum(sorts(_computation(loop, b)) for b in bodies)
+    in_bodies = sum(sorts(computation(loop, b)) for b in bodies)
     assert in_bodies >= 2  # the forward's and the recomputation's
     assert sorts(straight) == sorts(loop) - in_bodies + t.model_args.n_layers * in_bodies
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from torchtpu.distributed.topology import libtpu_available, wide_types
+from torchtpu.costing import wide_types
+from torchtpu.distributed.topology import libtpu_available
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
 

@@ -221,18 +221,19 @@ def test_names_and_defaults_match_torchtitan():
 
 
 def test_config_module_imports_only_the_standard_library():
-    # The configuration modules, imported as a bare package so that neither torchtpu/__init__.py
-    # nor torchtpu/train/__init__.py runs.
+    # The configuration modules and what they read (the hardware facts, the model registry), with
+    # torchtpu and torchtpu.train as bare packages so that neither __init__.py runs.
+    modules = ("train.config.schema", "train.config.job_config", "train.config.manager", "train.parallel_dims")
     code = (
-        "import importlib, sys, types; pkg = types.ModuleType('c'); pkg.__path__ = [sys.argv[1]]; "
-        "sys.modules['c'] = pkg; "
-        "[importlib.import_module('c.' + m) for m in ('config.schema', 'config.job_config', 'config.manager', 'parallel_dims')]; "
+        "import importlib, sys, types\n"
+        "for name in ('torchtpu', 'torchtpu.train'):\n"
+        "    pkg = types.ModuleType(name); pkg.__path__ = [sys.argv[1] + name[8:].replace('.', '/')]\n"
+        "    sys.modules[name] = pkg\n"
+        f"for m in {modules!r}: importlib.import_module('torchtpu.' + m)\n"
         "print(sorted(n for n in ('torch', 'jax', 'numpy', 'torchtitan') if n in sys.modules))"
     )
-    out = subprocess.run(
-        [PY, "-c", code, str(REPO / "torchtpu/train")], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert out == "[]"
+    out = subprocess.run([PY, "-c", code, str(REPO / "torchtpu")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # ----------------------------------------------------------------------------------------------

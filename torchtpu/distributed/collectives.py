@@ -28,6 +28,7 @@ from ..backend.optable import custom, lower
 from ..backend.state import tracing
 from ..backend.tensor import TpuTensor, new_base
 from ..backend.views import array_of
+from ..hardware import TP_AXIS
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
 from .vjp_saved import save_vjp, saved_vjp
@@ -331,6 +332,6 @@ def loss_parallel(mesh: DeviceMesh | None = None):
     dim the vocabulary is split over (default: the root mesh's "tp" dim, if any)."""
     if mesh is None:
         root = current_mesh()
-        mesh = root["tp"] if root is not None and "tp" in root.mesh_dim_names else None
+        mesh = root[TP_AXIS] if root is not None and TP_AXIS in root.mesh_dim_names else None
     with _LossParallelMode(mesh):
         yield

@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..hardware import TP_AXIS
+
 __all__ = [
     "JOB_MESH_DIMS",
     "CoordinatorUnreachable",
@@ -37,7 +39,7 @@ __all__ = [
 # The dims of a training job's mesh, outermost first: data-parallel replicas (HSDP's replicate
 # axis, the one multislice jobs split across slices by default), data-parallel shards (FSDP) and
 # tensor parallelism. Every other spelling of these names derives from this one.
-JOB_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+JOB_MESH_DIMS = ("dp_replicate", "dp_shard", TP_AXIS)
 
 
 def initialize(
@@ -403,7 +405,7 @@ def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     axis `ep` may have one rank (ep = tp). Becomes the current mesh."""
     if mesh.root() is not mesh:
         raise ValueError(f"expert_parallel_mesh takes the root mesh, not the view {mesh}")
-    tp = mesh.size("tp") if "tp" in mesh.mesh_dim_names else 1
+    tp = mesh.size(TP_AXIS) if TP_AXIS in mesh.mesh_dim_names else 1
     shard = mesh.size("dp_shard")
     if ep < 1 or ep % tp or shard % (ep // tp):
         raise ValueError(
@@ -413,5 +415,5 @@ def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     inner = ep // tp
     out = split_dim(mesh, "dp_shard", (("efsdp", shard // inner), ("ep", inner)))
     if tp > 1:
-        out._flattened["ep"] = ("ep",) + out.dims[out._index("tp")]
+        out._flattened["ep"] = ("ep",) + out.dims[out._index(TP_AXIS)]
     return out

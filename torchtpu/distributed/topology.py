@@ -16,37 +16,27 @@ loaded for topology descriptions only and never becomes a JAX backend.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.util
 import math
 import os
-import re
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from ..backend.aot import aot_compile, compiler_options, dump_compiles_to  # re-exported: compiling is a backend job
+from ..costing import count_collectives, roofline_seconds, while_loops, wide_types
+from ..hardware import GiB, TopologyNameError, chip_spec, parse_topology
 
 __all__ = [
     "TopologyError",
     "topology_devices",
     "topology_mesh",
-    "ChipSpec",
-    "CHIPS",
-    "chip_of",
-    "chip_spec",
     "aot_compile",
     "compile_report",
     "format_report",
-    "COLLECTIVES",
     "dump_compiles_to",
-    "wide_types",
-    "while_loops",
-    "largest_temporaries",
-    "temporaries_lines",
-    "depth_extrapolated_cost",
     "COSTING_COMPILER_OPTIONS",
     "PAST_OOM_COMPILER_OPTIONS",
     "NO_MEMORY_SPACE_ASSIGNMENT",
@@ -54,84 +44,10 @@ __all__ = [
 ]
 
 EXAMPLES = ("v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v5p:4x4x8", "v6e:2x2", "v6e:16x16")
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-
-GiB = 1024**3
-GB = 10**9
-
-
-@dataclasses.dataclass(frozen=True)
-class ChipSpec:
-    """One TPU chip, from Google's published figures."""
-
-    name: str  # generation: "v4", "v5e", "v5p", "v6e"
-    peak_bf16_flops: float  # dense bf16 FLOP/s
-    hbm_bytes: int
-    hbm_bandwidth: float  # bytes/s
-
-
-# The one table of chips (metrics' MFU and the compile reports read it). device_kind strings as
-# libtpu reports them (checked with libtpu 0.0.42.1): v4 -> "TPU v4", v5e -> "TPU v5 lite",
-# v5p -> "TPU v5", v6e -> "TPU v6 lite".
-CHIPS = {
-    c.name: c
-    for c in (
-        ChipSpec("v4", peak_bf16_flops=275e12, hbm_bytes=32 * GiB, hbm_bandwidth=1.2e12),
-        ChipSpec("v5e", peak_bf16_flops=197e12, hbm_bytes=16 * GB, hbm_bandwidth=8.19e11),
-        ChipSpec("v5p", peak_bf16_flops=459e12, hbm_bytes=95 * GiB, hbm_bandwidth=2.765e12),
-        ChipSpec("v6e", peak_bf16_flops=918e12, hbm_bytes=32 * GB, hbm_bandwidth=1.64e12),
-    )
-}
-_KIND_ALIASES = {
-    "v4": "v4",
-    "v5lite": "v5e",
-    "v5e": "v5e",
-    "v5litepod": "v5e",
-    "v5": "v5p",
-    "v5p": "v5p",
-    "v6lite": "v6e",
-    "v6e": "v6e",
-    "v6": "v6e",
-    "trillium": "v6e",
-}
 
 
 class TopologyError(RuntimeError):
     """A TPU topology cannot be described (libtpu missing, or an invalid topology name)."""
-
-
-def chip_of(device_kind: str) -> ChipSpec | None:
-    """The table's record for a device's `device_kind` ("TPU v5 lite", "TPU v5", "TPU v6 lite",
-    "TPU v4", spacing and case free) or a generation name ("v5e", "v5p", "v6e", "v4"); None for
-    anything else."""
-    key = re.sub(r"[\s_-]+", "", str(device_kind).lower()).removeprefix("tpu")
-    gen = _KIND_ALIASES.get(key)
-    return CHIPS[gen] if gen else None
-
-
-def chip_spec(device_kind: str) -> dict:
-    """`chip_of(device_kind)` as a dict(name, peak_bf16_flops, hbm_bytes, hbm_bandwidth); an
-    unknown kind is an error."""
-    chip = chip_of(device_kind)
-    if chip is None:
-        raise ValueError(
-            f"unknown TPU device kind {device_kind!r}; known: 'TPU v4', 'TPU v5 lite' (v5e), 'TPU v5' (v5p), "
-            "'TPU v6 lite' (v6e)"
-        )
-    return dataclasses.asdict(chip)
-
-
-def _accelerator_type(name: str) -> str:
-    """A plausible TPU_ACCELERATOR_TYPE for a topology name (v5p:2x2x1 -> v5p-8)."""
-    gen, _, dims = name.partition(":")
-    gen = _KIND_ALIASES.get(gen.lower().replace(" ", ""), gen.lower())
-    try:
-        chips = math.prod(int(d) for d in re.findall(r"\d+", dims)) or 1
-    except ValueError:
-        chips = 1
-    if gen in ("v4", "v5p"):  # named by TensorCores, two per chip
-        return f"{gen}-{2 * chips}"
-    return f"{'v5litepod' if gen == 'v5e' else gen}-{chips}"
 
 
 @contextlib.contextmanager
@@ -149,7 +65,6 @@ def _quiet_libtpu_env(name: str):
         if has_tpu_chips()
         else {
             "TPU_SKIP_MDS_QUERY": "1",
-            "TPU_ACCELERATOR_TYPE": _accelerator_type(name),
             "TPU_WORKER_HOSTNAMES": "localhost",
             "TPU_WORKER_ID": "0",
             # libtpu takes /tmp/libtpu_lockfile so that one process owns the chips; a second
@@ -158,6 +73,11 @@ def _quiet_libtpu_env(name: str):
             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
         }
     )
+    if values:
+        try:  # the slice's TPU type name; a name that does not parse is libtpu's to refuse
+            values["TPU_ACCELERATOR_TYPE"] = parse_topology(name).accelerator_type
+        except TopologyNameError:
+            pass
     added = [k for k in values if k not in os.environ]
     for k in added:
         os.environ[k] = values[k]
@@ -241,38 +161,6 @@ def topology_mesh(name: str, mesh_shape: Sequence[int], axis_names: Sequence[str
 # ----------------------------------------------------------------------------- compile report
 
 
-_OP = re.compile(r"\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start)?\(")
-_COMP_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
-def count_collectives(hlo_text: str) -> dict:
-    """Counts of each collective in optimized HLO text.
-
-    Async pairs count once (the `-start`). The TPU compiler lowers a reduce-scatter to a custom
-    fusion whose computation is named `all-reduce-scatter*` (an all-reduce feeding a
-    dynamic-slice); each call of such a fusion counts as one reduce-scatter and the all-reduce
-    inside it is not counted again.
-    """
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    comp = None
-    for line in hlo_text.splitlines():
-        header = _COMP_HEADER.match(line)
-        if header:
-            comp = header.group(1)
-            continue
-        if comp is not None and comp.startswith("all-reduce-scatter"):
-            continue
-        if "fusion(" in line:
-            m = _CALLS.search(line)
-            if m and m.group(1).startswith("all-reduce-scatter"):
-                counts["reduce-scatter"] += 1
-                continue
-        for m in _OP.finditer(line):
-            counts[m.group(1)] += 1
-    return counts
-
-
 def _devices_of(compiled, mesh_or_devices) -> list:
     if isinstance(mesh_or_devices, jax.sharding.Mesh):
         return list(mesh_or_devices.devices.flat)
@@ -343,7 +231,7 @@ def compile_report(compiled, mesh_or_devices=None) -> dict:
         # a roofline bound from XLA's own flop and byte counts (not a simulation: no overlap of
         # collectives, no precision passes); it is what remains when XLA gives no estimate
         "roofline_seconds": (
-            max(flops / peak_flops, float(ca.get("bytes accessed", 0.0)) / (spec["hbm_bandwidth"] / per_chip))
+            roofline_seconds(flops, float(ca.get("bytes accessed", 0.0)), peak_flops, spec["hbm_bandwidth"] / per_chip)
             if spec
             else None
         ),
@@ -408,97 +296,6 @@ def format_report(report: dict, costed_below: bool = False) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-# ----------------------------------------------------------------------------- what the program holds
-
-# A shape in HLO text: element type, then dimensions.
-_SHAPE = re.compile(
-    r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)\[([\d,]*)\]"
-)
-WIDE_TYPES = ("s64", "u64", "f64", "c64", "c128")
-
-
-def wide_types(hlo_text: str) -> dict:
-    """How often 64-bit and complex element types (and the TPU compiler's 64-bit emulation calls)
-    occur in HLO text: {"s64": n, "u64": n, "f64": n, "c64": n, "c128": n, "x64_emulation_calls": n}.
-
-    On TPU, 64-bit integers and complex numbers have no hardware type: the compiler emulates
-    them with 32-bit pairs and splits/combines program inputs with X64Split*/X64Combine custom
-    calls, after which its cost model gives no step-time estimate.
-    """
-    counts = dict.fromkeys(WIDE_TYPES, 0)
-    for m in _SHAPE.finditer(hlo_text):
-        if m.group(1) in counts:
-            counts[m.group(1)] += 1
-    counts["x64_emulation_calls"] = len(re.findall(r'custom_call_target="X64(?:Split\w*|Combine)"', hlo_text))
-    return counts
-
-
-_WHILE = re.compile(r"%([\w.\-]+) = .* while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
-
-
-def _computation(hlo_text: str, name: str) -> str:
-    m = re.search(r"^(?:ENTRY )?%" + re.escape(name) + r" \(.*?^\}", hlo_text, re.M | re.S)
-    return m.group(0) if m else ""
-
-
-def while_loops(hlo_text: str) -> list[dict]:
-    """The while loops of optimized HLO text: [{"name", "body", "trip_count"}] (trip_count from the
-    loop condition's `counter < constant` compare, None when the condition has another form).
-
-    XLA's cost analysis costs a loop body once, whatever its trip count, so a program with loops
-    (a scan over layers) reports a fraction of the work it does."""
-    loops = []
-    for m in _WHILE.finditer(hlo_text):
-        cond = _computation(hlo_text, m.group(2))
-        consts = dict(re.findall(r"%([\w.\-]+) = [su]32\[\]\S* constant\((\d+)\)", cond))
-        trips = [
-            int(consts[c]) for c in re.findall(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", cond) if c in consts
-        ]
-        loops.append({"name": m.group(1), "body": m.group(3), "trip_count": max(trips) if trips else None})
-    return loops
-
-
-def largest_temporaries(dump_folder: str, count: int = 8) -> list[dict]:
-    """The largest slices of device memory in a compiled program, from XLA's memory-usage report
-    in a `dump_compiles_to` folder (the newest module there), largest first.
-
-    Returns [{"bytes", "shapes", "values"}]: one slice of memory each, with the shapes of the
-    buffers that reuse it over the program (`values` of them). Arguments are included: a
-    full-size shape where the layout says sharded is what to look for.
-    """
-    import glob
-
-    reports = sorted(
-        glob.glob(os.path.join(dump_folder, "*after_optimizations-memory-usage-report.txt")), key=os.path.getmtime
-    )
-    if not reports:
-        return []
-    rows = []
-    with open(reports[-1], encoding="utf-8", errors="replace") as f:
-        f.readline()  # Memory Space: default
-        for line in f:
-            parts = [p.strip() for p in line.split(";")]
-            if len(parts) < 5 or not parts[2].isdigit():
-                if rows and not line.strip():
-                    break
-                continue
-            size = _parse_size(parts[1])
-            rows.append({"bytes": size, "shapes": parts[4], "values": int(parts[3])})
-    return sorted(rows, key=lambda r: -r["bytes"])[:count]
-
-
-def temporaries_lines(groups: list[dict]) -> list[str]:
-    """`largest_temporaries`' slices as report lines: size, then the shapes that reuse the slice."""
-    return [f"  {g['bytes'] / 1024**2:9.1f} MiB  {g['shapes'][:110]}" for g in groups]
-
-
-def _parse_size(text: str) -> int:
-    m = re.match(r"([\d.]+)\s*(B|KiB|MiB|GiB)", text)
-    if not m:
-        return 0
-    return int(float(m.group(1)) * {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[m.group(2)])
-
-
 # XLA's TPU compiler may split a matmul whose operand is sharded along a dimension it must gather
 # (or whose result it must scatter) into a loop over the shards that overlaps each collective step
 # with a slice of the matmul ("windowed einsum", collective matmul). Its cost analysis costs the
@@ -552,33 +349,3 @@ def costing_compiles(mesh, *, memory_space_assignment: bool = True, past_oom: bo
         return compiler_options({})
     extra = {} if memory_space_assignment else NO_MEMORY_SPACE_ASSIGNMENT
     return compiler_options({**COSTING_COMPILER_OPTIONS, **extra, **(PAST_OOM_COMPILER_OPTIONS if past_oom else {})})
-
-
-def depth_extrapolated_cost(report_a: dict, report_b: dict, depth_a: int, depth_b: int, depth: int) -> dict:
-    """Cost of a `depth`-layer program from `compile_report`s of the same program, unrolled, at
-    `depth_a` < `depth_b` layers: cost(depth) = cost(a) + (depth - a) * (cost(b) - cost(a)) / (b - a).
-
-    Why: XLA costs a while-loop body once (a scanned model looks `depth` times cheaper) and a
-    kernel by what it declares. Shallow unrolled copies have no loop over layers to miscount.
-    Why not 0 and 1 layers: XLA's time for a layer falls as neighbours appear to overlap its
-    collectives with (measured on v5p: 20, 18, then 15.5 us per layer of a test block at 1, 2,
-    4+ layers), so the slope is taken between 2 and 4 layers, where it has settled. Returns
-    flops, bytes accessed and XLA's estimated seconds per device (None where XLA gave none).
-    """
-    if not 0 <= depth_a < depth_b:
-        raise ValueError(f"depths must satisfy 0 <= depth_a < depth_b, got {depth_a} and {depth_b}")
-    out = {
-        "method": f"XLA cost model on unrolled {depth_a}- and {depth_b}-layer programs, extrapolated to {depth} layers"
-    }
-    for key in ("flops_per_device", "bytes_accessed_per_device", "estimated_step_seconds", "roofline_seconds"):
-        a, b = report_a.get(key), report_b.get(key)
-        out[key] = None if a is None or b is None else a + (depth - depth_a) * (b - a) / (depth_b - depth_a)
-    out["per_layer"] = {
-        k: (
-            None
-            if report_a.get(k) is None or report_b.get(k) is None
-            else (report_b[k] - report_a[k]) / (depth_b - depth_a)
-        )
-        for k in ("flops_per_device", "estimated_step_seconds")
-    }
-    return out

@@ -46,7 +46,7 @@ def permutation_indices(
 
 def _peak_flops_for_tpu(get_peak_flops):
     def peak_flops(device_name: str) -> float:
-        from ..distributed.topology import chip_of
+        from ..hardware import chip_of
 
         chip = chip_of(device_name)
         return chip.peak_bf16_flops if chip is not None else get_peak_flops(device_name)

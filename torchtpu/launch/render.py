@@ -11,24 +11,24 @@ platform, one single-host TPU slice per replica (docs/serving.md).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
 import sys
 from string import Template
 
+from torchtpu.hardware import Topology, TopologyNameError, parse_topology
 from torchtpu.train.fault import EXIT_CONFIG, RESTART_EXIT_CODES
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 
-# GKE node label per TPU generation, TPU-type name prefix (xpk / gcloud), TensorCores per chip in
-# that name (v4 and v5p count cores, v5e and v6e chips), and chips per multi-host VM.
+# GKE node label per TPU generation and chips per multi-host VM (the TPU type name, which gcloud and
+# xpk take, is the topology's: torchtpu.hardware).
 _GENERATIONS = {
-    "v4": ("tpu-v4-podslice", "v4", 2, 4),
-    "v5p": ("tpu-v5p-slice", "v5p", 2, 4),
-    "v5e": ("tpu-v5-lite-podslice", "v5litepod", 1, 4),
-    "v6e": ("tpu-v6e-slice", "v6e", 1, 4),
+    "v4": ("tpu-v4-podslice", 4),
+    "v5p": ("tpu-v5p-slice", 4),
+    "v5e": ("tpu-v5-lite-podslice", 4),
+    "v6e": ("tpu-v6e-slice", 4),
 }
 
 
@@ -43,14 +43,14 @@ class RenderError(ValueError):
     pass
 
 
-def valid_topology(generation: str, topology: str) -> bool:
-    """Whether `generation` (v4, v5e, v5p, v6e) comes as a slice of shape `topology`."""
-    if generation in ("v5e", "v6e"):
-        return topology in _SHAPES_2D
-    if topology in _SMALL_3D:
+def valid_topology(slice_: Topology) -> bool:
+    """Whether the slice's generation (v4, v5e, v5p, v6e) comes in the slice's shape."""
+    if slice_.generation in ("v5e", "v6e"):
+        return slice_.shape in _SHAPES_2D
+    if slice_.shape in _SMALL_3D:
         return True
-    dims = [int(n) for n in topology.split("x")]
-    return len(dims) == 3 and dims == sorted(dims) and all(d % 4 == 0 and d > 0 for d in dims)
+    dims = slice_.dims
+    return len(dims) == 3 and list(dims) == sorted(dims) and all(d % 4 == 0 and d > 0 for d in dims)
 
 
 def _valid_shapes(generation: str) -> str:
@@ -61,17 +61,19 @@ def _valid_shapes(generation: str) -> str:
 
 def slice_shape(tpu: str, chips_per_host: int | None = None) -> dict:
     """'v5p:4x4x4' -> GKE labels, chips, hosts and the xpk/gcloud TPU type of one slice."""
-    m = re.fullmatch(r"(v4|v5p|v5e|v6e):(\d+(?:x\d+){1,2})", tpu)
-    if not m:
+    try:
+        slice_ = parse_topology(tpu)
+    except TopologyNameError:
+        slice_ = None
+    if slice_ is None or slice_.generation not in _GENERATIONS:
         raise RenderError(
             f"--tpu {tpu!r}: expected GENERATION:TOPOLOGY with GENERATION one of "
             f"{', '.join(_GENERATIONS)}, e.g. v5p:4x4x4 or v6e:8x8"
         )
-    gen, topology = m.groups()
-    if not valid_topology(gen, topology):
+    gen, topology, chips = slice_.generation, slice_.shape, slice_.chips
+    if not valid_topology(slice_):
         raise RenderError(f"--tpu {tpu}: {gen} slices have no {topology} shape; valid shapes: {_valid_shapes(gen)}")
-    label, prefix, cores, per_host = _GENERATIONS[gen]
-    chips = math.prod(int(n) for n in topology.split("x"))
+    label, per_host = _GENERATIONS[gen]
     if chips_per_host is None:
         # single-host v5e/v6e slices (up to 8 chips) put every chip on the one VM
         chips_per_host = chips if gen in ("v5e", "v6e") and chips <= 8 else min(per_host, chips)
@@ -84,7 +86,7 @@ def slice_shape(tpu: str, chips_per_host: int | None = None) -> dict:
         "chips": chips,
         "chips_per_host": chips_per_host,
         "hosts_per_slice": chips // chips_per_host,
-        "tpu_type": f"{prefix}-{chips * cores}",
+        "tpu_type": slice_.accelerator_type,
     }
 
 

@@ -41,10 +41,10 @@ class HFLayoutError(ValueError):
 
 def family_for_args(model_args):
     """The registered family whose flavor table holds arguments of `model_args`' class."""
-    from .registry import FAMILIES, _resolve
+    from .registry import FAMILIES, resolve
 
     for family in FAMILIES.values():
-        if any(type(a) is type(model_args) for a in _resolve(family.args_table).values()):
+        if any(type(a) is type(model_args) for a in resolve(family.args_table).values()):
             return family
     raise HFLayoutError(f"{type(model_args).__name__} are no registered family's model arguments")
 
@@ -67,10 +67,10 @@ class HFLayout:
                 f"model family {self.family.name!r} has no Hugging Face state-dict adapter; "
                 f"families with Hugging Face weights: {', '.join(have)}"
             )
-        from .registry import _resolve
+        from .registry import resolve
 
         self.model_args = model_args
-        self.adapter = _resolve(self.family.hf_adapter)(model_args, None)
+        self.adapter = resolve(self.family.hf_adapter)(model_args, None)
         with torch.device("meta"):
             model = self.family.torchtitan_model(model_args)
         own = model.state_dict(keep_vars=True)

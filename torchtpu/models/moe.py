@@ -69,6 +69,7 @@ from ..distributed.expert_parallel import expert_axes, expert_parallel_ffn
 from ..distributed.mesh import DeviceMesh
 from ..distributed.parallel import split_parameter
 from ..distributed.params import apply_layout, set_layout
+from ..hardware import TP_AXIS
 
 __all__ = [
     "RaggedGroupedExperts",
@@ -197,7 +198,7 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh, dim: str = "
     if not ep_axes:
         # without expert parallelism each data-parallel chip dispatches its own rows, unless tensor
         # parallelism splits the experts on their hidden dim (apply_moe_tp: torchtitan's layer)
-        tp = "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1
+        tp = TP_AXIS in mesh.mesh_dim_names and mesh.size(TP_AXIS) > 1
         return model if tp else use_local_dispatch(model, mesh)
     root = mesh.root()
     n_ep = math.prod(root.jax_mesh.shape[a] for a in ep_axes)
@@ -240,9 +241,9 @@ def apply_moe_tp(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: bo
     `TensorParallel`), and with it (`apply_expert_parallel` first) are left whole, expert parallelism
     taking the tensor-parallel ranks (torchtitan's expert_tensor_parallel_degree 1: each rank
     dispatches its part of the tokens). Call it before `fully_shard`."""
-    if "tp" not in mesh.mesh_dim_names or mesh.size("tp") == 1:
+    if TP_AXIS not in mesh.mesh_dim_names or mesh.size(TP_AXIS) == 1:
         return model
-    tp = mesh["tp"]
+    tp = mesh[TP_AXIS]
     act = Shard(1) if sequence_parallel else Replicate()
     layer_io = PrepareModuleInputOutput(
         input_layouts=(act,),

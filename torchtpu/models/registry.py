@@ -7,15 +7,16 @@
     family.parallelize(model, mesh, ...)            # its plan: TP, activation checkpointing, FSDP, scan
     n_params, flops = family.flops_per_token(model, args, seq_len)
 
-The trainer, the dry run and generation read this table and never name a family. Flavor names are
-listed here, so reading a configuration imports no model code; torchtitan is imported only when a
-model is built.
+The trainer, the dry run and generation read this table and never name a family. It is data: each
+piece of code a family runs is named by a "module:attribute" string, resolved when it is first
+called. So this module imports the standard library only (an import-linter contract keeps it so),
+and the configuration reads its model names and flavors from here (`model_flavors`) without
+importing torch, torchtitan or any model code.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 __all__ = ["FAMILIES", "ModelFamily", "UnknownModel", "family_of", "get_family", "model_flavors"]
@@ -33,12 +34,13 @@ class ModelFamily:
     flavors: the flavors torchtpu trains, by torchtitan's names ([model] flavor).
     args_table: "module:attribute" of torchtitan's flavor table (flavor -> model arguments).
     model_class: "module:attribute" of torchtitan's model class.
-    prepare: the changes the model needs on the tpu device (same parameters, same numbers), applied
-        to a freshly built model, on any device; returns the model.
-    parallelize: `parallelize(model, mesh, *, sequence_parallel, loss_parallel, param_dtype,
-        reduce_dtype, ac_mode, ac_every, scan_layers)` shards the model over the job's mesh.
-    flops_per_token: `(model, args, seq_len) -> (parameters, training FLOPs per token)`; a
-        Mixture-of-Experts model counts only the experts a token runs through.
+    preparer: "module:attribute" of `prepare(model) -> model`: the changes the model needs on the
+        tpu device (same parameters, same numbers), applied to a freshly built model, on any device.
+    parallelizer: "module:attribute" of `parallelize(model, mesh, *, sequence_parallel,
+        loss_parallel, param_dtype, reduce_dtype, ac_mode, ac_every, scan_layers)`, which shards the
+        model over the job's mesh.
+    flops_counter: "module:attribute" of `(model, args, seq_len) -> (parameters, training FLOPs per
+        token)`; a Mixture-of-Experts model counts only the experts a token runs through.
     hf_adapter: "module:attribute" of torchtitan's state-dict adapter class (Hugging Face names and layouts), or None.
     decode: "module" with the KV-cache decoding `torchtpu-generate` uses, or None.
     moe_load_balancing: torchtitan's optimizer for the family moves every MoE layer's expert_bias
@@ -51,9 +53,9 @@ class ModelFamily:
     flavors: tuple[str, ...]
     args_table: str
     model_class: str
-    prepare: Callable[[Any], Any]
-    parallelize: Callable[..., Any]
-    flops_per_token: Callable[[Any, Any, int], tuple[int, int]]
+    preparer: str
+    parallelizer: str
+    flops_counter: str
     hf_adapter: str | None = None
     decode: str | None = None
     moe_load_balancing: bool = False
@@ -63,7 +65,7 @@ class ModelFamily:
         """A copy of torchtitan's arguments for `flavor` (UnknownModel if this family has no such flavor)."""
         if flavor not in self.flavors:
             raise UnknownModel(f"{self.name} has no flavor {flavor!r}; flavors: {', '.join(self.flavors)}")
-        return dataclasses.replace(_resolve(self.args_table)[flavor])
+        return dataclasses.replace(resolve(self.args_table)[flavor])
 
     def has_hf_weights(self) -> bool:
         """Hugging Face weights load and export: a state-dict adapter and a config.json writer
@@ -72,9 +74,21 @@ class ModelFamily:
 
         return bool(self.hf_adapter) and importlib.util.find_spec(f"torchtpu.models.{self.name}.hf") is not None
 
+    def prepare(self, model):
+        """`model` (freshly built, on any device) with the changes it needs on the tpu device."""
+        return resolve(self.preparer)(model)
+
+    def parallelize(self, model, mesh, **kw):
+        """Shard `model` over the job's `mesh` with the family's plan (keywords: see `parallelizer`)."""
+        return resolve(self.parallelizer)(model, mesh, **kw)
+
+    def flops_per_token(self, model, args, seq_len: int) -> tuple[int, int]:
+        """(parameters, training FLOPs per token) of `model` at `seq_len`."""
+        return resolve(self.flops_counter)(model, args, seq_len)
+
     def model_cls(self):
         """torchtitan's model class (imports torchtitan)."""
-        return _resolve(self.model_class)
+        return resolve(self.model_class)
 
     def torchtitan_model(self, args):
         """torchtitan's model for `args` as torchtitan builds it, on the current default device (the
@@ -89,7 +103,7 @@ class ModelFamily:
         return self.prepare(self.torchtitan_model(args))
 
 
-def _resolve(path: str):
+def resolve(path: str):
     import importlib
 
     module, _, attr = path.partition(":")
@@ -97,67 +111,6 @@ def _resolve(path: str):
 
 
 # ----------------------------------------------------------------------------------- families
-
-
-def _llama3_prepare(model):
-    from .llama3.rope import use_real_rope
-
-    return use_real_rope(model)
-
-
-def _llama3_parallelize(model, mesh, **kw):
-    from .llama3.parallelize import parallelize_llama
-
-    return parallelize_llama(model, mesh, **kw)
-
-
-def _dense_flops(model, args, seq_len):
-    from .flops import model_flops_per_token
-
-    return model_flops_per_token(model, args, seq_len)
-
-
-def _qwen3_prepare(model):
-    from .qwen3 import prepare_qwen3
-
-    return prepare_qwen3(model)
-
-
-def _qwen3_parallelize(model, mesh, **kw):
-    from .qwen3 import parallelize_qwen3
-
-    return parallelize_qwen3(model, mesh, **kw)
-
-
-def _torchtitan_flops(model, args, seq_len):
-    from .flops import torchtitan_flops_per_token
-
-    return torchtitan_flops_per_token(model, args, seq_len)
-
-
-def _deepseek_v3_prepare(model):
-    from .deepseek_v3 import prepare_deepseek_v3
-
-    return prepare_deepseek_v3(model)
-
-
-def _deepseek_v3_parallelize(model, mesh, **kw):
-    from .deepseek_v3 import parallelize_deepseek_v3
-
-    return parallelize_deepseek_v3(model, mesh, **kw)
-
-
-def _llama4_prepare(model):
-    from .llama4 import prepare_llama4
-
-    return prepare_llama4(model)
-
-
-def _llama4_parallelize(model, mesh, **kw):
-    from .llama4 import parallelize_llama4
-
-    return parallelize_llama4(model, mesh, **kw)
-
 
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f
@@ -167,9 +120,9 @@ FAMILIES: dict[str, ModelFamily] = {
             flavors=("debugmodel", "8B", "70B", "405B"),
             args_table="torchtitan.models.llama3:llama3_args",
             model_class="torchtitan.models.llama3:Transformer",
-            prepare=_llama3_prepare,
-            parallelize=_llama3_parallelize,
-            flops_per_token=_dense_flops,
+            preparer="torchtpu.models.llama3.rope:use_real_rope",
+            parallelizer="torchtpu.models.llama3.parallelize:parallelize_llama",
+            flops_counter="torchtpu.models.flops:model_flops_per_token",
             hf_adapter="torchtitan.models.llama3.model.state_dict_adapter:Llama3StateDictAdapter",
             decode="torchtpu.models.llama3.decode",
         ),
@@ -189,9 +142,9 @@ FAMILIES: dict[str, ModelFamily] = {
             ),
             args_table="torchtitan.models.qwen3:qwen3_args",
             model_class="torchtitan.models.qwen3:Qwen3Model",
-            prepare=_qwen3_prepare,
-            parallelize=_qwen3_parallelize,
-            flops_per_token=_torchtitan_flops,
+            preparer="torchtpu.models.qwen3:prepare_qwen3",
+            parallelizer="torchtpu.models.qwen3:parallelize_qwen3",
+            flops_counter="torchtpu.models.flops:torchtitan_flops_per_token",
             hf_adapter="torchtitan.models.qwen3.model.state_dict_adapter:Qwen3StateDictAdapter",
         ),
         ModelFamily(
@@ -199,9 +152,9 @@ FAMILIES: dict[str, ModelFamily] = {
             flavors=("debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"),
             args_table="torchtitan.models.deepseek_v3:deepseekv3_args",
             model_class="torchtitan.models.deepseek_v3:DeepSeekV3Model",
-            prepare=_deepseek_v3_prepare,
-            parallelize=_deepseek_v3_parallelize,
-            flops_per_token=_torchtitan_flops,
+            preparer="torchtpu.models.deepseek_v3:prepare_deepseek_v3",
+            parallelizer="torchtpu.models.deepseek_v3:parallelize_deepseek_v3",
+            flops_counter="torchtpu.models.flops:torchtitan_flops_per_token",
             hf_adapter="torchtitan.models.deepseek_v3.model.state_dict_adapter:DeepSeekV3StateDictAdapter",
             moe_load_balancing=True,
             runtime_args=(("moe_impl", "standard"),),  # torchtitan's MoE, not DeepEP
@@ -211,9 +164,9 @@ FAMILIES: dict[str, ModelFamily] = {
             flavors=("debugmodel", "17bx16e", "17bx128e", "debugmodel_irope", "17bx16e_irope", "17bx128e_irope"),
             args_table="torchtitan.models.llama4:llama4_args",
             model_class="torchtitan.models.llama4:Transformer",
-            prepare=_llama4_prepare,
-            parallelize=_llama4_parallelize,
-            flops_per_token=_torchtitan_flops,
+            preparer="torchtpu.models.llama4:prepare_llama4",
+            parallelizer="torchtpu.models.llama4:parallelize_llama4",
+            flops_counter="torchtpu.models.flops:torchtitan_flops_per_token",
             hf_adapter="torchtitan.models.llama4.model.state_dict_adapter:Llama4StateDictAdapter",
             moe_load_balancing=True,
         ),

@@ -18,7 +18,7 @@ at `--context` tokens) and a prefill step (one prompt of `--prefill-tokens` toke
 How the step is costed: XLA's cost analysis counts a while-loop body once, so the programs are
 compiled with 2 and 4 layers (vLLM's model runs its layers in a Python loop, so each program is
 unrolled) and XLA's figures are extrapolated to the model's depth, as the training dry run does
-(`topology.depth_extrapolated_cost`). On TPU the attention is the Pallas ragged paged attention
+(`costing.depth_extrapolated_cost`). On TPU the attention is the Pallas ragged paged attention
 kernel, which XLA costs by what it declares (`paged_attention.kernel_cost`: every sequence reads
 its whole block table, which is why the decode program's block tables are sized to `--context`).
 The costing programs are compiled without memory-space assignment, whose prefetches into on-chip
@@ -233,15 +233,6 @@ def _parameter_figures(model, tp: int) -> dict:
     }
 
 
-def _at_depth(a: dict, b: dict, da: int, db: int, depth: int) -> dict:
-    """Figures that grow linearly with depth (uniform layers), from two depths: exact for counts."""
-    out = {}
-    for k, va in a.items():
-        vb = b[k]
-        out[k] = va + (depth - da) * (vb - va) // (db - da) if isinstance(va, int) and k != "itemsize" else va
-    return out
-
-
 def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
@@ -255,11 +246,11 @@ def run(a) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import transformers
 
+    from torchtpu.costing import COSTING_DEPTHS, at_depth, depth_extrapolated_cost
     from torchtpu.distributed import init_device_mesh
-    from torchtpu.distributed.topology import chip_of, depth_extrapolated_cost, topology_devices
-    from torchtpu.train.dry_run.estimate import COSTING_DEPTHS  # XLA's per-layer time has settled by 2 -> 4 layers
+    from torchtpu.distributed.topology import topology_devices
+    from torchtpu.hardware import TP_AXIS, chip_of
 
-    from .sharding import AXIS
     from .steps import Buckets
 
     tp = a.tensor_parallel_size
@@ -267,7 +258,7 @@ def run(a) -> int:
     if tp > len(devices):
         raise ValueError(f"--tensor-parallel-size {tp}: {a.topology} has only {len(devices)} chips")
     chip = chip_of(devices[0].device_kind)
-    mesh = init_device_mesh("tpu", (tp,), mesh_dim_names=(AXIS,), devices=devices[:tp])
+    mesh = init_device_mesh("tpu", (tp,), mesh_dim_names=(TP_AXIS,), devices=devices[:tp])
     context = a.context or a.max_model_len
     if context > a.max_model_len:
         raise ValueError(f"--context {context} is longer than --max-model-len {a.max_model_len}")
@@ -302,13 +293,16 @@ def run(a) -> int:
     else:
         da, db = depths
         fig = dict(figures[da])
-        fig["params"] = _at_depth(figures[da]["params"], figures[db]["params"], da, db, depth)
+        fig["params"] = {  # counts that grow with depth; the parameters' item size does not
+            k: v if k == "itemsize" else at_depth(v, figures[db]["params"][k], da, db, depth)
+            for k, v in figures[da]["params"].items()
+        }
         costs = {}
         for p in programs:
             ra, rb = p.reports[da], p.reports[db]
             est = depth_extrapolated_cost(ra, rb, da, db, depth)
             scratch = [r["hbm_bytes_needed"] - r["memory"]["argument_bytes"] for r in (ra, rb)]
-            est["scratch_bytes"] = max(scratch[1], scratch[0] + (depth - da) * (scratch[1] - scratch[0]) // (db - da))
+            est["scratch_bytes"] = max(scratch[1], at_depth(*scratch, da, db, depth))
             est["while_loops"] = ra["while_loops"] + rb["while_loops"]
             est["pallas_attention"] = ra["pallas_attention"] and rb["pallas_attention"]
             costs[p.name] = est

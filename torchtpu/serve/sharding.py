@@ -44,10 +44,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 from torchtpu.distributed import empty as empty_on_mesh
 from torchtpu.distributed.params import apply_layout, set_layout
+from torchtpu.hardware import TP_AXIS
 
 logger = init_logger(__name__)
-
-AXIS = "tp"
 
 
 def tensor_parallel_mesh(n: int):
@@ -64,7 +63,7 @@ def tensor_parallel_mesh(n: int):
             f"tensor_parallel_size={n} but this host has {len(devices)} tpu devices; use at most {len(devices)} "
             "(on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
-    return init_device_mesh("tpu", (n,), mesh_dim_names=(AXIS,), devices=devices[:n])
+    return init_device_mesh("tpu", (n,), mesh_dim_names=(TP_AXIS,), devices=devices[:n])
 
 
 def _split_dim(module: torch.nn.Module, name: str) -> int | None:
@@ -166,7 +165,7 @@ def shard_model(model: torch.nn.Module, mesh) -> None:
             if dim is None:
                 continue
             dims = [[] for _ in range(p.dim())]
-            dims[dim] = [AXIS]
+            dims[dim] = [TP_AXIS]
             set_layout(module, name, mesh, dims)
             apply_layout(module, name)
 

@@ -78,7 +78,7 @@ def _read_cache(path: str | None) -> dict:
 def _find_device(device_kind: str | None):
     import jax
 
-    from torchtpu.distributed import topology
+    from torchtpu.hardware import CHIPS
 
     if device_kind is None:
         return jax.devices()[0]
@@ -93,7 +93,7 @@ def _find_device(device_kind: str | None):
             return dev
     raise ValueError(
         f"no peak FLOP/s known for device kind {device_kind!r}: it is not a TPU in the table "
-        f"({', '.join(f'TPU {c}' for c in topology.CHIPS)}) and no local JAX device of that kind exists to measure"
+        f"({', '.join(f'TPU {c}' for c in CHIPS)}) and no local JAX device of that kind exists to measure"
     )
 
 
@@ -131,7 +131,7 @@ def measure_peak_flops(device=None, size: int | None = None, repeats: int | None
 def peak_flops(device_kind: str | None = None) -> tuple[float, str]:
     """(peak FLOP/s of one chip, where the figure comes from).
 
-    TPUs: the chip table's bf16 peak (`distributed.topology.CHIPS`: v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s), keyed by jax's
+    TPUs: the chip table's bf16 peak (`torchtpu.hardware.CHIPS`: v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s), keyed by jax's
     `device.device_kind` ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite", ...).
     Anything else (CPU, GPU, an unknown TPU): measured once by `measure_peak_flops` on a local device
     of that kind and kept in `peak_flops_cache_file()`, so later runs reuse it. `device_kind=None`
@@ -141,7 +141,7 @@ def peak_flops(device_kind: str | None = None) -> tuple[float, str]:
         import jax
 
         device_kind = jax.devices()[0].device_kind
-    from torchtpu.distributed.topology import chip_of
+    from torchtpu.hardware import chip_of
 
     chip = chip_of(device_kind)
     if chip is not None:

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from torchtpu.backend.ops import attention_kernels
+from torchtpu.hardware import TP_AXIS
 
 from ..pallas_mode import interpret_kernels, interpreting, mesh_of  # noqa: F401  (the kernels here and in *_tpu.py use them)
 
@@ -71,7 +72,6 @@ __all__ = [
     "interpret_kernels",
     "interpreting",
     "MASK_VALUE",
-    "MODEL_AXIS",
     "mesh_of",
     "bind_pallas",
 ]
@@ -80,7 +80,6 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernels' "minus inf
 _LANES = 128  # Mosaic tiles: sequence blocks are multiples of 128
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-MODEL_AXIS = "tp"  # the tensor-parallel mesh axis splits heads; every other axis the batch
 
 
 # ----------------------------------------------------------------------------- when it applies
@@ -239,8 +238,8 @@ def _split_for(batch: int, heads: int, *arrays) -> _Split | None:
     if mesh is None or mesh.size == 1:
         return None
     sizes = dict(mesh.shape)
-    head_axis = MODEL_AXIS if sizes.get(MODEL_AXIS, 1) > 1 and heads % sizes[MODEL_AXIS] == 0 else None
-    batch_axes = tuple(a for a in mesh.axis_names if a != MODEL_AXIS and sizes[a] > 1)
+    head_axis = TP_AXIS if sizes.get(TP_AXIS, 1) > 1 and heads % sizes[TP_AXIS] == 0 else None
+    batch_axes = tuple(a for a in mesh.axis_names if a != TP_AXIS and sizes[a] > 1)
     if batch_axes and batch % math.prod(sizes[a] for a in batch_axes):
         batch_axes = ()  # an odd batch stays whole on each device (correct, only slower)
     if not batch_axes and head_axis is None:

@@ -52,8 +52,9 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as _gmm
 from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm as _tgmm
 from jax.sharding import PartitionSpec as P
 
+from ...costing import roofline_seconds
+from ...hardware import CHIPS, TP_AXIS
 from ..pallas_mode import interpreting, mesh_of
-from .attention_tpu import MODEL_AXIS
 
 __all__ = [
     "ROW_TILES",
@@ -74,8 +75,7 @@ _LANES = 128
 # Mosaic's scoped VMEM on v5p is 16 MiB; a kernel's blocks (double-buffered) and its float32
 # accumulator stay under this, the rest left to the kernel's own temporaries
 VMEM_BUDGET = 12 * 2**20
-_PEAK_FLOPS = 459e12  # v5p bf16, for choosing tiles only
-_HBM_BYTES_PER_S = 2.765e12
+_TILE_CHIP = CHIPS["v5p"]  # the chip whose peak and bandwidth rank the tilings (for choosing tiles only)
 _STEP_SECONDS = 0.35e-6  # a Pallas grid step's own overhead
 
 
@@ -89,7 +89,7 @@ def _row_axes(mesh):
     types = getattr(mesh, "axis_types", None)
     if types is not None:
         manual = {a for a, t in zip(mesh.axis_names, types) if t == jax.sharding.AxisType.Manual}
-    return tuple(a for a in mesh.axis_names if a != MODEL_AXIS and sizes[a] > 1 and a not in manual)
+    return tuple(a for a in mesh.axis_names if a != TP_AXIS and sizes[a] > 1 and a not in manual)
 
 
 def _col_tiles(n: int) -> list[int]:
@@ -128,7 +128,7 @@ def _seconds(kind, m, k, n, groups, tile, in_bytes, out_bytes):
     else:  # grid (n / tn, k / tk, row tiles); one output block per group
         moved = m * k * in_bytes * (n // tn) + m * n * in_bytes * (k // tk) + groups * k * n * out_bytes
     steps = (n // tn) * (k // tk) * row_tiles
-    return max(flops / _PEAK_FLOPS, moved / _HBM_BYTES_PER_S) + steps * _STEP_SECONDS
+    return roofline_seconds(flops, moved, _TILE_CHIP.peak_bf16_flops, _TILE_CHIP.hbm_bandwidth) + steps * _STEP_SECONDS
 
 
 def tiling(

@@ -62,6 +62,7 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as _rpa
 from jax.sharding import PartitionSpec as P
 
+from ...hardware import TP_AXIS
 from . import attention_tpu
 
 __all__ = [
@@ -117,8 +118,8 @@ def _head_split(kv_heads: int, *arrays):
     mesh = attention_tpu.mesh_of(*arrays)
     if mesh is None:
         return None
-    tp = dict(mesh.shape).get(attention_tpu.MODEL_AXIS, 1)
-    return mesh, (attention_tpu.MODEL_AXIS if tp > 1 and kv_heads % tp == 0 else None)
+    tp = dict(mesh.shape).get(TP_AXIS, 1)
+    return mesh, (TP_AXIS if tp > 1 and kv_heads % tp == 0 else None)
 
 
 def _per_head_shard(fn, split, specs_in, spec_out):

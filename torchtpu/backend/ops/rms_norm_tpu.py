@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from ...hardware import TP_AXIS
 from ..pallas_mode import interpreting, mesh_of
-from .attention_tpu import MODEL_AXIS
 
 __all__ = ["unsupported_reason", "forward", "backward", "KERNEL_NAMES", "batch_split", "per_batch_shard"]
 
@@ -78,7 +78,7 @@ def batch_split(x):
     if mesh is None:
         return None, None, 1
     sizes = dict(mesh.shape)
-    if sizes.get(MODEL_AXIS, 1) > 1:
+    if sizes.get(TP_AXIS, 1) > 1:
         return None
     axes = tuple(a for a in mesh.axis_names if sizes[a] > 1)
     shards = math.prod(sizes[a] for a in axes)

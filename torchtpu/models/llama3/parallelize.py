@@ -45,6 +45,7 @@ from ...distributed.batch import (
 from ...distributed.mesh import JOB_MESH_DIMS, DeviceMesh
 from ...distributed.params import release_parameter, use_parameter
 from ...distributed.scan import scan_layers as scan_blocks
+from ...hardware import TP_AXIS
 
 
 def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = True):
@@ -122,8 +123,8 @@ def parallelize_llama(
     unknown = [n for n in names if n not in JOB_MESH_DIMS]
     if unknown:
         raise ValueError(f"parallelize_llama: mesh dims {unknown} are not supported (use {', '.join(JOB_MESH_DIMS)})")
-    if _has(mesh, "tp"):
-        tp = mesh["tp"]
+    if _has(mesh, TP_AXIS):
+        tp = mesh[TP_AXIS]
         n = tp.size()
         args = model.model_args if hasattr(model, "model_args") else None
         n_kv = getattr(args, "n_kv_heads", None) or getattr(args, "n_heads", None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...hardware import TP_AXIS
 from ..llama3.parallelize import parallelize_llama
 from ..moe import parallelize_moe_family, use_ragged_experts
 from .attention import use_norm_rope_attention
@@ -38,10 +39,10 @@ def prepare_qwen3(model: torch.nn.Module) -> torch.nn.Module:
 def parallelize_qwen3(model: torch.nn.Module, mesh, **kw) -> torch.nn.Module:
     """Shard a torchtitan Qwen3Model over `mesh`; the arguments are parallelize_llama's."""
     args = model.model_args
-    if "tp" in mesh.mesh_dim_names and mesh.size("tp") > 1:
+    if TP_AXIS in mesh.mesh_dim_names and mesh.size(TP_AXIS) > 1:
         if args.enable_weight_tying:
             raise ValueError(
-                f"tensor parallel degree {mesh.size('tp')}: this Qwen3 flavor ties its output projection to "
+                f"tensor parallel degree {mesh.size(TP_AXIS)}: this Qwen3 flavor ties its output projection to "
                 "the embedding table, which tensor parallelism splits two ways; set "
                 "parallelism.tensor_parallel_degree = 1 or use a flavor of 8B or more"
             )

@@ -16,26 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...hardware import TOPOLOGY_FORM, TopologyNameError, parse_topology
+from ...models.registry import model_flavors  # the families and flavors: data, standard library only
 from .schema import emit_toml, fmt
 
-__all__ = ["ConfigError", "JobConfig", "MODEL_FLAVORS", "topology_num_devices"]
-
-
-# Models torchtpu trains, by torchtitan model name, with the flavors it supports: the families of
-# torchtpu.models.registry, written out because this module imports only the standard library
-# (tests/train/test_families.py keeps the two equal).
-MODEL_FLAVORS: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "8B", "70B", "405B"),
-    "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B", "debugmodel_moe", "30B-A3B", "235B-A22B"),
-    "deepseek_v3": ("debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"),
-    "llama4": ("debugmodel", "17bx16e", "17bx128e", "debugmodel_irope", "17bx16e_irope", "17bx128e_irope"),
-}
+__all__ = ["ConfigError", "JobConfig", "topology_num_devices"]
 
 
 class ConfigError(Exception):
@@ -121,15 +110,13 @@ def _selective_ac_option(v):
     return 'allowed: a positive integer as a string (checkpoint every n-th block, e.g. "2") or "op"'
 
 
-_TOPOLOGY_RE = re.compile(r"^(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?$")
-
-
 def _topology(v):
-    if v == "" or _TOPOLOGY_RE.match(v):
-        if v and topology_num_devices(v) < 1:
-            return "has no chips"
+    if v == "":
         return None
-    return 'allowed: "" (the attached devices) or GENERATION:AxB[xC], e.g. "v5p:4x4x4", "v5e:2x4", "v6e:16x16"'
+    try:
+        return "has no chips" if parse_topology(v).chips < 1 else None
+    except TopologyNameError:
+        return f'allowed: "" (the attached devices) or {TOPOLOGY_FORM}'
 
 
 def _components(v):
@@ -139,10 +126,10 @@ def _components(v):
 
 def topology_num_devices(topology: str) -> int:
     """Chips in a TPU topology name such as "v5p:4x4x4" (64) or "v5e:2x4" (8)."""
-    m = _TOPOLOGY_RE.match(topology)
-    if not m:
-        raise ConfigError(f"[tpu] topology = {json.dumps(topology)}: {_topology(topology)}")
-    return math.prod(int(d) for d in m.groups()[1:] if d is not None)
+    try:
+        return parse_topology(topology).chips
+    except TopologyNameError:
+        raise ConfigError(f"[tpu] topology = {json.dumps(topology)}: {_topology(topology)}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,11 +193,11 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = _opt("llama3", "Model family, by its torchtitan name.", choices=tuple(MODEL_FLAVORS))
+    name: str = _opt("llama3", "Model family, by its torchtitan name.", choices=tuple(model_flavors()))
     flavor: str = _opt(
         "debugmodel",
         "Size of the model within the family: "
-        + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in MODEL_FLAVORS.items())
+        + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in model_flavors().items())
         + ".",
     )
     hf_assets_path: str = _opt(

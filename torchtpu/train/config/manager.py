@@ -22,7 +22,8 @@ import os
 import tomllib
 from typing import Any
 
-from .job_config import MODEL_FLAVORS, ConfigError, JobConfig
+from ...models.registry import model_flavors
+from .job_config import ConfigError, JobConfig
 from .schema import TORCHTITAN_ONLY_KEYS, TORCHTITAN_ONLY_SECTIONS, Spec, fmt, section_name, section_specs, walk
 
 __all__ = [
@@ -446,7 +447,7 @@ def check_fields(cfg: JobConfig) -> None:
 
 
 def check_relations(cfg: JobConfig) -> None:
-    flavors = MODEL_FLAVORS.get(cfg.model.name, ())
+    flavors = model_flavors().get(cfg.model.name, ())
     if cfg.model.flavor not in flavors:
         raise ConfigError(
             f"{describe_keys(cfg, ('model',), ['name', 'flavor'])}: unknown flavor; allowed for "

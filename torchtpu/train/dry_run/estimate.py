@@ -12,7 +12,7 @@ compile-only devices when `[tpu] topology` names one) and prints:
   under `lax.scan` looks n_layers times cheaper) and a kernel without a declared cost as
   nothing. So the step is also compiled unrolled with 2 and with 4 layers, where no loop over
   layers is left to miscount, and XLA's figures for those two are extrapolated linearly to the
-  model's depth (`topology.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
+  model's depth (`costing.depth_extrapolated_cost`; docs/DESIGN_NOTES.md says why 2 and 4). A
   model whose first blocks are dense and the rest Mixture-of-Experts (DeepSeek-V3) keeps all its
   dense blocks in both copies, and 2 and 4 of the others (`costing_depths`), so the slope is one
   MoE block's. The costing copies are compiled past XLA's out-of-memory check once the full
@@ -38,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from torchtpu.costing import COSTING_DEPTHS, mfu_percent
 
 __all__ = [
     "compile_step",
@@ -142,7 +144,8 @@ def _step_report(trainer, dump: str | None = None, label: str = "the full progra
     seconds, None) of `trainer`'s step for one micro-batch; the last item is the date of the first
     compile instead when the same program's report comes from the dry run's cache."""
     from torchtpu.backend.aot import aot_compile
-    from torchtpu.distributed.topology import compile_report, dump_compiles_to, largest_temporaries
+    from torchtpu.costing import largest_temporaries
+    from torchtpu.distributed.topology import compile_report, dump_compiles_to
 
     from . import cache as dry_run_cache
 
@@ -164,9 +167,6 @@ def _step_report(trainer, dump: str | None = None, label: str = "the full progra
     # as the cache keeps them (JSON), so a cached run prints exactly what this one does
     report, temps = dry_run_cache.save(key, report, temps, seconds)
     return report, temps, seconds, None
-
-
-COSTING_DEPTHS = (2, 4)
 
 
 def unrolled(cfg):
@@ -212,8 +212,9 @@ def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict
     to compare); a job without the scan is always costed unscanned."""
     import contextlib
 
+    from torchtpu.costing import depth_extrapolated_cost
     from torchtpu.distributed.scan import straight_line_loops
-    from torchtpu.distributed.topology import costing_compiles, depth_extrapolated_cost
+    from torchtpu.distributed.topology import costing_compiles
 
     depth = trainer.model_args.n_layers
     depths = costing_depths(trainer.model_args)
@@ -361,7 +362,7 @@ def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
         lines.append(f"tokens/s per chip       {tps:,.0f} (estimate)")
         if peak:
             lines.append(
-                f"MFU (estimate)          {100 * model_flops / (step * chips * peak):.1f}% (model FLOPs / "
+                f"MFU (estimate)          {mfu_percent(model_flops, step, chips, peak):.1f}% (model FLOPs / "
                 "estimated step / chip bf16 peak)"
             )
     else:
@@ -382,7 +383,8 @@ def _gib(n: float) -> str:
 def dry_run(trainer) -> int:
     """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
     import torchtpu.distributed as td
-    from torchtpu.distributed.topology import format_report, temporaries_lines
+    from torchtpu.costing import temporaries_lines
+    from torchtpu.distributed.topology import format_report
 
     if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError(
