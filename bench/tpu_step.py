@@ -58,6 +58,7 @@ from torchtpu.distributed.topology import (  # noqa: E402
     dump_compiles_to,
     topology_devices,
 )
+from torchtpu.hardware import TP_AXIS  # noqa: E402
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -99,7 +100,7 @@ def make_reference_loss(args, seq, mesh, scan, pallas, remat):
     pinned to the batch (data-parallel axes) and heads / hidden features (tp) shards."""
     axes = mesh.axis_names
     batch_axes = tuple(a for a in axes if a.startswith("dp") and mesh.shape[a] > 1) or None
-    tp = "tp" if "tp" in axes and mesh.shape["tp"] > 1 else None
+    tp = TP_AXIS if TP_AXIS in axes and mesh.shape[TP_AXIS] > 1 else None
     acts = {
         "resid": P(batch_axes, None, None),
         "heads": P(batch_axes, None, tp, None),
