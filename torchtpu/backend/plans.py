@@ -81,7 +81,8 @@ def _functional_variant(func):
     return None
 
 
-def _plan(func) -> OpPlan:
+def new_plan(func) -> OpPlan:
+    """A plan of `func` made now from its schema and the op table (not cached: see plan_for)."""
     p = OpPlan()
     p.func = func
     p.impl = None
@@ -129,7 +130,7 @@ def _plan(func) -> OpPlan:
         if p.lowering is None:
             p.functional = _functional_variant(func)
             if p.functional is not None:
-                fp = _PLANS.get(p.functional) or _plan(p.functional)
+                fp = _PLANS.get(p.functional) or new_plan(p.functional)
                 _PLANS[p.functional] = fp
                 p.random = fp.random
                 p.jit = fp.jit
@@ -143,8 +144,15 @@ def _plan(func) -> OpPlan:
 def plan_for(func) -> OpPlan:
     p = _PLANS.get(func)
     if p is None:
-        p = _PLANS[func] = _plan(func)
+        p = _PLANS[func] = new_plan(func)
     return p
+
+
+def forget_plan(func) -> None:
+    """Drop the cached plans of `func` (the table's, and the one handlers.dispatch keeps on the
+    overload), so that its next call plans it again."""
+    _PLANS.pop(func, None)
+    func.__dict__.pop("_tpu_plan", None)
 
 
 def has_composite_implicit(func) -> bool:

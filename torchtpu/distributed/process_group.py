@@ -36,8 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..backend.tensor import TpuTensor, internal_index, torch_device
-from ..backend.views import array_of, write
+from ..backend import TpuTensor, array_of, internal_index, torch_device, write
 
 __all__ = ["BACKEND_NAME", "TpuProcessGroup"]
 

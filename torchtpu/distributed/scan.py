@@ -68,11 +68,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from ..backend import (
+    Storage,
+    TpuTensor,
+    array_of,
+    is_tracing,
+    new_base,
+    row_index,
+    storage_array,
+    storage_of,
+    storage_order,
+    tracing,
+    write,
+)
 from ..backend import random as tpu_random
 from ..backend.activation_checkpoint import OpPolicy, force_recompute_shapes
-from ..backend.state import is_tracing, tracing
-from ..backend.tensor import Storage, TpuTensor, new_base, storage_of, storage_order
-from ..backend.views import array_of, row_index, storage_array, write
 from .params import get_layout, module_record, scanned_children
 
 __all__ = [

@@ -194,7 +194,7 @@ class ServingDryRun:
 
 def _local_bytes(t) -> int:
     """Bytes one device holds of tpu tensor `t` (its layout's shard shape; whole when unlaid)."""
-    from torchtpu.backend.tensor import storage_of
+    from torchtpu.backend import storage_of
 
     st = storage_of(t)
     shape = tuple(t.shape)

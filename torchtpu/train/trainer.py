@@ -134,7 +134,7 @@ def _memory_gib() -> float | None:
     """Device memory in use on this process's first device (GiB)."""
     import jax
 
-    from torchtpu.backend.device import device_memory_stats
+    from torchtpu.backend import device_memory_stats
 
     return device_memory_stats(jax.local_devices()[0]).get("bytes_in_use", 0) / 1024**3
 
