@@ -54,6 +54,10 @@ scan: the loop calls them as they are, then the scan runs the identical blocks f
 The loop must feed each block's output straight to the next block with the same other
 arguments. Anything else (work between blocks, a loop that stops early, other arguments per
 block) raises an error naming it instead of computing something different.
+
+Beside this module: scan_params.py (the stacked parameters and the optimizer's slots over them),
+scan_loops.py (the blocks' loops, and their straight-line costing copies) and scan_checkpoint.py
+(per-op selective checkpointing).
 """
 
 from __future__ import annotations
