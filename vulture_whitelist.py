@@ -96,6 +96,7 @@ _.persistent_cache_stats
 _.pytestmark
 # pytest calls conftest hooks by name (tests/conftest.py), and a registered plugin's hooks
 # (tests/opinfo/pass_rate.py); its exit status counts session.testsfailed.
+_.pytest_collection_finish
 _.pytest_collection_modifyitems
 _.pytest_configure
 _.pytest_sessionstart
