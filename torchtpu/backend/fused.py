@@ -21,6 +21,12 @@ The executables are the strict path's own (`execute.run`), so a fused program co
 strict eager computes, op by op: the same lowerings, the same dtype rules, the same random
 keys (drawn on the host when the op is recorded). What this module does not record runs
 strictly, after forcing its inputs.
+
+Over a device mesh the program takes its inputs' shardings as any jitted function does, and XLA
+propagates them through the program. Where strict eager places a value by hand (an in-place
+write keeps a sharded tensor's layout, `zeros_like` of a sharded tensor has its layout), the
+recorded value is constrained to that layout instead (`constrain`), so what a flush writes
+back is laid out as strict eager lays it out.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ FUSED_STATS = FusedStats()
 class Deferred:
     """A value an op will produce when the graph it was recorded in runs."""
 
-    __slots__ = ("shape", "dtype", "weak_type", "value", "slot", "epoch", "error", "__weakref__")
+    __slots__ = ("shape", "dtype", "weak_type", "value", "slot", "epoch", "error", "sharding", "__weakref__")
 
     def __init__(self, shape, dtype, weak_type, slot, epoch):
         self.shape = shape
@@ -72,6 +78,9 @@ class Deferred:
         self.slot = slot
         self.epoch = epoch
         self.error = None
+        # the layout over a device mesh the value is constrained to (`constrain`), None when the
+        # program's sharding propagation chooses it
+        self.sharding = None
 
     @property
     def ndim(self) -> int:
@@ -187,6 +196,26 @@ def record(fn, leaves):
     return result
 
 
+@functools.cache
+def _constraint_fn(sharding):
+    return jax.jit(functools.partial(jax.lax.with_sharding_constraint, shardings=sharding))
+
+
+def constrain(x: Deferred, sharding) -> Deferred:
+    """`x` laid out by `sharding` over a device mesh, recorded: the program places the value as
+    `jax.device_put` would place `x`'s array in strict mode, without running the graph."""
+    if x.sharding == sharding:
+        return x
+    out = record(_constraint_fn(sharding), (x,))
+    out.sharding = sharding
+    return out
+
+
+def layout_of(x):
+    """The sharding of an array, or the one a Deferred value is constrained to (None if unknown)."""
+    return x.sharding if type(x) is Deferred else getattr(x, "sharding", None)
+
+
 def _program(nodes, input_slots, live, n, *inputs):
     env = [None] * n
     for slot, x in zip(input_slots, inputs):
@@ -230,6 +259,10 @@ def flush() -> None:
         )
     try:
         outs = program(*g.inputs)
+        if CONFIG.sync_dispatch:
+            # a program over a device mesh on the CPU platform is waited for, as every strict op is
+            # there (backend.state.Config)
+            outs = jax.block_until_ready(outs)
     except Exception as e:
         for d in values:
             d.error = e

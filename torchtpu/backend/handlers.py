@@ -18,12 +18,12 @@ from torch.utils._mode_utils import no_dispatch
 from . import dtypes
 from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
-from .fused import Deferred, record
+from .fused import Deferred, constrain, layout_of, record
 from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
 from .state import CONFIG, STATE
 from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
-from .views import STORAGE_RELATIVE, array_of, reshard, write
+from .views import STORAGE_RELATIVE, array_of, pending_array_of, reshard, write
 
 aten = torch.ops.aten
 
@@ -136,10 +136,15 @@ def _has_own_kernel(func) -> bool:
 
 
 def _keep_layout(src, out):
-    if type(src) is TpuTensor and type(out) is _ArrayImpl:
-        sharding = array_of(src).sharding
-        if len(sharding.device_set) > 1 and out.sharding != sharding:
-            return reshard(out, sharding)
+    if type(src) is TpuTensor:
+        if type(out) is _ArrayImpl:
+            sharding = array_of(src).sharding
+            if len(sharding.device_set) > 1 and out.sharding != sharding:
+                return reshard(out, sharding)
+        elif type(out) is Deferred and CONFIG.mesh_active:  # fused mode: the layout recorded, if known
+            sharding = layout_of(pending_array_of(src))
+            if sharding is not None and len(sharding.device_set) > 1:
+                return constrain(out, sharding)
     return out
 
 
