@@ -179,10 +179,15 @@ def test_random_streams_equal_strict():
 
 # ----------------------------------------------------------------------------- the tutorial loops
 
-SMALL = {"quickstart": dict(batch=4), "cifar": dict(batch=2), "encoder": dict(batch=2, seq=8)}
+SMALL = {
+    "quickstart": dict(batch=4),
+    "cifar": dict(batch=2),
+    "encoder": dict(batch=2, seq=8),
+    "llama": dict(batch=2, seq=8),
+}
 
 
-@pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder"])
+@pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
 def test_fused_loop_equals_cpu_and_settles(name):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
     program, and the steps after the optimizer's state exists compile nothing."""
