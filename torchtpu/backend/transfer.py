@@ -10,9 +10,9 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from .fallback import to_cpu
+from .fused import record
 from .handlers import cast, resize_tensor, set_meta
 from .optable import custom
-from .fused import record
 from .state import CONFIG, is_tracing, note_mesh
 from .tensor import TpuTensor, internal_index, jax_device, new_base, place, storage_of
 from .views import array_of, pending_array_of, write
