@@ -39,6 +39,7 @@ import weakref
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 from .state import CONFIG, EAGER_MODES
 
@@ -123,7 +124,7 @@ class _Graph:
         self.epoch = epoch
         self.inputs = []
         self.input_slots = []
-        self.input_ids = {}
+        self.input_ids = {}  # id of an input array -> (its value number, its aval)
         self.nodes = []
         self.outputs = {}  # value number -> weakref to its Deferred
         self.n = 0
@@ -145,7 +146,10 @@ def _aval(x):
 
 
 def recordable(x) -> bool:
-    return type(x) is Deferred or isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+    t = type(x)
+    if t is Deferred or t is _ArrayImpl or t is np.ndarray:
+        return True
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def record(fn, leaves):
@@ -154,6 +158,7 @@ def record(fn, leaves):
     g = _GRAPH
     refs = []
     avals = []
+    input_ids = g.input_ids
     for x in leaves:
         if type(x) is Deferred:
             if x.value is None:
@@ -163,14 +168,14 @@ def record(fn, leaves):
                 avals.append((x.shape, x.dtype, x.weak_type))
                 continue
             x = x.value
-        slot = g.input_ids.get(id(x))
-        if slot is None:
-            slot = g.input_ids[id(x)] = g.n
+        seen = input_ids.get(id(x))
+        if seen is None:
+            seen = input_ids[id(x)] = (g.n, _aval(x))
             g.n += 1
             g.inputs.append(x)
-            g.input_slots.append(slot)
-        refs.append(slot)
-        avals.append(_aval(x))
+            g.input_slots.append(seen[0])
+        refs.append(seen[0])
+        avals.append(seen[1])
     key = (fn, tuple(avals))
     shapes = _SHAPES.get(key)
     if shapes is None:
@@ -181,19 +186,21 @@ def record(fn, leaves):
             treedef = None  # one array: no structure to rebuild
         shapes = _SHAPES[key] = (treedef, tuple((tuple(o.shape), o.dtype, o.weak_type) for o in flat))
     treedef, out_avals = shapes
-    first = g.n
+    first = n = g.n
+    epoch = g.epoch
+    outputs = g.outputs
     outs = []
     for s, d, w in out_avals:
-        v = Deferred(s, d, w, g.n, g.epoch)
-        g.outputs[g.n] = weakref.ref(v)
-        g.n += 1
+        v = Deferred(s, d, w, n, epoch)
+        outputs[n] = weakref.ref(v)
+        n += 1
         outs.append(v)
+    g.n = n
     g.nodes.append((fn, tuple(refs), first, len(out_avals)))
     FUSED_STATS.recorded += 1
-    result = outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
     if len(g.nodes) >= MAX_OPS:
         flush()
-    return result
+    return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
 
 
 @functools.cache
