@@ -128,6 +128,20 @@ def test_a_long_graph_runs_at_the_bound(monkeypatch):
 # ----------------------------------------------------------------------------- semantics
 
 
+def test_overwritten_buffers_are_donated_and_held_ones_kept():
+    """A buffer an in-place op overwrote goes to the program (donated) when nothing else holds it;
+    one that Python still holds (here through to_jax) stays readable."""
+    with torchtpu.eager_mode("fused"):
+        w, held = torch.ones(4).to("tpu"), torch.ones(4).to("tpu")
+        kept = torchtpu.to_jax(held)
+        before = torchtpu.cache_stats()["fused_donated"]
+        w.mul_(2)
+        held.mul_(3)
+        assert w.tolist() == [2.0] * 4 and held.tolist() == [3.0] * 4
+        assert torchtpu.cache_stats()["fused_donated"] == before + 1  # w's old buffer
+        assert kept.tolist() == [1.0] * 4
+
+
 def test_views_and_in_place_ops_match_cpu():
     def program(x):
         base = x.clone()
@@ -196,15 +210,17 @@ def test_fused_loop_equals_cpu_and_settles(name):
     want = [cpu_step(*batches[i]).item() for i in range(4)]
     with torchtpu.eager_mode("fused"):
         step, tpu_batches = on_device(name, "tpu", **SMALL[name])
-        got, compiled, ran = [], [], []
+        got, compiled, ran, donated = [], [], [], []
         for i in range(4):
-            c, f = XLA_COMPILES[0], flushes()
+            c, f, d = XLA_COMPILES[0], flushes(), torchtpu.cache_stats()["fused_donated"]
             got.append(step(*tpu_batches[i]).item())
             compiled.append(XLA_COMPILES[0] - c)
             ran.append(flushes() - f)
+            donated.append(torchtpu.cache_stats()["fused_donated"] - d)
     assert got == pytest.approx(want, rel=1e-4)
     assert ran == [1, 1, 1, 1]
     assert compiled[2:] == [0, 0]
+    assert donated[-1] > 0  # the old parameters and optimizer state
 
 
 def test_dropout_training_equals_strict():

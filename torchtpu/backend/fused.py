@@ -11,7 +11,8 @@ runs the whole graph. It also runs once it holds `MAX_OPS` ops.
 
 A flush traces one function that calls the recorded executables in order on tracers and
 returns the values still referenced from Python (a Deferred nobody holds any more is an
-intermediate: XLA fuses it away). The program is cached under the graph's structure: the
+intermediate: XLA fuses it away). Input arrays that nothing but the graph references any more
+(the old values of what the graph overwrote) are donated to the program. The program is cached under the graph's structure: the
 executables, how their inputs connect, and which values are returned. A loop that repeats
 the same ops therefore builds its program once; from then on each flush is a dictionary
 lookup and one launch. JAX specialises the program per input shapes and dtypes as it does
@@ -48,8 +49,9 @@ _LOG_FLUSHES = bool(os.environ.get("TORCHTPU_LOG_FLUSHES"))
 
 
 class FusedStats:
-    """Fused-mode counters: ops recorded, graphs run (flushes), and programs built for a new
-    graph structure (each such program is traced and compiled on its first run)."""
+    """Fused-mode counters: ops recorded, graphs run (flushes), programs built for a new graph
+    structure (each such program is traced and compiled on its first run), and input buffers
+    donated to the programs run (`_dead_inputs`)."""
 
     def __init__(self):
         self.reset()
@@ -58,9 +60,15 @@ class FusedStats:
         self.recorded = 0
         self.flushes = 0
         self.programs = 0
+        self.donated = 0
 
     def snapshot(self) -> dict:
-        return {"fused_ops_recorded": self.recorded, "fused_flushes": self.flushes, "fused_programs": self.programs}
+        return {
+            "fused_ops_recorded": self.recorded,
+            "fused_flushes": self.flushes,
+            "fused_programs": self.programs,
+            "fused_donated": self.donated,
+        }
 
 
 FUSED_STATS = FusedStats()
@@ -236,6 +244,28 @@ def _program(nodes, input_slots, live, n, *inputs):
     return [env[v] for v in live]
 
 
+def _dead_inputs(inputs, values) -> tuple:
+    """The positions of the device arrays among a graph's inputs that nothing but the graph
+    references (values overwritten while the graph was recorded: a parameter's or an optimizer
+    state's old array) and that an output of the same shape and dtype can take the place of.
+    The program is given their buffers (donated), as strict eager frees them op by op, so a
+    step's peak memory holds no second copy of what it updates."""
+    free: dict = {}
+    for d in values:
+        k = (d.shape, d.dtype)
+        free[k] = free.get(k, 0) + 1
+    dead = []
+    for i in range(len(inputs)):
+        x = inputs[i]
+        # three references: the list, `x` and getrefcount's argument
+        if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3:
+            k = (x.shape, x.dtype)
+            if free.get(k):
+                free[k] -= 1
+                dead.append(i)
+    return tuple(dead)
+
+
 def flush() -> None:
     """Run the recorded ops as one program and give every live Deferred its array."""
     global _GRAPH
@@ -250,14 +280,17 @@ def flush() -> None:
         if d is not None:
             live.append(slot)
             values.append(d)
-    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n)
+    donate = _dead_inputs(g.inputs, values)
+    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n, donate)
     program = _PROGRAMS.get(key)
     if program is None:
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.clear()  # graphs that never repeat: keep the cache's memory bounded
-        program = _PROGRAMS[key] = jax.jit(functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n))
+        body = functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n)
+        program = _PROGRAMS[key] = jax.jit(body, donate_argnums=donate)
         FUSED_STATS.programs += 1
     FUSED_STATS.flushes += 1
+    FUSED_STATS.donated += len(donate)
     if _LOG_FLUSHES:
         print(
             f"[torchtpu] fused flush: {len(g.nodes)} ops, {len(live)} outputs, from\n"
