@@ -174,6 +174,8 @@ _.kernel_block_sizes
 _.kv_cache_allocation_context
 _.load_model
 _.opaque_attention_op
+_.is_monolithic  # vLLM's FusedMoE asks its method (torchtpu.serve.moe)
+_.apply_monolithic
 _.platform_plugin
 _.simple_compile_backend
 _.supported_dtypes

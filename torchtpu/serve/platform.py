@@ -168,6 +168,12 @@ class TpuPlatform(Platform):
                 f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}; "
                 "use tensor_parallel_size over the host's tpu devices"
             )
+        if parallel.enable_expert_parallel or parallel.enable_eplb:
+            raise ValueError(
+                "torchtpu's vLLM platform splits a MoE model's experts over tensor_parallel_size devices on their "
+                "intermediate dim; expert parallelism (enable_expert_parallel / --enable-expert-parallel) and EPLB are "
+                "not supported: leave them off"
+            )
         if parallel.tensor_parallel_size > 1:
             _one_process_tensor_parallel(vllm_config)
         if parallel.worker_cls == "auto":
