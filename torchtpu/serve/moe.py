@@ -96,10 +96,20 @@ def _experts(rows, w13, w2, ends):
     return linalg.grouped_mm(jax.nn.silu(gate) * up, jnp.swapaxes(w2, 1, 2), ends)
 
 
+_TENSOR_PARALLEL_MESH: list = [None]  # the jax Mesh the experts are split over (shard_experts)
+
+
 def _experts_tensor_parallel(rows, w13, w2, ends):
-    """`_experts` on one device's part of the intermediate dim (w13's rows stored [gate_i; up_i]):
-    its partial sums, added over the devices as vLLM's FusedMoE all-reduces."""
-    return jax.lax.psum(_experts(rows, w13, w2, ends), sharding.AXIS)
+    """`_experts` per device of the tensor-parallel mesh, each on its part of the intermediate dim
+    (w13's rows stored [gate_i; up_i]), the partial outputs added over the devices as vLLM's
+    FusedMoE all-reduces."""
+
+    def shard(rows, w13, w2, ends):
+        return jax.lax.psum(_experts(rows, w13, w2, ends), sharding.AXIS)
+
+    specs = (P(), P(None, sharding.AXIS, None), P(None, None, sharding.AXIS), P())
+    mesh = _TENSOR_PARALLEL_MESH[0]
+    return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(rows, w13, w2, ends)
 
 
 _SCHEMA = "(Tensor rows, Tensor w13, Tensor w2, Tensor ends) -> Tensor"
@@ -111,13 +121,7 @@ def _rows_like(rows, w13, w2, ends):
 
 experts = jax_op("torchtpu::moe_experts", _experts, schema=_SCHEMA, fake=_rows_like, choose_platform=False)
 experts_tensor_parallel = jax_op(
-    "torchtpu::moe_experts_tp",
-    _experts_tensor_parallel,
-    schema=_SCHEMA,
-    in_specs=(P(), P(None, sharding.AXIS, None), P(None, None, sharding.AXIS), P()),
-    out_specs=P(),
-    fake=_rows_like,
-    choose_platform=False,
+    "torchtpu::moe_experts_tp", _experts_tensor_parallel, schema=_SCHEMA, fake=_rows_like, choose_platform=False
 )
 
 
@@ -151,6 +155,7 @@ def shard_experts(model: torch.nn.Module, mesh) -> None:
         apply_layout(module, "w13_weight")
         apply_layout(module, "w2_weight")
         method.tensor_parallel = n
+        _TENSOR_PARALLEL_MESH[0] = mesh.jax_mesh
 
 
 def reorder_loaded_experts(model: torch.nn.Module) -> None:

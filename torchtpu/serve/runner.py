@@ -37,7 +37,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 import torchtpu
 
-from . import moe, sharding, steps
+from . import moe, quant, sharding, steps  # noqa: F401  (quant: vLLM's w8a16 kernel for tpu, registered on import)
 from .attention import DeviceAttentionMetadata, HostAttentionMetadata
 
 logger = init_logger(__name__)

@@ -1,0 +1,122 @@
+"""Int8 weight-only (w8a16) checkpoints on tpu: a compressed-tensors checkpoint written here from a
+random Llama (every decoder linear weight int8 per output channel, symmetric, pack-quantized)
+serves through vLLM's own `CompressedTensorsWNA16` scheme with torchtpu's kernel, and its tokens
+and logprobs are those of the dequantized model (int8 x scale, float32) in transformers on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from .harness import MIN_MARGIN, PROMPTS, engine, greedy, log_softmax, write_model
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (int8 [out, in], float32 scale [out, 1])."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized words: four (value + 128) bytes per int32, the first lowest."""
+    return torch.from_numpy((q.numpy().astype(np.int16) + 128).astype(np.uint8).view("<i4").copy())
+
+
+def write_w8a16(folder) -> torch.nn.Module:
+    """A compressed-tensors w8a16 checkpoint of the harness's Llama in `folder`; returns the
+    dequantized transformers model (the oracle)."""
+    from safetensors.torch import load_file, save_file
+
+    model = write_model("llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    params = dict(model.named_parameters())
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        q, scale = _quantize(tensors.pop(name))
+        base = name[: -len(".weight")]
+        tensors[f"{base}.weight_packed"] = _pack(q)
+        tensors[f"{base}.weight_scale"] = scale
+        tensors[f"{base}.weight_shape"] = torch.tensor(q.shape, dtype=torch.int32)
+        with torch.no_grad():
+            params[name].copy_(q.float() * scale)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.fixture(scope="module")
+def w8a16(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_w8a16")
+    return folder, write_w8a16(folder)
+
+
+def _weights(worker) -> dict:
+    """On the worker: the dtype and shape of every quantized layer's weight."""
+    return {
+        name: (str(m.weight_packed.dtype), tuple(m.weight_packed.shape))
+        for name, m in worker.model_runner.model.named_modules()
+        if hasattr(m, "weight_packed")
+    }
+
+
+def test_w8a16_checkpoint_gives_the_dequantized_models_tokens_and_logprobs(w8a16):
+    from vllm import SamplingParams
+
+    folder, model = w8a16
+    prompts = PROMPTS[:4]
+    with engine(folder, max_num_batched_tokens=64) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
+        (weights,) = llm.collective_rpc(_weights)
+    # qkv, o, gate_up, down in each of 2 layers, held as int8 on tpu
+    assert len(weights) == 8 and all(dtype == "torch.int8" for dtype, _ in weights.values()), weights
+    for prompt, out in zip(prompts, outs):
+        want, margin = greedy(model, prompt, 12)
+        assert margin > MIN_MARGIN
+        assert list(out.outputs[0].token_ids) == want
+        rows = log_softmax(model, prompt + want)
+        for i, top in enumerate(out.outputs[0].logprobs):
+            ids = torch.tensor(list(top))
+            got = torch.tensor([lp.logprob for lp in top.values()])
+            # the dequantized weights are exact in float32: the tolerance is float32 rounding
+            torch.testing.assert_close(got, rows[len(prompt) - 1 + i][ids], atol=1e-4, rtol=0)
+
+
+def test_other_quantization_schemes_are_refused_in_one_line(w8a16, tmp_path):
+    """An activation-quantized (w8a8) scheme of the same checkpoint: refused at start-up."""
+    folder, _ = w8a16
+    import shutil
+
+    for f in folder.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"compressed-tensors group 'group_0' with quantized activations is not supported on tpu"
+    ):
+        with engine(tmp_path):
+            pass
