@@ -176,6 +176,9 @@ _.load_model
 _.opaque_attention_op
 _.is_monolithic  # vLLM's FusedMoE asks its method (torchtpu.serve.moe)
 _.apply_monolithic
+_.get_min_capability  # vLLM's linear-kernel selection asks the w8a16 kernel (torchtpu.serve.quant)
+_.can_implement
+_.apply_weights
 _.platform_plugin
 _.simple_compile_backend
 _.supported_dtypes
