@@ -120,3 +120,32 @@ def test_other_quantization_schemes_are_refused_in_one_line(w8a16, tmp_path):
     ):
         with engine(tmp_path):
             pass
+
+
+def test_the_int8_matmul_reads_int8_weights_on_tpu():
+    """The per-channel product compiled ahead of time for a TPU (v6e): the dot's weight operand is
+    the int8 array itself (the convert is fused into the MXU's product, not a bfloat16 copy)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from torchtpu.distributed.topology import topology_devices
+    from torchtpu.serve.quant import int8_matmul
+
+    on = SingleDeviceSharding(topology_devices("v6e:2x2")[0])
+    args = [
+        jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((2048, 1024), jnp.int8, sharding=on),
+        jax.ShapeDtypeStruct((2048, 1), jnp.bfloat16, sharding=on),
+    ]
+    compiled = jax.jit(int8_matmul).lower(*args).compile()
+    dots = [line for line in compiled.as_text().splitlines() if " convolution(" in line or " dot(" in line]
+    assert len(dots) == 1, dots
+    operands = dots[0].split("(", 2)[-1]
+    names = [name.strip(" %)") for name in operands.split(")")[0].split(",")]
+    text = compiled.as_text()
+    # the dot's second operand is an s8 value (the weight, relaid out), not a bf16 conversion of it
+    weight = next(line for line in text.splitlines() if line.strip().startswith(f"%{names[1]} ="))
+    assert "= s8[2048,1024]" in weight, weight
+    # the weight is read once, as int8: its bytes, not bfloat16's
+    assert compiled.cost_analysis()["bytes accessed1{}"] <= 2048 * 1024 * 1.01

@@ -8,11 +8,12 @@ mixed-precision linear kernel (`choose_mp_linear_kernel`). `TpuW8A16LinearKernel
 for vLLM's out-of-tree platforms (`register_linear_kernel`):
 
 - after loading, once, the packed int32 words are unpacked into an int8 weight [out, in] on tpu;
-- a forward is `x @ int8_weight.T` with the weight converted to the activations' dtype inside
-  the product, then the per-channel scales on the output columns (per-group scales: the groups'
-  weights scaled before the product). On TPU XLA fuses the convert into the dot, so the weights
-  are read from HBM as int8 (half of bfloat16's bytes), which is what weight-only quantization
-  is for in decode.
+- a forward with per-channel scales is one op, `torchtpu::w8a16_matmul`: `x @ int8_weight.T`
+  with the weight converted to the activations' dtype inside the product, accumulated in float32,
+  then the scales on the output columns. On TPU XLA compiles it as one fusion whose dot takes the
+  int8 weight as its operand, so decode reads the weights from HBM as int8 (half of bfloat16's
+  bytes), which is what weight-only quantization is for. Per-group scales dequantize the groups'
+  weights before the product.
 
 `check_quantization` refuses, in one line naming it, every other quantization: other methods,
 other compressed-tensors schemes (activation quantization, other bit widths, asymmetric
@@ -21,12 +22,15 @@ weights), quantized MoE experts and quantized weights under tensor parallelism.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import torch
 from vllm.model_executor.kernels.linear import register_linear_kernel
 from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel, MPLinearLayerConfig
 from vllm.model_executor.layers.quantization.utils import replace_parameter
 from vllm.platforms import PlatformEnum
 from vllm.scalar_type import scalar_types
+
+from torchtpu import jax_op
 
 QUANTIZATION = "compressed-tensors"
 _FIX = (
@@ -78,6 +82,24 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return (values.flatten(-2) - 128).to(torch.int8)
 
 
+def int8_matmul(x, w, scale):
+    """x [..., in] (float) times the int8 weight w [out, in] transposed, in x's dtype, with the
+    per-output-channel scales [out, 1] on the product's columns (JAX). The weight is converted to
+    x's dtype inside the product: on TPU the dot reads the int8 weight (tests/serve/test_quantized.py
+    compiles it for a TPU and checks)."""
+    y = jnp.matmul(x, w.T.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale.reshape(-1).astype(jnp.float32)).astype(x.dtype)
+
+
+w8a16_matmul = jax_op(
+    "torchtpu::w8a16_matmul",
+    int8_matmul,
+    schema="(Tensor x, Tensor w, Tensor scale) -> Tensor",
+    fake=lambda x, w, scale: x.new_empty((*x.shape[:-1], w.shape[0])),
+    choose_platform=False,
+)
+
+
 class TpuW8A16LinearKernel(MPLinearKernel):
     """vLLM's mixed-precision linear kernel for int8 weights and float activations on tpu."""
 
@@ -100,7 +122,7 @@ class TpuW8A16LinearKernel(MPLinearKernel):
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w, scale = getattr(layer, self.w_q_name), getattr(layer, self.w_s_name)
         if scale.shape[-1] == 1:  # per output channel: scale the product's columns
-            y = torch.matmul(x, w.t().to(x.dtype)) * scale.reshape(-1).to(x.dtype)
+            y = w8a16_matmul(x, w, scale)
         else:  # per group of input columns: scale the weights, then the product
             out, cols = w.shape
             groups = scale.shape[-1]
