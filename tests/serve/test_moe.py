@@ -38,7 +38,7 @@ def test_qwen3_moe_gives_transformers_greedy_tokens(qwen3_moe, tp):
     from vllm import SamplingParams
 
     folder, model = qwen3_moe
-    with engine(folder, tensor_parallel_size=tp, max_num_batched_tokens=64) as llm:
+    with engine(folder, tensor_parallel_size=tp, max_num_batched_tokens=32) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),

@@ -83,7 +83,7 @@ def test_w8a16_checkpoint_gives_the_dequantized_models_tokens_and_logprobs(w8a16
 
     folder, model = w8a16
     prompts = PROMPTS[:4]
-    with engine(folder, max_num_batched_tokens=64) as llm:
+    with engine(folder, max_num_batched_tokens=32) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
