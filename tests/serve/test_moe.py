@@ -1,7 +1,8 @@
 """Mixture-of-experts models served by vLLM's own model code on tpu: Qwen3-MoE (vLLM's
 `Qwen3MoeForCausalLM` and its `FusedMoE` layer, 8 experts, top-2, renormalised) gives
 transformers' greedy tokens on one device and under tensor parallelism, where its experts lie
-split on their intermediate dim as vLLM's FusedMoE splits them over its ranks."""
+split on their intermediate dim as vLLM's FusedMoE splits them over its ranks. Expert parallelism and
+gpt-oss (attention sinks) are refused at start-up."""
 
 from __future__ import annotations
 
@@ -81,4 +82,35 @@ def test_expert_parallelism_is_refused_naming_it(qwen3_moe):
     folder, _ = qwen3_moe
     with pytest.raises(ValueError, match=r"expert parallelism \(enable_expert_parallel / --enable-expert-parallel\)"):
         with engine(folder, tensor_parallel_size=2, enable_expert_parallel=True):
+            pass
+
+
+def test_gpt_oss_is_refused_naming_its_attention_sinks(tmp_path):
+    """gpt-oss's attention has sinks, which the tpu attention backend does not compute: refused
+    when the model is built, before any weight is read."""
+    import shutil
+
+    from transformers import GptOssConfig
+
+    from torchtpu.train.tokenizer import BUNDLED_TOKENIZER
+
+    from .harness import BOS, EOS, VOCAB
+
+    GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    ).save_pretrained(tmp_path)
+    shutil.copy(BUNDLED_TOKENIZER, tmp_path / "tokenizer.json")
+    with pytest.raises(NotImplementedError, match=r"paged attention does not support sinks"):
+        with engine(tmp_path, max_model_len=256):
             pass
