@@ -1,7 +1,9 @@
 """Int8 weight-only (w8a16) checkpoints on tpu: a compressed-tensors checkpoint written here from a
 random Llama (every decoder linear weight int8 per output channel, symmetric, pack-quantized)
 serves through vLLM's own `CompressedTensorsWNA16` scheme with torchtpu's kernel, and its tokens
-and logprobs are those of the dequantized model (int8 x scale, float32) in transformers on CPU."""
+and logprobs are those of the dequantized model (int8 x scale, float32) in transformers on CPU.
+The kernel alone, per channel and per group, against the dequantized product on CPU; its product
+compiled for a TPU reads the int8 weight in the dot."""
 
 from __future__ import annotations
 
@@ -149,3 +151,29 @@ def test_the_int8_matmul_reads_int8_weights_on_tpu():
     assert "= s8[2048,1024]" in weight, weight
     # the weight is read once, as int8: its bytes, not bfloat16's
     assert compiled.cost_analysis()["bytes accessed1{}"] <= 2048 * 1024 * 1.01
+
+
+@pytest.mark.parametrize("group_size", [-1, 32])
+def test_the_kernel_per_channel_and_per_group_against_dequantized_weights(group_size):
+    """TpuW8A16LinearKernel on tpu tensors (unpacking included) against x @ (q x scale).T on CPU."""
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
+    from vllm.scalar_type import scalar_types
+
+    from torchtpu.serve.quant import TpuW8A16LinearKernel
+
+    g = torch.Generator().manual_seed(0)
+    out, cols = 48, 128
+    q = torch.randint(-127, 128, (out, cols), generator=g, dtype=torch.int8)
+    groups = 1 if group_size == -1 else cols // group_size
+    scale = torch.rand(out, groups, generator=g) / 100
+    x = torch.randn(5, cols, generator=g)
+    config = MPLinearLayerConfig((cols, out), (cols, out), scalar_types.uint8b128, torch.float32, group_size, False)
+    kernel = TpuW8A16LinearKernel(config, "weight_packed", "weight_scale")
+    layer = torch.nn.Module()
+    layer.register_parameter("weight_packed", torch.nn.Parameter(_pack(q).to("tpu"), requires_grad=False))
+    layer.register_parameter("weight_scale", torch.nn.Parameter(scale.to("tpu"), requires_grad=False))
+    kernel.process_weights_after_loading(layer)
+    assert torch.equal(layer.weight_packed.cpu(), q)
+    got = kernel.apply_weights(layer, x.to("tpu")).cpu()
+    want = x @ (q.float().reshape(out, groups, -1) * scale.unsqueeze(-1)).reshape(out, cols).T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
