@@ -45,7 +45,7 @@ def _cmd(dump, data=None):
 
 def _data_with_a_bad_record(folder):
     """The bundled corpus as JSON Lines, its second line cut off (row 1 of 8 owns it: read at step 1)."""
-    from torchtpu.train.data import bundled_documents
+    from torchtpu.train.documents import bundled_documents
 
     lines = [json.dumps({"text": d}) for d in bundled_documents("train")]
     lines[1] = lines[1][: len(lines[1]) // 2]
