@@ -81,7 +81,10 @@ _COVERING_RUNS = {
     ],
     "tests/train/test_families.py::test_flex_attention_flavors_are_refused_or_sdpa_on_request": ["model.attn_type"],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
-    "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
+    "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": [
+        "comm.train_timeout_seconds",
+        "debug.inject_stall",
+    ],
     "tests/train/test_faults.py::test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta": [
         "training.max_bad_records"
     ],
@@ -122,6 +125,8 @@ PROBED = {
     "metrics.enable_wandb": ("true", []),
     "model.flavor": ("8B", []),
     "model.hf_assets_path": ("DUMP/no-such-folder", []),
+    "model.n_layers": ("2", []),
+    "model.flavor_overrides": ('{"dim": 64, "n_heads": 4}', []),
     "optimizer.name": ("Adam", []),
     "optimizer.lr": ("0.01", []),
     "optimizer.beta1": ("0.8", []),

@@ -41,9 +41,7 @@ notebooks; `Trainer.train()` runs the loop and returns the logged metrics.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import json
 import math
 import os
 import sys
@@ -52,7 +50,7 @@ import time
 from .config.job_config import ConfigError, JobConfig
 from .config.manager import save_resolved_config
 from .console import log
-from .fault import Preempted, PreemptionWatch, StepWatchdog, attempt_number, maybe_stall
+from .fault import Preempted, PreemptionWatch, StepWatchdog, attempt_number, injected_stall
 from .load_balance import balanced_moe_layers, update_expert_bias
 from .loader_state import load_loader_state, loader_states
 from .loss import language_model_loss
@@ -194,15 +192,8 @@ class Trainer:
         except (FileNotFoundError, ValueError) as e:
             where = cfg.origin("model", "hf_assets_path") or "default"
             raise ConfigError(f"{where}: [model] hf_assets_path = {cfg.model.hf_assets_path!r}: {e}") from None
-        self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
         overrides = {**(model_overrides or {}), **({} if n_layers is None else {"n_layers": n_layers})}
-        if overrides:
-            # a dict for a dataclass field (moe_args) replaces some of that dataclass's fields
-            overrides = {
-                k: dataclasses.replace(getattr(self.model_args, k), **v) if isinstance(v, dict) else v
-                for k, v in overrides.items()
-            }
-            self.model_args = dataclasses.replace(self.model_args, **overrides)
+        self.model_args = build_model_args(cfg, self.tokenizer.vocab_size, overrides)
         hf_opts = [o for o in ("initial_load_in_hf", "last_save_in_hf") if getattr(cfg.checkpoint, o)]
         if hf_opts and not get_family(cfg.model.name).has_hf_weights():
             from torchtpu.models.registry import FAMILIES
@@ -501,6 +492,7 @@ class Trainer:
 
         profiler = Profiler(cfg)
         preemption = PreemptionWatch()  # SIGTERM: stop at a step boundary all processes agree on
+        stall = injected_stall(cfg.debug.inject_stall, jax.process_index())
         t_last = time.perf_counter()
         steps_since = 0
         gc_was = gc.isenabled()
@@ -512,7 +504,8 @@ class Trainer:
                 batch = self.next_batch()
                 lr = self.current_lr()
                 loss, grad_norm, moe_counts = self.step_fn(batch)
-                maybe_stall(step, jax.process_index())
+                if stall is not None:
+                    stall(step)
                 self.lr_scheduler.step()
                 self.step = step
                 steps_since += 1
@@ -626,32 +619,6 @@ def _lock_dump_folder(cfg: JobConfig):
     return hold_dump_folder(cfg)
 
 
-TEST_N_LAYERS_ENV = "TORCHTPU_TEST_N_LAYERS"
-TEST_MODEL_ARGS_ENV = "TORCHTPU_TEST_MODEL_ARGS"
-
-
-def _test_n_layers() -> int | None:
-    """Test hook (TORCHTPU_TEST_N_LAYERS=N): the flavor's model with N blocks, so that the multi-process
-    tests (each collective a loopback TCP exchange on the CPU backend) run a shallower torchtitan model.
-    Announced on the console: nothing else changes the depth."""
-    value = os.environ.get(TEST_N_LAYERS_ENV)
-    if not value:
-        return None
-    log(f"{TEST_N_LAYERS_ENV}={value}: the model has {int(value)} blocks (a test hook)")
-    return int(value)
-
-
-def _test_model_args() -> dict | None:
-    """Test hook (TORCHTPU_TEST_MODEL_ARGS='{"dim": 64, "moe_args": {"num_experts": 8}}'): other fields of
-    the flavor's arguments, as `Trainer(model_overrides=...)` takes them, so that the multi-process tests
-    train the narrow models the single-process ones do. Announced on the console."""
-    value = os.environ.get(TEST_MODEL_ARGS_ENV)
-    if not value:
-        return None
-    log(f"{TEST_MODEL_ARGS_ENV}={value}: the flavor's arguments with these fields replaced (a test hook)")
-    return json.loads(value)
-
-
 def main(cfg: JobConfig) -> int:
     """Run the job `cfg` describes; returns the exit status (0 done, 1 dry run does not fit).
 
@@ -679,7 +646,7 @@ def main(cfg: JobConfig) -> int:
             with phase("building the job (model on meta, parallelized)"):
                 trainer = Trainer(cfg)
             return trainer.dry_run()
-        trainer = Trainer(cfg, n_layers=_test_n_layers(), model_overrides=_test_model_args())
+        trainer = Trainer(cfg)
         trainer.watchdog = watchdog
         t0 = time.perf_counter()
         try:

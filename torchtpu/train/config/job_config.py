@@ -4,7 +4,8 @@ its help text and what values it allows.
 Section and key names, types and defaults follow torchtitan 0.2.2's JobConfig wherever a key means
 the same thing on TPU, so a torchtitan TOML file mostly reads as is. Keys that only make sense on
 CUDA are left out (naming one gives an error that says so); TPU-specific keys live in
-[parallelism] (`num_slices`, `dcn_axis`), [model] (`attn_type`) and in a [tpu] section.
+[parallelism] (`num_slices`, `dcn_axis`), [model] (`attn_type`, `n_layers`, `flavor_overrides`),
+[debug] (`verbose`, `inject_stall`) and in a [tpu] section.
 
 Reading a configuration (defaults < TOML file < command line), --help and the checks that involve
 several keys are in config_manager.py; resolving the parallel degrees for a device count is
@@ -132,6 +133,23 @@ def _topology(v):
     return 'allowed: "" (the attached devices) or GENERATION:AxB[xC], e.g. "v5p:4x4x4", "v5e:2x4", "v6e:16x16"'
 
 
+def _json_object(v):
+    if v == "":
+        return None
+    try:
+        value = json.loads(v)
+    except ValueError as e:
+        return f"not valid JSON ({e}); allowed: a JSON object of fields, e.g. '{{\"dim\": 64}}'"
+    return None if isinstance(value, dict) else "allowed: a JSON object of fields, e.g. '{\"dim\": 64}'"
+
+
+_STALL_RE = re.compile(r"^(\d+):(\d+):(\d+(?:\.\d*)?)$")
+
+
+def _stall(v):
+    return None if v == "" or _STALL_RE.match(v) else 'allowed: "" (none) or "HOST:STEP:SECONDS", e.g. "1:4:600"'
+
+
 def _components(v):
     bad = [c for c in v if c not in ("model", "loss")]
     return None if not bad else f"unknown component {bad[0]!r}; allowed: model, loss"
@@ -226,6 +244,19 @@ class Model:
         "(deepseek_v3 debugmodel_flex_attn, 16B, 236B, 671B), which torchtpu does not run: documents "
         "packed into one sequence then attend to the ones before them. Same weights.",
         choices=("", "sdpa"),
+    )
+    n_layers: int | None = _opt(
+        None,
+        "Transformer blocks of the model; unset: the flavor's. The flavor with fewer blocks (same width) tries a "
+        "configuration quickly; its checkpoints fit only a model of the same depth.",
+        check=_positive,
+    )
+    flavor_overrides: str = _opt(
+        "",
+        "Other fields of the flavor's torchtitan model arguments to replace, as a JSON object, e.g. "
+        '\'{"dim": 64, "n_heads": 4, "moe_args": {"num_experts": 8}}\' (an object for a nested argument '
+        "replaces some of its fields); a field the flavor's arguments lack is an error. Empty: the flavor as it is.",
+        check=_json_object,
     )
 
 
@@ -532,6 +563,12 @@ class Debug:
         "(torch.use_deterministic_algorithms) for the ops that run on the host.",
     )
     verbose: bool = _opt(False, "Show full tracebacks on errors and debug-level logs (same as --debug).")
+    inject_stall: str = _opt(
+        "",
+        'Fault injection, "HOST:STEP:SECONDS": process HOST sleeps SECONDS inside step STEP, as a stuck host '
+        "does, to try the step watchdog ([comm] train_timeout_seconds) and a launcher's restarts. Empty: none.",
+        check=_stall,
+    )
 
 
 @dataclass
