@@ -201,9 +201,9 @@ def _outcome(fn):
 
 
 def _step_probe(cfg):
-    """One real trainer step (Trainer._train_step: forward, loss, backward, clipping, update) on a tiny
+    """One real trainer step (step.train_step: forward, loss, backward, clipping, update) on a tiny
     CPU model standing in for the Transformer: the updated weights."""
-    from torchtpu.train.trainer import Trainer
+    from torchtpu.train.step import train_step
 
     torch.manual_seed(0)
     model = torch.nn.Embedding(16, 16)
@@ -214,10 +214,10 @@ def _step_probe(cfg):
         stacked=[],  # no layer scan, no stacked parameter storage
         balanced_moe=[],  # no MoE layer moves its expert bias
         moe_layers=[],
-        _loss_context=contextlib.nullcontext,
+        loss_context=contextlib.nullcontext,
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    loss, norm, _ = Trainer._train_step(ns, [(x, x.roll(1, 1))])
+    loss, norm, _ = train_step(ns, [(x, x.roll(1, 1))])
     return round(float(loss), 6), round(float(norm), 6), model.weight.detach().sum().item()
 
 
@@ -229,8 +229,8 @@ def plan(cfg) -> dict:
     """What the trainer's own building blocks make of `cfg` (no model is materialized, nothing compiles)."""
     import dataclasses
 
+    from torchtpu.train import build as T
     from torchtpu.train import model_builder as M
-    from torchtpu.train import trainer as T
     from torchtpu.train.lr import build_schedule
     from torchtpu.train.metrics import build_metrics_logger
     from torchtpu.train.optimizer import build_optimizer
