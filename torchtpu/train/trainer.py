@@ -37,6 +37,11 @@ What a run does, in order:
 
 `Trainer(cfg)` exposes the pieces (model, optimizer, step function, data loader) for tests and
 notebooks; `Trainer.train()` runs the loop and returns the logged metrics.
+
+Where the pieces live: build.py (each piece from the config and values), step.py (the compiled step),
+train_state.py (what a checkpoint holds), metrics.py (a logged step's throughput and MFU), startup.py
+(joining the job, the dump-folder lock, the watchdog). A component receives values (a TrainState, a
+dry_run.estimate.BuiltStep, functions of the mesh), never the Trainer.
 """
 
 from __future__ import annotations
