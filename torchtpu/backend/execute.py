@@ -82,6 +82,8 @@ def _flat_value(a, leaves, dyn, read=array_of):
     if t is list or t is tuple:
         if a and any(isinstance(x, torch.Tensor) for x in a):
             return tuple(_flat_value(x, leaves, False, read) for x in a)
+        if dyn and a and all(type(x) in _DYN for x in a):  # a Scalar list traced element by element
+            return tuple(_flat_value(x, leaves, True, read) for x in a)
         return tuple(a) if t is list else a
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
@@ -128,7 +130,7 @@ def _unflat_value(s, it):
         return next(it)
     if type(s) is _Dyn:
         return next(it)
-    if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+    if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
         return [_unflat_value(x, it) for x in s]
     return s
 
@@ -157,7 +159,7 @@ def _meta_args(spec, kwspec, leaves):
     def conv(s):
         if s is _T or s is _C or type(s) is _Dyn:
             return _meta_value(s, next(it))
-        if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+        if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
             return [conv(x) for x in s]
         return s
 

@@ -23,6 +23,14 @@ aten = torch.ops.aten
 # Python numbers in these positions are traced: Scalar arguments, and Tensor arguments that
 # PyTorch lets callers pass a Python number for (`x * 0.1` reaches mul.Tensor with a float).
 SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
+# The foreach ops' Scalar lists too: an optimizer passes per-step values there (AdamW's bias
+# corrections), which as part of the cache key would compile the op again every step.
+SCALAR_LIST_OPS = "aten::_foreach_"
+
+
+def _traced_type(schema, a) -> bool:
+    t = str(a.type)
+    return t in SCALAR_TYPES or (t == "List[number]" and schema.name.startswith(SCALAR_LIST_OPS))
 
 
 # Ops that make a tensor "like" their input: the result keeps the input's mesh layout (so
@@ -98,10 +106,10 @@ def new_plan(func) -> OpPlan:
     p.dyn_pos = frozenset(
         i
         for i, a in enumerate(schema.arguments)
-        if str(a.type) in SCALAR_TYPES and not a.kwarg_only and a.name not in static
+        if _traced_type(schema, a) and not a.kwarg_only and a.name not in static
     )
     p.dyn_kw = frozenset(
-        a.name for a in schema.arguments if str(a.type) in SCALAR_TYPES and a.kwarg_only and a.name not in static
+        a.name for a in schema.arguments if _traced_type(schema, a) and a.kwarg_only and a.name not in static
     )
     p.random = bool(p.lowering and p.lowering.random)
     p.jit = not (p.lowering and not p.lowering.jit)
