@@ -96,6 +96,7 @@ _.persistent_cache_stats
 _.pytestmark
 # pytest calls conftest hooks by name (tests/conftest.py), and a registered plugin's hooks
 # (tests/opinfo/pass_rate.py); its exit status counts session.testsfailed.
+_.pytest_collection_finish
 _.pytest_collection_modifyitems
 _.pytest_configure
 _.pytest_sessionstart
@@ -173,6 +174,11 @@ _.kernel_block_sizes
 _.kv_cache_allocation_context
 _.load_model
 _.opaque_attention_op
+_.is_monolithic  # vLLM's FusedMoE asks its method (torchtpu.serve.moe)
+_.apply_monolithic
+_.get_min_capability  # vLLM's linear-kernel selection asks the w8a16 kernel (torchtpu.serve.quant)
+_.can_implement
+_.apply_weights
 _.platform_plugin
 _.simple_compile_backend
 _.supported_dtypes

@@ -88,12 +88,12 @@ def _bare_program(op, x):
     meeting, no torch dispatch, no copy into the tensor (what XLA's collective costs alone)."""
     import torch.distributed as dist
 
-    from torchtpu.distributed import process_group as pg
+    from torchtpu.distributed import pg_programs as pg
 
     group = dist.distributed_c10d._get_default_group()
     kind = "all_reduce" if op == "all_reduce" else "all_gather"
-    program = pg._program(group._mesh, kind, "sum" if op == "all_reduce" else None)
-    glob = pg._global(group._mesh, pg._local(x, group._device), group.size())
+    program = pg.collective_program(group._mesh, kind, "sum" if op == "all_reduce" else None)
+    glob = pg.global_array(group._mesh, pg.local_array(x, group._device), group.size())
 
     def call():
         out = program(glob)

@@ -1,11 +1,12 @@
-"""Step time of three tutorial training loops in each eager mode, against torchtpu.compile.
+"""Step time of four training loops in each eager mode, against torchtpu.compile.
 
     python -m bench.eager_modes [--steps N]
 
 The loops are PyTorch's own tutorials as users write them, each reading `loss.item()` every
 step: the quickstart MLP (784-512-512-10, SGD, batch 64), the CIFAR-10 CNN (SGD with
-momentum, batch 32) and a 2-layer `nn.TransformerEncoder` language model (AdamW, 8 x 64
-tokens). Each loop runs under strict eager, fused eager and `torchtpu.compile` (the same step
+momentum, batch 32), a 2-layer `nn.TransformerEncoder` language model (AdamW, 8 x 64
+tokens) and a `transformers` Llama fine-tuned as a causal LM (a tiny random LlamaConfig: 2 layers,
+width 64; AdamW, 8 x 64 tokens). Each loop runs under strict eager, fused eager and `torchtpu.compile` (the same step
 function compiled whole) in this one process, from the same initial weights. Reports the
 median step time after 5 warm-up steps, wall clock and the process's CPU time (all threads:
 steadier than the wall clock when other jobs share the cores), each against compiled, the XLA
@@ -101,10 +102,37 @@ def make_loop(name: str, *, batch: int | None = None, seq: int = 64, dropout: fl
             return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
         return model, lambda p: torch.optim.AdamW(p, lr=1e-3), lm_loss, batches
-    raise ValueError(f"unknown loop {name!r}: quickstart, cifar or encoder")
+    if name == "llama":
+        model, n = _tiny_llama(), batch or 8
+        tokens = [torch.randint(0, LLAMA_VOCAB, (n, seq), generator=g) for _ in range(4)]
+
+        def causal_lm_loss(out, labels):  # the model's own loss (the labels shifted inside)
+            return model.loss_function(out.logits, labels, vocab_size=LLAMA_VOCAB)
+
+        return model, lambda p: torch.optim.AdamW(p, lr=1e-3), causal_lm_loss, [(t, t) for t in tokens]
+    raise ValueError(f"unknown loop {name!r}: {', '.join(LOOPS)}")
 
 
-LOOPS = ("quickstart", "cifar", "encoder")
+LOOPS = ("quickstart", "cifar", "encoder", "llama")
+LLAMA_VOCAB = 256
+
+
+def _tiny_llama():
+    """A `transformers` Llama with random weights: 2 layers, width 64, grouped-query attention
+    (4 query heads share 2 key/value heads), SDPA attention, fine-tuned as a causal LM."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=LLAMA_VOCAB,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
 
 
 def train_step(model, opt, loss_fn):

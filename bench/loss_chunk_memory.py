@@ -34,7 +34,7 @@ def compile_once(argv, layers: int, chunk: int, dump: str) -> dict:
     trainer = Trainer(cfg, n_layers=layers)
     t0 = time.perf_counter()
     with dump_compiles_to(dump):
-        compiled = compile_step(trainer)
+        compiled = compile_step(trainer.built_step())
     seconds = time.perf_counter() - t0
     report = compile_report(compiled, trainer.mesh.jax_mesh)
     report["compile_seconds"] = seconds

@@ -52,34 +52,34 @@ def main() -> None:
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(["--config", args.config, "--dry-run", "--tpu.topology", args.topology, *rest])
-    trainer = Trainer(cfg)  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
+    job = Trainer(cfg).built_step()  # on meta at full depth: the job's model FLOPs and batch; nothing is compiled
     t0 = time.perf_counter()
     dump = dump_compiles_to(args.dump) if args.dump else contextlib.nullcontext()
     with dump:  # also around --loop's compiles, below
-        _report(args, trainer, t0)
+        _report(args, job, t0)
 
 
-def _report(args, trainer, t0: float) -> None:
+def _report(args, job, t0: float) -> None:
     from torchtpu.hardware import CHIPS, parse_topology
     from torchtpu.train.dry_run.estimate import _runs_layer_scan, estimate_lines, leading_dense_layers, step_estimate
 
-    est = step_estimate(trainer, {}, unscanned_copies=args.unscanned_copies)
+    est = step_estimate(job, {}, unscanned_copies=args.unscanned_copies)
     peak = CHIPS[parse_topology(args.topology).generation].peak_bf16_flops
     print(f"# {args.config} on {args.topology}: dry-run estimate, costing compiles {time.perf_counter() - t0:.0f} s")
-    print("\n".join(estimate_lines(trainer, est, peak)))
+    print("\n".join(estimate_lines(job, est, peak)))
     layer = (est.get("per_layer") or {}).get("estimated_step_seconds")
     if layer is not None and est.get("estimated_step_seconds"):
-        sloped = trainer.model_args.n_layers - leading_dense_layers(trainer.model_args)
+        sloped = job.model_args.n_layers - leading_dense_layers(job.model_args)
         rest = est["estimated_step_seconds"] - sloped * layer
         print(
             f"XLA's time per layer    {layer * 1e3:.2f} ms (the slope, x {sloped} layers); the rest of the "
             f"micro-batch {rest * 1e3:.1f} ms"
         )
-        if args.loop and _runs_layer_scan(trainer):
-            _loop_cost(trainer.cfg, trainer, sloped, peak)
+        if args.loop and _runs_layer_scan(job):
+            _loop_cost(job.cfg, job, sloped, peak)
 
 
-def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
+def _loop_cost(cfg, job, sloped: int, peak: float) -> None:
     """XLA's cost of the step with the layer scan as a loop. XLA counts a loop body once: a program
     whose loops run m blocks costs X(m) = outside(m) + body, and the same program with two blocks per
     iteration X2(m) = outside(m) + 2 body. So body = X2(m4) - X(m4), the part outside the loops grows
@@ -90,11 +90,11 @@ def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
     from torchtpu.distributed.topology import costing_compiles
     from torchtpu.train.dry_run.estimate import _step_report, costing_depths, leading_dense_layers
 
-    lead = leading_dense_layers(trainer.model_args)
-    n2, n4 = costing_depths(trainer.model_args)
+    lead = leading_dense_layers(job.model_args)
+    n2, n4 = costing_depths(job.model_args)
     seconds = {}
     for n, per_iteration in ((n2, 1), (n4, 1), (n4, 2)):
-        t = type(trainer)(cfg, n_layers=n)
+        t = job.at_depth(cfg, n)
         label = f"the {n}-layer program with its loops" + (
             f", {per_iteration} blocks per iteration" * (per_iteration > 1)
         )
@@ -111,9 +111,9 @@ def _loop_cost(cfg, trainer, sloped: int, peak: float) -> None:
     body = x4_paired - x4
     grow = (x4 - x2) / (m4 - m2)
     outside = x4 - body + (sloped - m4) * grow
-    step = (outside + sloped * body) * trainer.dims.grad_accum_steps
-    dims = trainer.dims
-    mfu = mfu_percent(trainer.flops_per_token * dims.tokens_per_step, step, dims.world_size, peak)
+    step = (outside + sloped * body) * job.dims.grad_accum_steps
+    dims = job.dims
+    mfu = mfu_percent(job.flops_per_token * dims.tokens_per_step, step, dims.world_size, peak)
     print(
         f"XLA's cost of the loop  {step:.3f} s per step, MFU {mfu:.1f}%: the loop body {body * 1e3:.2f} ms "
         f"per layer; outside the loops {outside * 1e3:.1f} ms per micro-batch, {grow * 1e3:.2f} ms more per layer "

@@ -73,7 +73,7 @@ def torchtpu_program(cfg, n_layers=None):
 
     t = Trainer(cfg, n_layers=n_layers)
     t0 = time.perf_counter()
-    compiled = compile_step(t)
+    compiled = compile_step(t.built_step())
     dt = time.perf_counter() - t0
     rep = compile_report(compiled, t.mesh.jax_mesh)
     return rep, dt, t
@@ -247,7 +247,7 @@ def full_depth_and_flops(cfg, shallow_trainer):
     import torch
 
     from torchtpu.models.registry import get_family
-    from torchtpu.train.trainer import build_model_args
+    from torchtpu.train.model_builder import build_model_args
 
     family = get_family(cfg.model.name)
     args = build_model_args(cfg, shallow_trainer.tokenizer.vocab_size)

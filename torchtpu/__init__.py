@@ -29,13 +29,11 @@ else:
 
     import torch
 
-    from .backend import device as _device
-    from .backend import handlers as _handlers  # noqa: F401  (gives TpuTensor its dispatch)
-    from .backend import state as _state
+    from . import backend as _backend
     from .backend import transfer as _transfer  # noqa: F401  (registers the copy and transfer ops)
     from .backend.ops import load_all as _load_ops
 
-    _device.register()
+    _backend.register_device()
     _load_ops()
 
     # Run backward on the calling thread rather than on autograd's per-device worker threads:
@@ -54,11 +52,11 @@ else:
     from .backend import flex_attention as _flex_attention
 
     _flex_attention.install()  # FlexAttention's higher-order operators on tpu tensors
+    from .backend import TpuTensor  # noqa: F401
     from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
     from .backend.compile import compile  # noqa: F401
     from .backend.jax_op import jax_op  # noqa: F401
     from .backend.module_jax import module_from_jax, module_to_jax  # noqa: F401
-    from .backend.tensor import TpuTensor  # noqa: F401
     from .backend.transfer import from_jax, to_jax  # noqa: F401
 
     def cache_stats() -> dict:
@@ -76,7 +74,7 @@ else:
         from .backend import fused as _fused
 
         return dict(
-            _state.STATS.snapshot(),
+            _backend.STATS.snapshot(),
             xla_compiles=XLA_COMPILES[0],
             **_dynamo.STATS.snapshot(),
             **_compile.STATS.snapshot(),
@@ -87,7 +85,7 @@ else:
         from .backend import compile as _compile
         from .backend import fused as _fused
 
-        _state.STATS.reset()
+        _backend.STATS.reset()
         _fused.FUSED_STATS.reset()
         _dynamo.STATS.reset()
         _compile.STATS.reset()
@@ -101,13 +99,13 @@ else:
 
     def get_eager_mode() -> str:
         """The eager mode ops run in now: "strict", "fused" or "debug" (see set_eager_mode)."""
-        return _state.CONFIG.eager_mode
+        return _backend.CONFIG.eager_mode
 
     @_contextlib.contextmanager
     def eager_mode(mode: str):
         """Run the block in eager mode `mode` ("strict", "fused" or "debug"), then return to the
         mode before it (leaving fused mode runs the ops recorded in the block)."""
-        previous = _state.CONFIG.eager_mode
+        previous = _backend.CONFIG.eager_mode
         set_eager_mode(mode)
         try:
             yield
@@ -116,4 +114,4 @@ else:
 
     def set_cpu_fallback(enabled: bool = True) -> None:
         """Run ops that have no XLA lowering on the CPU (warning once per op)."""
-        _state.CONFIG.cpu_fallback = bool(enabled)
+        _backend.CONFIG.cpu_fallback = bool(enabled)

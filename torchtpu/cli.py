@@ -100,14 +100,6 @@ def _apply_xla_env(cfg, args: list[str], as_program: bool) -> None:
     )
 
 
-def _one_process_or_elastic() -> bool:
-    """This job is one process, or a torchelastic job (its run id names it on every host)."""
-    from torchtpu._platform import has_tpu_chips
-    from torchtpu.train.dump_lock import RUN_ID_ENV
-
-    return RUN_ID_ENV in os.environ or (not has_tpu_chips() and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1)
-
-
 def _filter_stderr(cfg) -> str | None:
     """Send this process's stderr through torchtpu/train/console_filter.py (library noise off the
     console); returns the host's log file, which gets everything. Once per process, also across the
@@ -174,12 +166,9 @@ def train_main(argv: list[str] | None = None) -> int:
         if cfg.tpu.topology:
             # The target slice is named: check the configuration against it before any device work.
             resolve_dims(cfg, topology_num_devices(cfg.tpu.topology))
-        if not cfg.tpu.dry_run and _one_process_or_elastic():
-            # Refuse a second job on this dump folder before the slow part of starting (the trainer
-            # takes the lock itself when this cannot: the processes of a TPU slice joined by JAX).
-            from torchtpu.train.dump_lock import hold_dump_folder
+        from torchtpu.train.startup import lock_before_start
 
-            hold_dump_folder(cfg)
+        lock_before_start(cfg)  # a second job on this dump folder is refused before the slow part
         _apply_xla_env(cfg, args, as_program)
         from torchtpu.train.trainer import main as run
 

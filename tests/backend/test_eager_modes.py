@@ -19,20 +19,6 @@ from torchtpu._platform import XLA_COMPILES
 from torchtpu.backend import fused
 
 
-@pytest.fixture(autouse=True)
-def as_in_a_process_without_a_mesh():
-    """Fused mode records only while the process has made no device mesh (backend.state.note_mesh:
-    after one, it runs ops strictly). Under `make test` an earlier test in this pytest worker may
-    have made one; each test here runs as it would in a process that has not."""
-    from torchtpu.backend.state import CONFIG
-
-    saved = CONFIG.mesh_active, CONFIG.fused
-    CONFIG.mesh_active = False
-    CONFIG.fused = CONFIG.eager_mode == "fused"
-    yield
-    CONFIG.mesh_active, CONFIG.fused = saved
-
-
 def flushes() -> int:
     return torchtpu.cache_stats()["fused_flushes"]
 
@@ -142,6 +128,20 @@ def test_a_long_graph_runs_at_the_bound(monkeypatch):
 # ----------------------------------------------------------------------------- semantics
 
 
+def test_overwritten_buffers_are_donated_and_held_ones_kept():
+    """A buffer an in-place op overwrote goes to the program (donated) when nothing else holds it;
+    one that Python still holds (here through to_jax) stays readable."""
+    with torchtpu.eager_mode("fused"):
+        w, held = torch.ones(4).to("tpu"), torch.ones(4).to("tpu")
+        kept = torchtpu.to_jax(held)
+        before = torchtpu.cache_stats()["fused_donated"]
+        w.mul_(2)
+        held.mul_(3)
+        assert w.tolist() == [2.0] * 4 and held.tolist() == [3.0] * 4
+        assert torchtpu.cache_stats()["fused_donated"] == before + 1  # w's old buffer
+        assert kept.tolist() == [1.0] * 4
+
+
 def test_views_and_in_place_ops_match_cpu():
     def program(x):
         base = x.clone()
@@ -193,10 +193,15 @@ def test_random_streams_equal_strict():
 
 # ----------------------------------------------------------------------------- the tutorial loops
 
-SMALL = {"quickstart": dict(batch=4), "cifar": dict(batch=2), "encoder": dict(batch=2, seq=8)}
+SMALL = {
+    "quickstart": dict(batch=4),
+    "cifar": dict(batch=2),
+    "encoder": dict(batch=2, seq=8),
+    "llama": dict(batch=2, seq=8),
+}
 
 
-@pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder"])
+@pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
 def test_fused_loop_equals_cpu_and_settles(name):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
     program, and the steps after the optimizer's state exists compile nothing."""
@@ -205,15 +210,17 @@ def test_fused_loop_equals_cpu_and_settles(name):
     want = [cpu_step(*batches[i]).item() for i in range(4)]
     with torchtpu.eager_mode("fused"):
         step, tpu_batches = on_device(name, "tpu", **SMALL[name])
-        got, compiled, ran = [], [], []
+        got, compiled, ran, donated = [], [], [], []
         for i in range(4):
-            c, f = XLA_COMPILES[0], flushes()
+            c, f, d = XLA_COMPILES[0], flushes(), torchtpu.cache_stats()["fused_donated"]
             got.append(step(*tpu_batches[i]).item())
             compiled.append(XLA_COMPILES[0] - c)
             ran.append(flushes() - f)
+            donated.append(torchtpu.cache_stats()["fused_donated"] - d)
     assert got == pytest.approx(want, rel=1e-4)
     assert ran == [1, 1, 1, 1]
     assert compiled[2:] == [0, 0]
+    assert donated[-1] > 0  # the old parameters and optimizer state
 
 
 def test_dropout_training_equals_strict():
@@ -235,3 +242,51 @@ def test_dropout_training_equals_strict():
     strict = losses()
     with torchtpu.eager_mode("fused"):
         assert losses() == pytest.approx(strict, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- device meshes
+
+
+def test_tensor_parallel_training_on_a_mesh_equals_strict():
+    """A 2 x 4 mesh (data x tensor parallel): an MLP's up and down projections split column- and
+    row-wise, the batch split over the data axis, AdamW. Fused steps run one program each, give
+    strict's losses and weights, and leave parameters and optimizer state in strict's layouts."""
+    from torchtpu.distributed import (
+        ColwiseParallel,
+        Replicate,
+        RowwiseParallel,
+        Shard,
+        distribute_tensor,
+        init_device_mesh,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("tpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 16, generator=g) for _ in range(3)]
+
+    def train():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
+        )
+        m = parallelize_module(m.to("tpu"), mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        step = train_step(m, opt, lambda out, _: out.square().mean())
+        losses, ran = [], []
+        for x in xs:
+            f = flushes()
+            losses.append(step(distribute_tensor(x, mesh, (Shard(0), Replicate())), None).item())
+            ran.append(flushes() - f)
+        state = [p for p in m.parameters()] + [v for s in opt.state.values() for v in s.values() if v.dim()]
+        return losses, ran, [(t.detach().cpu(), torchtpu.to_jax(t).sharding) for t in state]
+
+    strict_losses, _, strict_state = train()
+    with torchtpu.eager_mode("fused"):
+        losses, ran, state = train()
+    assert ran == [1, 1, 1]
+    assert losses == pytest.approx(strict_losses, rel=1e-6)
+    assert len(state) == len(strict_state) == 18
+    for (got, layout), (want, strict_layout) in zip(state, strict_state):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # XLA rounds a fused program differently
+        assert layout.is_equivalent_to(strict_layout, got.dim()), (layout, strict_layout)

@@ -269,3 +269,28 @@ def test_mismatched_lists_and_amsgrad_state_are_errors():
     ints = [torch.ones(s, dtype=torch.int32).to("tpu") for s in SHAPES]
     with pytest.raises(RuntimeError, match=r"aten\._fused_adamw: fused optimizers update floating-point"):
         aten._fused_adamw_(ints, grads, m, v, [], steps, amsgrad=False, **kw)
+
+
+def test_foreach_adamw_matches_cpu_and_compiles_nothing_after_its_first_steps():
+    """AdamW(foreach=True) passes its per-step bias corrections as Scalar lists
+    (`_foreach_div.ScalarList`, `_foreach_addcdiv.ScalarList`): their values are program inputs, so
+    steps after the first two run the programs already compiled, and the weights equal the CPU's."""
+
+    def train(device):
+        torch.manual_seed(0)
+        params = [torch.randn(s).to(device).requires_grad_() for s in SHAPES]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        compiles = []
+        for _ in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            before = torchtpu.cache_stats()["xla_compiles"]
+            opt.step()
+            compiles.append(torchtpu.cache_stats()["xla_compiles"] - before)
+        return [p.detach().cpu() for p in params], compiles
+
+    want, _ = train("cpu")
+    got, compiles = train("tpu")
+    _close(got, want, "foreach AdamW weights", rtol=1e-5, atol=1e-6)
+    assert compiles[2:] == [0, 0, 0, 0], compiles

@@ -1,6 +1,7 @@
 """Ops that user code reaches through PyTorch's own modules: torch.distributions' argument
-validation (`_is_all_true`), `bincount`, and `pack_padded_sequence` through a bidirectional LSTM
-(its `batch_sizes` stay on the CPU, as on CUDA). Each against PyTorch on CPU."""
+validation (`_is_all_true`), `bincount`, `pack_padded_sequence` through a bidirectional LSTM
+(its `batch_sizes` stay on the CPU, as on CUDA), and integer division of operands of different
+ranks. Each against PyTorch on CPU."""
 
 import torch
 from torch import nn
@@ -85,3 +86,21 @@ def test_pack_padded_sequence_through_bidirectional_lstm():
     cpu, tpu = _both(run)
     for c, t in zip(cpu, tpu):
         torch.testing.assert_close(t, c, rtol=1e-5, atol=1e-5)
+
+
+def test_integer_division_and_remainder_broadcast():
+    """Integer floor/trunc division and remainder of operands of different ranks (the bytes of
+    packed int32 words, as a quantized checkpoint's loader unpacks them), negative values included."""
+    words = torch.tensor([[-1, 0x7F00FF01, -2147483648], [123456789, -98765, 256]], dtype=torch.int32)
+    places = torch.tensor([1, 1 << 8, 1 << 16, 1 << 24], dtype=torch.int32)
+
+    def fn(device):
+        w, p = words.to(device), places.to(device)
+        return [
+            torch.remainder(torch.div(w.unsqueeze(-1), p, rounding_mode="floor"), 256),
+            torch.div(w.unsqueeze(-1), p, rounding_mode="trunc"),
+        ]
+
+    cpu, tpu = _both(fn)
+    for want, got in zip(cpu, tpu):
+        assert torch.equal(got, want)

@@ -1,8 +1,9 @@
 """PyTorch's DDP tutorial (tutorials/intermediate_source/ddp_tutorial.rst, the torchrun version:
 ToyModel, demo_basic, demo_checkpoint), run by tests/distributed/test_c10d.py under torchrun and
 under torchtpu-launch local. The tutorial's code is kept as written; the changes, each marked
-"# test:", are a seed, an `import torchtpu`, prints of the losses and weights, and a second run of
-both demos on CPU with gloo in the same processes (the oracle)."""
+"# test:", are a seed, an `import torchtpu`, prints of the losses and weights, the eager mode of
+each rank (DDP_TUTORIAL_FUSED_RANKS: the ranks that run fused eager) and a second run of both demos
+on CPU with gloo in the same processes (the oracle)."""
 
 import os
 import sys
@@ -25,6 +26,8 @@ def accelerator():  # test: the tutorial's torch.accelerator.current_accelerator
 
 def report(what, loss, model):  # test: one short line each (two ranks share torchrun's stdout)
     rank = dist.get_rank()
+    flushes = torchtpu.cache_stats()["fused_flushes"]  # test: graphs run in fused eager mode so far
+    print(f"{what} {DEVICE} rank {rank} mode {torchtpu.get_eager_mode()} flushes {flushes}", flush=True)
     print(f"{what} {DEVICE} rank {rank} loss {loss.item()!r}", flush=True)
     for i, p in enumerate(model.parameters()):
         print(f"{what} {DEVICE} rank {rank} param {i} {p.detach().cpu().reshape(-1).tolist()!r}", flush=True)
@@ -115,8 +118,11 @@ def demo_checkpoint():
 
 
 if __name__ == "__main__":
+    # test: the ranks named in DDP_TUTORIAL_FUSED_RANKS run the tpu demos in fused eager mode, the others strict
+    fused_ranks = os.environ.get("DDP_TUTORIAL_FUSED_RANKS", "").split(",")
     for DEVICE in ("tpu", "cpu"):  # noqa: B007  (read by the demos) # test: the same demos on tpu, then on CPU with gloo
         torch.manual_seed(int(os.environ["RANK"]))  # test: the same random numbers in both runs
+        torchtpu.set_eager_mode("fused" if DEVICE == "tpu" and os.environ["RANK"] in fused_ranks else "strict")  # test
         demo_basic()
         demo_checkpoint()
     sys.stdout.flush()

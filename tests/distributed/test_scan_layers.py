@@ -242,7 +242,7 @@ def _trainer_step_hlo(tmp_path, n_layers, *extra):
     # no evaluation: only the training step is compiled, and the held-out split is not read
     argv = small_argv(tmp_path, "--activation_checkpoint.mode", "full", "--validation.enable", "false", *extra)
     t = Trainer(load_config(argv), n_layers=n_layers)
-    return t, compile_step(t).as_text()
+    return t, compile_step(t.built_step()).as_text()
 
 
 def test_trainer_updates_each_stacked_slot_as_one_tensor(tmp_path):
@@ -315,7 +315,7 @@ def test_tpu_step_casts_one_block_of_the_stacked_weights_at_a_time():
     argv += ["--model.flavor", "debugmodel", "--training.seq_len", "1024", "--tpu.loss_chunk_size", "1024"]
     t = Trainer(load_config(argv), n_layers=4)
     assert t.stacked and t.cfg.training.mixed_precision_param == "bfloat16"
-    hlo = compile_step(t).as_text()
+    hlo = compile_step(t.built_step()).as_text()
     stacked_f32 = set(re.findall(r"f32\[4,\d+,\d+\]", hlo))
     stacked_bf16 = set(re.findall(r"bf16\[4,\d+,\d+\]", hlo))
     print("stacked f32", sorted(stacked_f32), "stacked bf16", sorted(stacked_bf16))

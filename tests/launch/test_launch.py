@@ -28,7 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 MARK = "TORCHTPU_TEST_LAUNCH_RUN"
 
-# A small, fast job: debugmodel, 32-token sequences, 1 sequence per device, fp32, checkpoint every 2 steps.
+# The debugmodel's width made narrow (dim 64 of 256, 4 heads, 2 KV heads): every collective of a
+# multi-process step is a loopback TCP exchange whose time grows with the tensors (1-3 s a step at
+# dim 256, a fraction of a second at 64). Every job of a test runs it, the references included;
+# the MoE tests set their own.
+NARROW = json.dumps({"dim": 64, "n_heads": 4, "n_kv_heads": 2})
+
+# A small, fast job: debugmodel, 32-token sequences, 1 sequence per device, fp32, checkpoint every 2 steps;
+# 2 of its 6 blocks (every collective of a multi-process step is a loopback TCP exchange, about 5 s a
+# step at 6 blocks, and the fewer blocks, the fewer of them), NARROW wide ([model] flavor_overrides, last).
 TRAIN = [
     "torchtpu-train",
     "--config",
@@ -41,22 +49,15 @@ TRAIN = [
     "1",
     "--lr_scheduler.warmup_steps",
     "2",
+    "--model.n_layers",
+    "2",
+    "--model.flavor_overrides",
+    NARROW,
 ]
-
-
-# The debugmodel's width made narrow (dim 64 of 256, 4 heads, 2 KV heads): every collective of a
-# multi-process step is a loopback TCP exchange whose time grows with the tensors (1-3 s a step at
-# dim 256, a fraction of a second at 64). Every job of a test runs it, the references included;
-# the MoE tests set their own.
-NARROW = json.dumps({"dim": 64, "n_heads": 4, "n_kv_heads": 2})
 
 
 def _env(**extra) -> dict:
     env = dict(os.environ)
-    # torchtitan's debugmodel with 2 of its 6 blocks: every collective of a multi-process step is a
-    # loopback TCP exchange (about 5 s a step at 6 blocks), and the fewer blocks, the fewer of them
-    env["TORCHTPU_TEST_N_LAYERS"] = "2"
-    env["TORCHTPU_TEST_MODEL_ARGS"] = NARROW
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -364,8 +365,7 @@ def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
 # ---------------------------------------------------------------------------------------------
 
 # The Qwen3 MoE debug flavor made narrow as tests/train/test_families.py makes it (8 experts, 2 per
-# token; the TORCHTPU_TEST_MODEL_ARGS hook), 2 blocks, 32-token sequences
-MOE_TRAIN = [*TRAIN[:2], "train_configs/qwen3_debug.toml", "--model.flavor", "debugmodel_moe", *TRAIN[3:]]
+# token; [model] flavor_overrides), 2 blocks, 32-token sequences
 MOE_ARGS = json.dumps(
     {
         "dim": 64,
@@ -377,6 +377,7 @@ MOE_ARGS = json.dumps(
         "moe_args": {"num_experts": 8, "top_k": 2},
     }
 )
+MOE_TRAIN = [*TRAIN[:2], "train_configs/qwen3_debug.toml", "--model.flavor", "debugmodel_moe", *TRAIN[3:-1], MOE_ARGS]
 MOE_SHORT = ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2", *NO_VALIDATION]
 
 
@@ -387,10 +388,8 @@ def test_two_hosts_with_expert_parallel_4_match_one_process_of_8_without_it(tmp_
     # are those of the EP 1 job in one process; the EP 4 checkpoint (written by both processes)
     # resumes there at EP 1 and continues it.
     ep4 = ["--parallelism.expert_parallel_degree", "4"]
-    run_to_end(single(tmp_path, "one_by_8", 8, MOE_SHORT, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS))
-    text = run_to_end(
-        launch(tmp_path, "two_by_4_ep4", 2, 4, MOE_SHORT + ep4, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS)
-    )
+    run_to_end(single(tmp_path, "one_by_8", 8, MOE_SHORT, train=MOE_TRAIN))
+    text = run_to_end(launch(tmp_path, "two_by_4_ep4", 2, 4, MOE_SHORT + ep4, train=MOE_TRAIN))
     assert "[host 1] " in text
     assert "(experts over ep 4 x efsdp 2)" in text, text[-3000:]
     got, want = losses(tmp_path / "two_by_4_ep4"), losses(tmp_path / "one_by_8")
@@ -400,7 +399,7 @@ def test_two_hosts_with_expert_parallel_4_match_one_process_of_8_without_it(tmp_
     assert counts == losses(tmp_path / "one_by_8", "moe/tokens_per_expert"), counts
     assert all(sum(row) == 8 * 32 * 2 for step in counts.values() for row in step), counts
     _resume_from(tmp_path, "two_by_4_ep4", "resume_1x8", 2)
-    text = run_to_end(single(tmp_path, "resume_1x8", 8, MOE_SHORT, train=MOE_TRAIN, TORCHTPU_TEST_MODEL_ARGS=MOE_ARGS))
+    text = run_to_end(single(tmp_path, "resume_1x8", 8, MOE_SHORT, train=MOE_TRAIN))
     assert re.search(r"resumed from \S+ \(step 2\)", text), text[-3000:]
     assert_losses_close(losses(tmp_path / "resume_1x8"), want, [3], rtol=1e-5)
 
@@ -484,11 +483,18 @@ def test_stuck_host_trips_the_watchdog(tmp_path):
         "stuck",
         2,
         1,
-        ["--training.steps", "12", "--comm.train_timeout_seconds", "10", *NO_VALIDATION],
-        TORCHTPU_TEST_STALL="1:4:600",
+        [
+            "--training.steps",
+            "12",
+            "--comm.train_timeout_seconds",
+            "10",
+            "--debug.inject_stall",
+            "1:4:600",
+            *NO_VALIDATION,
+        ],
     )
     try:
-        job.wait_for(r"TORCHTPU_TEST_STALL: process 1 stalls", 600)
+        job.wait_for(r"\[debug\] inject_stall: process 1 stalls", 600)
         t0 = time.monotonic()
         code = job.wait(60)
         elapsed = time.monotonic() - t0
@@ -500,7 +506,7 @@ def test_stuck_host_trips_the_watchdog(tmp_path):
     assert "step watchdog: no training step finished" in text
     # faulthandler's dump of the stuck host shows where it sleeps
     assert re.search(r"Thread 0x[0-9a-f]+ \(most recent call first\):", text), text[-4000:]
-    assert "in maybe_stall" in text
+    assert re.search(r'fault\.py", line \d+ in stall$', text, re.M), text[-4000:]  # [debug] inject_stall's sleep
     print(f"job exited 42 {elapsed:.1f} s after the stall began")
 
 

@@ -238,6 +238,12 @@ def _check_forward_sample(op, k, sample) -> None:
         actual, _ = _call(op, sample, _to_tpu)
     except Exception as e:
         raise _sample_error(k, e) from e
+    _compare_forward(op, k, sample, expected, actual)
+
+
+def _compare_forward(op, k, sample, expected, actual) -> None:
+    """CPU's outputs against tpu's: values, or shapes and devices alone for a random or
+    uninitialized output."""
     if op.name in UNINITIALIZED or _is_random(op, sample):
         fe, _ = tree_flatten(expected)
         fa, _ = tree_flatten(actual)
@@ -302,6 +308,83 @@ def _check_backward_sample(op, k, sample) -> None:
         [a for a, e in zip(actual, expected) if e is not None],
         f"sample {k} gradient",
     )
+
+
+def check_both(op) -> dict:
+    """Forward values and input gradients of an autograd OpInfo from one tpu run per sample:
+    {"forward": error or None, "backward": error or None}, the first failing sample's error in each
+    direction. The forward check sees the same samples as check_forward (made with requires_grad),
+    the backward check the same as check_backward; running both on one tpu forward saves the op's
+    forward compilations a second time. A sample CPU cannot run with grad (an in-place op on a leaf)
+    is checked forward on detached inputs."""
+    errors: dict = {"forward": None, "backward": None}
+    with _IsolatedState():
+        for k, sample in enumerate(_samples(op, True)):
+            forward, backward = _check_both_sample(op, k, sample)
+            errors["forward"] = errors["forward"] or forward
+            errors["backward"] = errors["backward"] or backward
+    return errors
+
+
+def _check_both_sample(op, k, sample):
+    """(forward error, backward error) of one sample; None where that direction passes or skips it."""
+    torch.manual_seed(0)
+    try:
+        expected_out, cpu_in = _call(op, sample, _fresh_cpu)
+    except Exception:
+        return _forward_error(op, k, sample.transform(_detached)), None
+    try:
+        actual_out, tpu_in = _call(op, sample, _to_tpu)
+    except Exception as e:
+        error = _sample_error(k, e)
+        return error, error
+    forward = None
+    try:
+        _compare_forward(op, k, sample, expected_out, actual_out)
+    except Exception as e:
+        forward = e
+    try:
+        backward = _gradient_error(op, k, sample, expected_out, cpu_in, actual_out, tpu_in)
+    except Exception as e:
+        backward = e
+    return forward, backward
+
+
+def _detached(x):
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _forward_error(op, k, sample):
+    try:
+        _check_forward_sample(op, k, sample)
+    except Exception as e:
+        return e
+    return None
+
+
+def _gradient_error(op, k, sample, expected_out, cpu_in, actual_out, tpu_in):
+    outs = [o for o in tree_flatten(expected_out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs or _is_random(op, sample):
+        return None
+    torch.manual_seed(3)
+    cots = [torch.randn_like(o) for o in outs]
+    try:
+        expected = torch.autograd.grad(outs, _grad_inputs(cpu_in), cots, allow_unused=True)
+    except Exception:
+        return None
+    try:
+        touts = [o for o in tree_flatten(actual_out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        actual = torch.autograd.grad(touts, _grad_inputs(tpu_in), [c.to("tpu") for c in cots], allow_unused=True)
+        _compare(
+            [e for e in expected if e is not None],
+            [a for a, e in zip(actual, expected) if e is not None],
+            f"sample {k} gradient",
+        )
+    except AssertionError as e:
+        return e
+    except Exception as e:
+        return _sample_error(k, e)
+    return None
 
 
 def main(argv):

@@ -1,6 +1,6 @@
 """The vLLM serving tests' harness: small random Hugging Face models, the oracle, engines.
 
-- `write_model(family, folder)`: a random 2-layer model of a family (Llama, Qwen2, Qwen3) saved as
+- `write_model(family, folder)`: a random 2-layer model of a family (Llama, Qwen2, Qwen3, Qwen3-MoE) saved as
   a Hugging Face folder with torchtpu's bundled tokenizer (876 tokens; the vocabulary is 1024).
   Each family's seed was chosen so that the greedy continuations of `PROMPTS` have no near-tie:
   `greedy` reports the smallest top-1/top-2 logit gap it met, and the tests assert it stays far
@@ -63,6 +63,20 @@ FAMILIES = {
     "qwen2": Family("Qwen2Config", 0, dict(num_attention_heads=4, num_key_value_heads=2)),
     # q/k RMSNorm and a head_dim (48) that is not hidden / heads
     "qwen3": Family("Qwen3Config", 2, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48)),
+    # 8 experts of 64 (top-2, renormalised as Qwen3-30B-A3B's config says), every layer sparse
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig",
+        0,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 

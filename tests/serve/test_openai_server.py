@@ -47,9 +47,9 @@ HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KE
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    """A tiny `torchtpu-train` run of the debug model cut to 2 blocks (the trainer's test hook
-    TORCHTPU_TEST_N_LAYERS; STEPS steps of 8 sequences of 32 tokens), its final weights exported
-    with checkpoint.last_save_in_hf; the Hugging Face folder."""
+    """A tiny `torchtpu-train` run of the debug model cut to 2 blocks ([model] n_layers; STEPS steps of 8
+    sequences of 32 tokens), its final weights exported with checkpoint.last_save_in_hf; the Hugging Face
+    folder."""
     dump = tmp_path_factory.mktemp("train_to_serve")
     argv = debug_argv(
         dump,
@@ -58,9 +58,10 @@ def export(tmp_path_factory):
         "--checkpoint.enable",
         "--checkpoint.last_save_model_only",
         "--checkpoint.last_save_in_hf",
+        "--model.n_layers",
+        "2",  # the export, and so the served model, has 2 blocks
     )
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["TORCHTPU_TEST_N_LAYERS"] = "2"  # the export, and so the served model, has 2 blocks
     env["OMP_NUM_THREADS"] = "1"  # PyTorch's CPU work on one thread (XLA's devices have the cores)
     t0 = time.monotonic()
     r = subprocess.run(

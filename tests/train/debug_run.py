@@ -32,14 +32,10 @@ def debug_argv(dump, steps, *extra, seq_len=32, local_batch_size=1, log_freq=Non
     ]
 
 
-def two_block_process_env() -> dict:
-    """The environment of a trainer process a test starts: this checkout, 8 CPU devices, and a
-    2-block copy of the debug model (the trainer's TORCHTPU_TEST_N_LAYERS hook, announced on its
-    console) where the depth is not what the test checks."""
-    return dict(
-        os.environ,
-        PYTHONPATH=REPO,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=cpu_flags(8),
-        TORCHTPU_TEST_N_LAYERS="2",
-    )
+# A 2-block copy of the debug model ([model] n_layers), for the runs whose subject is not the depth.
+TWO_BLOCKS = ("--model.n_layers", "2")
+
+
+def process_env() -> dict:
+    """The environment of a trainer process a test starts: this checkout and 8 CPU devices."""
+    return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(8))

@@ -28,7 +28,7 @@ from torchtpu.train.checkpoint.manager import (
 )
 
 from ..processes import cpu_flags
-from .debug_run import REPO, debug_argv, two_block_process_env
+from .debug_run import REPO, TWO_BLOCKS, debug_argv, process_env
 
 
 def tiny_model(seed=0):
@@ -387,10 +387,10 @@ def test_kill_9_mid_save_then_resume_and_corrupt_files(tmp_path):
 
     dump = tmp_path / "run"
     folder = dump / "checkpoint"
-    # a 2-block copy of the debug model (the trainer's test hook; in process, n_layers=2): what is
-    # checked is what a kill and a damaged file do to the checkpoints, not the model's depth
-    env = two_block_process_env()
-    cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6)]
+    # a 2-block copy of the debug model (in process, n_layers=2): what is checked is what a kill and a
+    # damaged file do to the checkpoints, not the model's depth
+    env = process_env()
+    cmd = [sys.executable, "-m", "torchtpu.train", *_train_argv(dump, 6, *TWO_BLOCKS)]
     partial = []
     for _attempt in range(3):  # the save must still be in progress when the signal lands
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -81,7 +81,10 @@ _COVERING_RUNS = {
     ],
     "tests/train/test_families.py::test_flex_attention_flavors_are_refused_or_sdpa_on_request": ["model.attn_type"],
     "tests/launch/test_launch.py::test_init_timeout_bounds_the_wait_for_missing_hosts": ["comm.init_timeout_seconds"],
-    "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": ["comm.train_timeout_seconds"],
+    "tests/launch/test_launch.py::test_stuck_host_trips_the_watchdog": [
+        "comm.train_timeout_seconds",
+        "debug.inject_stall",
+    ],
     "tests/train/test_faults.py::test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta": [
         "training.max_bad_records"
     ],
@@ -122,6 +125,8 @@ PROBED = {
     "metrics.enable_wandb": ("true", []),
     "model.flavor": ("8B", []),
     "model.hf_assets_path": ("DUMP/no-such-folder", []),
+    "model.n_layers": ("2", []),
+    "model.flavor_overrides": ('{"dim": 64, "n_heads": 4}', []),
     "optimizer.name": ("Adam", []),
     "optimizer.lr": ("0.01", []),
     "optimizer.beta1": ("0.8", []),
@@ -196,9 +201,9 @@ def _outcome(fn):
 
 
 def _step_probe(cfg):
-    """One real trainer step (Trainer._train_step: forward, loss, backward, clipping, update) on a tiny
+    """One real trainer step (step.train_step: forward, loss, backward, clipping, update) on a tiny
     CPU model standing in for the Transformer: the updated weights."""
-    from torchtpu.train.trainer import Trainer
+    from torchtpu.train.step import train_step
 
     torch.manual_seed(0)
     model = torch.nn.Embedding(16, 16)
@@ -209,10 +214,10 @@ def _step_probe(cfg):
         stacked=[],  # no layer scan, no stacked parameter storage
         balanced_moe=[],  # no MoE layer moves its expert bias
         moe_layers=[],
-        _loss_context=contextlib.nullcontext,
+        loss_context=contextlib.nullcontext,
     )
     x = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    loss, norm, _ = Trainer._train_step(ns, [(x, x.roll(1, 1))])
+    loss, norm, _ = train_step(ns, [(x, x.roll(1, 1))])
     return round(float(loss), 6), round(float(norm), 6), model.weight.detach().sum().item()
 
 
@@ -224,8 +229,8 @@ def plan(cfg) -> dict:
     """What the trainer's own building blocks make of `cfg` (no model is materialized, nothing compiles)."""
     import dataclasses
 
+    from torchtpu.train import build as T
     from torchtpu.train import model_builder as M
-    from torchtpu.train import trainer as T
     from torchtpu.train.lr import build_schedule
     from torchtpu.train.metrics import build_metrics_logger
     from torchtpu.train.optimizer import build_optimizer

@@ -197,7 +197,7 @@ def test_trainer_estimate_matches_the_straight_line_debug_step(tmp_path, capsys,
     with straight_line_loops():
         t = Trainer(load_config(argv), n_layers=DEBUG_DEPTH)
         assert t.cfg.tpu.scan_layers
-        full = compile_report(compile_step(t), t.mesh.jax_mesh)
+        full = compile_report(compile_step(t.built_step()), t.mesh.jax_mesh)
     assert full["estimated_step_seconds"] and not full["while_loops"]
     del t
 
@@ -213,7 +213,7 @@ def test_trainer_estimate_matches_the_straight_line_debug_step(tmp_path, capsys,
     monkeypatch.setattr(dry_run_module, "step_estimate", recorded_step_estimate)
     monkeypatch.setattr(dry_run_module, "HEARTBEAT_SECONDS", 0.5)  # the 8B's 20 s, scaled to this small program
     capsys.readouterr()
-    assert dry_run(Trainer(load_config(argv), n_layers=DEBUG_DEPTH)) == 0
+    assert dry_run(Trainer(load_config(argv), n_layers=DEBUG_DEPTH).built_step()) == 0
     [(scan_layers, scanned, est)] = seen
     assert scan_layers
     assert scanned["while_loops"] and scanned["flops_per_device"] < 0.6 * full["flops_per_device"]
@@ -280,13 +280,12 @@ def test_a_failed_costing_copy_without_a_whole_program_report_raises_its_error()
     from torchtpu.models.registry import get_family
     from torchtpu.train.dry_run.estimate import step_estimate
 
-    class ShallowCopyFails:  # a trainer whose shallower copies cannot be built
+    class ShallowCopyFails:  # a built step whose shallower copies cannot be built
         model_args = get_family("deepseek_v3").model_args("16B")
         cfg = SimpleNamespace(tpu=SimpleNamespace(scan_layers=False))
 
-        def __init__(self, cfg=None, n_layers=None):
-            if n_layers is not None:
-                raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+        def at_depth(self, cfg, n_layers):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
 
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         step_estimate(ShallowCopyFails(), {})
@@ -306,7 +305,7 @@ def test_only_a_model_that_runs_the_layer_scan_is_costed_with_scanned_copies(tmp
 
     def trainer(config, *extra):
         argv = ["--config", f"train_configs/{config}", "--job.dump_folder", str(tmp_path), "--dry-run"]
-        return Trainer(load_config([*argv, "--tpu.topology", TOPOLOGY, *extra]), n_layers=2)
+        return Trainer(load_config([*argv, "--tpu.topology", TOPOLOGY, *extra]), n_layers=2).built_step()
 
     llama4 = trainer("llama4_debug.toml")
     assert llama4.cfg.tpu.scan_layers and not _runs_layer_scan(llama4)

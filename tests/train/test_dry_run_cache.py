@@ -35,7 +35,7 @@ def _dry_run(tmp_path, capsys, monkeypatch, extra=()):
     monkeypatch.setattr(aot, "aot_compile", counted)
     monkeypatch.setattr(estimate, "COSTING_DEPTHS", COSTING_DEPTHS)
     argv = ARGV + ["--job.dump_folder", str(tmp_path / "job")] + list(extra)
-    assert dry_run(Trainer(load_config(argv), n_layers=N_LAYERS)) == 0
+    assert dry_run(Trainer(load_config(argv), n_layers=N_LAYERS).built_step()) == 0
     return capsys.readouterr().out.splitlines(), len(compiles)
 
 

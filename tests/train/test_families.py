@@ -537,7 +537,7 @@ def test_expert_parallel_step_compiles_for_tpu_with_all_to_all_and_grouped_matmu
     argv = _argv(tmp_path, "debugmodel_moe", 1, "--dry-run", "--tpu.topology", "v5p:2x2x1")
     t = Trainer(load_config([*argv, "--parallelism.expert_parallel_degree", "4"]), model_overrides=_narrow_moe())
     assert t.mesh.jax_mesh.shape["ep"] == 4 and t.devices[0].platform == "tpu"
-    text = compile_step(t).as_text()
+    text = compile_step(t.built_step()).as_text()
     # 2 layers x (dispatch of rows and of expert ids, combine) forward + 2 x (dispatch, combine) backward
     assert text.count(" all-to-all(") >= 8, text.count(" all-to-all(")
     assert "ragged-dot" in text and 'custom_call_target="tpu_custom_call"' in text
@@ -563,10 +563,10 @@ def test_straight_line_copies_recompute_apart_from_the_forward(tmp_path):
     cfg = load_config(
         [*argv, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     )
-    loop = compile_step(Trainer(cfg, model_overrides=_narrow_moe())).as_text()
+    loop = compile_step(Trainer(cfg, model_overrides=_narrow_moe()).built_step()).as_text()
     with straight_line_loops():
         t = Trainer(cfg, model_overrides=_narrow_moe())
-        straight = compile_step(t).as_text()
+        straight = compile_step(t.built_step()).as_text()
 
     def sorts(text):  # the dispatch's argsorts (expert order and its inverse)
         return len(re.findall(r" sort\(.*jit\(argsort\)/sort\b", text))
@@ -592,11 +592,13 @@ def test_scanned_moe_step_gathers_each_layers_experts_without_a_relayout(tmp_pat
     cfg = load_config([*argv, "--tpu.scan_layers", "true", "--activation_checkpoint.mode", "full"])
     t = Trainer(cfg, model_overrides=_narrow_moe())
     # the dry run's FLOPs line: under this dispatch the recomputation skips the experts' w2 matmul
-    [flops_line] = [x for x in estimate_lines(t, {"method": "-", "flops_per_device": 1.0}, None) if "XLA FLOPs" in x]
+    [flops_line] = [
+        x for x in estimate_lines(t.built_step(), {"method": "-", "flops_per_device": 1.0}, None) if "XLA FLOPs" in x
+    ]
     assert flops_line.endswith(
         "'full' expects 1.33x, less where a MoE layer's recomputation stops before its experts' last matmul)"
     ), flops_line
-    text = compile_step(t).as_text()
+    text = compile_step(t.built_step()).as_text()
     assert " while(" in text
     gathered = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", text)
     assert any(g.startswith("bf16[8,") for g in gathered), gathered  # the 8 experts' weights, gathered

@@ -16,12 +16,10 @@ import time
 
 import pytest
 
-from .debug_run import REPO, debug_argv, two_block_process_env
+from .debug_run import REPO, TWO_BLOCKS, debug_argv, process_env
 
 STEPS = 6
-# The jobs train a 2-block copy of the debug model (the trainer's test hook, announced on the console):
-# what is checked here is the processes' behaviour, not the model's depth.
-ENV = two_block_process_env()
+ENV = process_env()
 
 
 def _cmd(dump, data=None):
@@ -37,6 +35,7 @@ def _cmd(dump, data=None):
         "--checkpoint.keep_latest_k",
         "0",
         *extra,
+        *TWO_BLOCKS,  # what is checked here is the processes' behaviour, not the model's depth
         log_freq=1,
         warmup_steps=2,
     )
@@ -45,7 +44,7 @@ def _cmd(dump, data=None):
 
 def _data_with_a_bad_record(folder):
     """The bundled corpus as JSON Lines, its second line cut off (row 1 of 8 owns it: read at step 1)."""
-    from torchtpu.train.data import bundled_documents
+    from torchtpu.train.documents import bundled_documents
 
     lines = [json.dumps({"text": d}) for d in bundled_documents("train")]
     lines[1] = lines[1][: len(lines[1]) // 2]

@@ -51,7 +51,6 @@ def test_shipped_debugmodel_moe_trains_within_a_memory_bound(tmp_path):
     # XLA:CPU's default code generation, not the suite's level 0: at level 0 the step's elementwise work
     # over 316M parameters (the optimizer, the casts) costs more time than the quicker compile saves
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env.pop("TORCHTPU_TEST_N_LAYERS", None)
     limit = 9 * 2**30
     status, out, peak = run_with_peak_rss(cmd, env, rss_limit=limit, timeout=600, cwd=REPO)
     assert status == 0, out[-3000:]

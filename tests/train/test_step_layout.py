@@ -51,7 +51,7 @@ def test_one_sequence_per_rank_under_tp_computes_only_its_own_tokens(scan):
     )  # fmt: skip
     trainer = Trainer(cfg if scan else unrolled(cfg), n_layers=2)
     assert trainer.dims.dp == dp and trainer.dims.tp == tp
-    hlo = compile_step(trainer).as_text()
+    hlo = compile_step(trainer.built_step()).as_text()
     assert (" while(" in hlo) == scan
     dims = _dot_dims(hlo)
     assert any(seq in d for d in dims), "no dot over the chip's own tokens: the parser found no dots"

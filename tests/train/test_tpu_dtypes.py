@@ -98,7 +98,7 @@ def _compiled_step_text(tmp_path, *extra, n_layers=None):
 
     cfg = load_config(["--job.dump_folder", str(tmp_path), "--dry-run", "--tpu.topology", "v5p:2x2x1", *extra])
     t = Trainer(cfg, n_layers=n_layers)
-    compiled = compile_step(t)
+    compiled = compile_step(t.built_step())
     return compiled, t
 
 

@@ -177,6 +177,9 @@ TPU_ONLY = {
     ("debug", "verbose"),
     ("training", "max_bad_records"),
     ("model", "attn_type"),
+    ("model", "n_layers"),
+    ("model", "flavor_overrides"),
+    ("debug", "inject_stall"),
 }
 
 
@@ -535,6 +538,17 @@ BAD_INPUTS = {
         ["--training.dataset_path", "/no/such/data", "--topology", "v5e:2x4"],
         ["debug_model.toml", "[training]", "dataset_path", "/no/such/data", "not found"],
     ),
+    "flavor_overrides not JSON": (
+        None,
+        ["--model.flavor_overrides", "{dim: 64}"],
+        ["command line", "[model]", "flavor_overrides", "JSON object"],
+    ),
+    "bad n_layers": (None, ["--model.n_layers", "0"], ["command line", "[model]", "n_layers = 0", "> 0"]),
+    "bad inject_stall": (
+        None,
+        ["--debug.inject_stall", "1:4"],
+        ["command line", "[debug]", "inject_stall", "HOST:STEP:SECONDS"],
+    ),
     "bad topology": (None, ["--topology", "v5p-8"], ["command line", "[tpu]", "topology", "v5p-8", "v5p:4x4x4"]),
     "invalid toml": ("[training\nsteps = 5\n", [], ["bad.toml", "not valid TOML", "line 1"]),
     "missing file": ("", ["--config", "/no/such/config.toml"], ["/no/such/config.toml", "not found"]),
@@ -553,6 +567,28 @@ def test_bad_input_is_one_line_exit_2(name, tmp_path, capsys):
     assert "Traceback" not in err
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def test_model_overrides_replace_the_flavors_fields_and_name_a_field_it_lacks(tmp_path):
+    """[model] n_layers and flavor_overrides change the model arguments the trainer builds (a nested
+    object replaces some fields of a nested argument); a field the arguments lack is a ConfigError
+    naming the file, the key and the field."""
+    from torchtpu.train.model_builder import build_model_args
+
+    moe = ["--config", str(CONFIGS / "qwen3_debug.toml"), "--model.flavor", "debugmodel_moe"]
+    args = build_model_args(
+        C.load_config(
+            [*moe, "--model.n_layers", "3", "--model.flavor_overrides", '{"dim": 64, "moe_args": {"top_k": 2}}']
+        ),
+        None,
+    )
+    assert (args.n_layers, args.dim, args.moe_args.top_k) == (3, 64, 2)
+    assert args.moe_args.num_experts == build_model_args(C.load_config(moe), None).moe_args.num_experts
+    bad = write(tmp_path, "bad.toml", "[model]\nflavor_overrides = '{\"dimm\": 64}'\n")
+    with pytest.raises(
+        S.ConfigError, match=r"bad.toml: \[model\] flavor_overrides = .*no field 'dimm'; fields: .*dim, "
+    ):
+        build_model_args(C.load_config(["--config", bad]), None)
 
 
 def test_config_error_inside_trainer_maps_to_exit_2(monkeypatch, capsys):

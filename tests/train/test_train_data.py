@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from torchtpu.train import data as D
+from torchtpu.train import documents
 from torchtpu.train.assets import make_assets
 from torchtpu.train.data import build_dataloader
 from torchtpu.train.tokenizer import BUNDLED_TOKENIZER, build_tokenizer
@@ -58,7 +59,7 @@ def _doc_ids_seen(tok, batches, prefix="doc"):
 def test_bundled_tokenizer(tok):
     assert tok.vocab_size <= 2048
     assert tok.bos_id != tok.eos_id
-    text = open(D.BUNDLED_CORPUS, encoding="utf-8").read()[:20000]
+    text = open(documents.BUNDLED_CORPUS, encoding="utf-8").read()[:20000]
     ids = tok.encode(text, bos=True, eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert max(ids) < 2048 and min(ids) >= 0
@@ -278,7 +279,7 @@ def test_hf_streaming_source_local_json(tmp_path, tok, monkeypatch):
 
     def make(rank):
         ds = load_dataset("json", data_files=str(tmp_path / "a.jsonl"), split="train", streaming=True)
-        return D.TokenBatchLoader(D._HFStreamSource(ds, "local-json", rank, 2), tok, 8, 2, rank, 2)
+        return D.TokenBatchLoader(documents.HFStreamSource(ds, "local-json", rank, 2), tok, 8, 2, rank, 2)
 
     seen = []
     for rank in range(2):

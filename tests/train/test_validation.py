@@ -75,7 +75,7 @@ def cpu_validation_loss(cfg, model, batches, dp=8):
 def test_validation_logs_a_falling_loss_that_matches_the_cpu(tmp_path):
     """FSDP over 8 devices: validation at steps 1, 4, 8 to the console, metrics.jsonl and TensorBoard; the
     whole held-out split (steps = -1); the value equals the CPU oracle's on the same weights and batches."""
-    from torchtpu.train.data import BUNDLED_VALIDATION_DOCS
+    from torchtpu.train.documents import BUNDLED_VALIDATION_DOCS
     from torchtpu.train.trainer import Trainer
 
     cfg = load_config(argv(tmp_path, "--metrics.enable_tensorboard"))
@@ -92,7 +92,7 @@ def test_validation_logs_a_falling_loss_that_matches_the_cpu(tmp_path):
     # positions r, r + 8, ... of the split in its seed-0 epoch-0 order; the row with the fewest windows decides
     import numpy as np
 
-    from torchtpu.train.data import bundled_documents
+    from torchtpu.train.documents import bundled_documents
 
     docs = bundled_documents("validation")
     order = np.random.default_rng([0, 0]).permutation(len(docs))
@@ -162,7 +162,8 @@ def test_held_out_split_is_disjoint_from_training():
     splits together are the whole corpus, and the split does not depend on the seed."""
     import re
 
-    from torchtpu.train.data import BUNDLED_CORPUS, BUNDLED_VALIDATION_DOCS, build_dataloader
+    from torchtpu.train.data import build_dataloader
+    from torchtpu.train.documents import BUNDLED_CORPUS, BUNDLED_VALIDATION_DOCS
     from torchtpu.train.tokenizer import build_tokenizer
 
     tok = build_tokenizer(None)

@@ -94,8 +94,8 @@ from .compile_capture import (
     key_change,
     lift_optimizers,
     move_optimizer_host_state,
-    optimizer_device_index,
 )
+from .compile_inputs import CallInputs, call_inputs
 from .state import CONFIG, observing, tracing
 from .tensor import Storage, TpuTensor, new_base, storage_of
 from .views import array_of, storage_array
@@ -153,33 +153,9 @@ class ProgramBuilds:
 
 BUILDS = ProgramBuilds()
 
-# Optimizer hyperparameters that LR schedulers change every step: program inputs, never guarded.
-LIFTED_HYPERPARAMETERS = ("lr",)
-
 
 def _log_enabled() -> bool:
     return bool(os.environ.get("TORCHTPU_LOG_RECOMPILES"))
-
-
-def _is_host_number(v) -> bool:
-    if type(v) is float or type(v) is int:
-        return True
-    return isinstance(v, torch.Tensor) and not isinstance(v, TpuTensor) and v.numel() == 1
-
-
-def _guard_value(v):
-    """What a param_group entry contributes to a compiled step's cache key."""
-    if isinstance(v, TpuTensor):
-        return "tpu tensor"  # program state: an input, never a constant
-    if isinstance(v, torch.Tensor):
-        return ("cpu tensor", tuple(v.shape), v.tolist())
-    if isinstance(v, (list, tuple)):
-        return tuple(_guard_value(x) for x in v)
-    try:
-        hash(v)
-    except TypeError:
-        return (type(v).__name__, id(v))
-    return v
 
 
 class _Entry:
@@ -198,20 +174,6 @@ class _Entry:
         "host",
         "written",
     )
-
-
-class _CallInputs:
-    """What a call reads besides tensors: the lifted optimizer hyperparameters (their values
-    are program inputs), the guarded ones (part of the cache key), the CPU tensors read by tpu
-    ops (program inputs)."""
-
-    __slots__ = ("guard", "slots", "values", "host")
-
-    def __init__(self, guard, slots, values, host):
-        self.guard = guard
-        self.slots = slots  # [(param_group, key, device_index)]
-        self.values = values  # their current values, floats
-        self.host = host  # [cpu tensor]
 
 
 class CompiledFunction:
@@ -244,38 +206,6 @@ class CompiledFunction:
                 sig.append(x)
         return tuple(sig)
 
-    # -- what else a call reads: optimizer param_groups and CPU tensors
-    def _call_inputs(self) -> _CallInputs:
-        guard, slots, values = [], [], []
-        for ref in self.optimizers:
-            opt = ref()
-            if opt is None:
-                guard.append(None)
-                continue
-            device_index = optimizer_device_index(opt)
-            for group in opt.param_groups:
-                g = []
-                for k, v in group.items():
-                    if k == "params":
-                        continue
-                    if k in LIFTED_HYPERPARAMETERS and _is_host_number(v):
-                        slots.append((group, k, device_index))
-                        values.append(float(v))
-                        g.append((k, "lifted"))
-                    else:
-                        g.append((k, _guard_value(v)))
-                guard.append(tuple(g))
-        host = []
-        for ref in self.host:
-            t = ref()
-            if t is None:
-                raise RuntimeError(
-                    "torchtpu.compile: a CPU tensor the step read during its first call no longer exists; "
-                    "make it a long-lived tensor (or move it to tpu and pass it as an argument)"
-                )
-            host.append(t)
-        return _CallInputs(tuple(guard), slots, values, host)
-
     def __call__(self, *args, **kwargs):
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
@@ -284,7 +214,7 @@ class CompiledFunction:
                     return self._warmup(args, kwargs, flat)
                 self._abstract_warmup(args, kwargs, flat)
         while True:
-            inputs = self._call_inputs()
+            inputs = call_inputs(self.optimizers, self.host)
             key = (tree, self._signature(flat), inputs.guard, function_numbers(self.fn))
             entry = self.entries.get(key)
             if entry is not None:
@@ -369,7 +299,7 @@ class CompiledFunction:
         self.state.extend(move_optimizer_host_state([r for r in self.optimizers if r() is not None]))
 
     # -- 2. trace + compile
-    def _trace(self, flat, tree, inputs: _CallInputs):
+    def _trace(self, flat, tree, inputs: CallInputs):
         entry = _Entry()
         entry.state_shardings = [None] * len(self.state)
         entry.mesh = None
@@ -448,7 +378,7 @@ class CompiledFunction:
         return entry, holder
 
     # -- 3. execution (the first one also lowers and compiles)
-    def _run(self, entry, flat, inputs: _CallInputs, first_holder=None):
+    def _run(self, entry, flat, inputs: CallInputs, first_holder=None):
         state_arrays = unique_arrays([st.array if st.array is not None else storage_array(st) for st in entry.state])
         arg_arrays = [array_of(flat[i]) for i in entry.arg_storages]
         # current values of the lifted hyperparameters and of the CPU tensors the step reads
@@ -560,7 +490,7 @@ class CompiledFunction:
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             abstract_warmup(self, args, kwargs, flat)
-        inputs = self._call_inputs()
+        inputs = call_inputs(self.optimizers, self.host)
         entry, holder = self._trace(flat, tree, inputs)
         tensors = [flat[i] for i in entry.arg_storages]
         mesh = program_mesh(

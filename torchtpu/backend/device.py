@@ -100,9 +100,14 @@ def _copy_from(self, dst, non_blocking=False):
 _pinned: weakref.WeakSet = weakref.WeakSet()
 
 
+def mark_pinned(t: torch.Tensor) -> None:
+    """Make `t.is_pinned()` true: `t` is a CPU tensor staged for tpu transfers."""
+    _pinned.add(t)
+
+
 def _pin_memory_cpu(self, device=None):
     out = self.clone(memory_format=torch.contiguous_format)
-    _pinned.add(out)
+    mark_pinned(out)
     return out
 
 

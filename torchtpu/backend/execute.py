@@ -25,7 +25,7 @@ from .fused import Deferred, force, record, recordable
 from .optable import LOWERINGS
 from .plans import OpPlan, argument, decomposition_table, has_composite_implicit
 from .state import CONFIG, HOOKS, LOG_RECOMPILES, STATE, STATS, tracing
-from .tensor import TpuTensor, internal_index, new_base
+from .tensor import TpuTensor, internal_index, jax_device, new_base
 from .views import array_of, pending_array_of
 
 _T = "\x00T"  # a tpu tensor
@@ -82,6 +82,8 @@ def _flat_value(a, leaves, dyn, read=array_of):
     if t is list or t is tuple:
         if a and any(isinstance(x, torch.Tensor) for x in a):
             return tuple(_flat_value(x, leaves, False, read) for x in a)
+        if dyn and a and all(type(x) in _DYN for x in a):  # a Scalar list traced element by element
+            return tuple(_flat_value(x, leaves, True, read) for x in a)
         return tuple(a) if t is list else a
     if isinstance(a, torch.Tensor):
         if isinstance(a, TpuTensor):
@@ -128,7 +130,7 @@ def _unflat_value(s, it):
         return next(it)
     if type(s) is _Dyn:
         return next(it)
-    if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+    if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
         return [_unflat_value(x, it) for x in s]
     return s
 
@@ -157,7 +159,7 @@ def _meta_args(spec, kwspec, leaves):
     def conv(s):
         if s is _T or s is _C or type(s) is _Dyn:
             return _meta_value(s, next(it))
-        if type(s) is tuple and s and any(x is _T or x is _C for x in s):
+        if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
             return [conv(x) for x in s]
         return s
 
@@ -331,7 +333,8 @@ def _executable(plan, func, impl, spec, kwspec):
 
 def _record(plan, func, args, kwargs):
     """Fused mode: the op's executable and inputs recorded (backend.fused), its outputs Deferred.
-    An op on another device than tpu:0, or with an input that is no array, runs strictly."""
+    An op on another device than the process's own first one (tpu:0; under a launcher of one
+    device per process, whatever index names it), or with an input that is no array, runs strictly."""
     spec, kwspec, leaves = flatten(plan, args, kwargs, pending_array_of)
     impl = plan.impl
     if impl is None:
@@ -341,7 +344,7 @@ def _record(plan, func, args, kwargs):
         leaves.append(tpu_random.next_key_data(index))
     exe = _executable(plan, func, impl, spec, kwspec)
     STATS.calls += 1
-    if index == 0 and all(recordable(x) for x in leaves):
+    if (index == 0 or _is_first_device(index)) and all(recordable(x) for x in leaves):
         ints = _int_returns(plan, func, exe, spec, kwspec, leaves) if plan.int_returns else ()
         if ints is not None:
             out = record(exe, leaves)
@@ -352,6 +355,11 @@ def _record(plan, func, args, kwargs):
                 out = tuple(out)
             return out
     return exe(*[force(x) for x in leaves])
+
+
+@functools.cache
+def _is_first_device(index: int) -> bool:
+    return jax_device(index) == jax_device(0)
 
 
 _INT_RETURNS: dict = {}

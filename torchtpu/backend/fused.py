@@ -11,7 +11,8 @@ runs the whole graph. It also runs once it holds `MAX_OPS` ops.
 
 A flush traces one function that calls the recorded executables in order on tracers and
 returns the values still referenced from Python (a Deferred nobody holds any more is an
-intermediate: XLA fuses it away). The program is cached under the graph's structure: the
+intermediate: XLA fuses it away). Input arrays that nothing but the graph references any more
+(the old values of what the graph overwrote) are donated to the program. The program is cached under the graph's structure: the
 executables, how their inputs connect, and which values are returned. A loop that repeats
 the same ops therefore builds its program once; from then on each flush is a dictionary
 lookup and one launch. JAX specialises the program per input shapes and dtypes as it does
@@ -21,6 +22,12 @@ The executables are the strict path's own (`execute.run`), so a fused program co
 strict eager computes, op by op: the same lowerings, the same dtype rules, the same random
 keys (drawn on the host when the op is recorded). What this module does not record runs
 strictly, after forcing its inputs.
+
+Over a device mesh the program takes its inputs' shardings as any jitted function does, and XLA
+propagates them through the program. Where strict eager places a value by hand (an in-place
+write keeps a sharded tensor's layout, `zeros_like` of a sharded tensor has its layout), the
+recorded value is constrained to that layout instead (`constrain`), so what a flush writes
+back is laid out as strict eager lays it out.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import weakref
 
 import jax
 import numpy as np
+from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 from .state import CONFIG, EAGER_MODES
 
@@ -41,8 +49,9 @@ _LOG_FLUSHES = bool(os.environ.get("TORCHTPU_LOG_FLUSHES"))
 
 
 class FusedStats:
-    """Fused-mode counters: ops recorded, graphs run (flushes), and programs built for a new
-    graph structure (each such program is traced and compiled on its first run)."""
+    """Fused-mode counters: ops recorded, graphs run (flushes), programs built for a new graph
+    structure (each such program is traced and compiled on its first run), and input buffers
+    donated to the programs run (`_dead_inputs`)."""
 
     def __init__(self):
         self.reset()
@@ -51,9 +60,15 @@ class FusedStats:
         self.recorded = 0
         self.flushes = 0
         self.programs = 0
+        self.donated = 0
 
     def snapshot(self) -> dict:
-        return {"fused_ops_recorded": self.recorded, "fused_flushes": self.flushes, "fused_programs": self.programs}
+        return {
+            "fused_ops_recorded": self.recorded,
+            "fused_flushes": self.flushes,
+            "fused_programs": self.programs,
+            "fused_donated": self.donated,
+        }
 
 
 FUSED_STATS = FusedStats()
@@ -62,7 +77,7 @@ FUSED_STATS = FusedStats()
 class Deferred:
     """A value an op will produce when the graph it was recorded in runs."""
 
-    __slots__ = ("shape", "dtype", "weak_type", "value", "slot", "epoch", "error", "__weakref__")
+    __slots__ = ("shape", "dtype", "weak_type", "value", "slot", "epoch", "error", "sharding", "__weakref__")
 
     def __init__(self, shape, dtype, weak_type, slot, epoch):
         self.shape = shape
@@ -72,6 +87,9 @@ class Deferred:
         self.slot = slot
         self.epoch = epoch
         self.error = None
+        # the layout over a device mesh the value is constrained to (`constrain`), None when the
+        # program's sharding propagation chooses it
+        self.sharding = None
 
     @property
     def ndim(self) -> int:
@@ -114,7 +132,7 @@ class _Graph:
         self.epoch = epoch
         self.inputs = []
         self.input_slots = []
-        self.input_ids = {}
+        self.input_ids = {}  # id of an input array -> (its value number, its aval)
         self.nodes = []
         self.outputs = {}  # value number -> weakref to its Deferred
         self.n = 0
@@ -136,7 +154,10 @@ def _aval(x):
 
 
 def recordable(x) -> bool:
-    return type(x) is Deferred or isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+    t = type(x)
+    if t is Deferred or t is _ArrayImpl or t is np.ndarray:
+        return True
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def record(fn, leaves):
@@ -145,6 +166,7 @@ def record(fn, leaves):
     g = _GRAPH
     refs = []
     avals = []
+    input_ids = g.input_ids
     for x in leaves:
         if type(x) is Deferred:
             if x.value is None:
@@ -154,14 +176,14 @@ def record(fn, leaves):
                 avals.append((x.shape, x.dtype, x.weak_type))
                 continue
             x = x.value
-        slot = g.input_ids.get(id(x))
-        if slot is None:
-            slot = g.input_ids[id(x)] = g.n
+        seen = input_ids.get(id(x))
+        if seen is None:
+            seen = input_ids[id(x)] = (g.n, _aval(x))
             g.n += 1
             g.inputs.append(x)
-            g.input_slots.append(slot)
-        refs.append(slot)
-        avals.append(_aval(x))
+            g.input_slots.append(seen[0])
+        refs.append(seen[0])
+        avals.append(seen[1])
     key = (fn, tuple(avals))
     shapes = _SHAPES.get(key)
     if shapes is None:
@@ -172,19 +194,41 @@ def record(fn, leaves):
             treedef = None  # one array: no structure to rebuild
         shapes = _SHAPES[key] = (treedef, tuple((tuple(o.shape), o.dtype, o.weak_type) for o in flat))
     treedef, out_avals = shapes
-    first = g.n
+    first = n = g.n
+    epoch = g.epoch
+    outputs = g.outputs
     outs = []
     for s, d, w in out_avals:
-        v = Deferred(s, d, w, g.n, g.epoch)
-        g.outputs[g.n] = weakref.ref(v)
-        g.n += 1
+        v = Deferred(s, d, w, n, epoch)
+        outputs[n] = weakref.ref(v)
+        n += 1
         outs.append(v)
+    g.n = n
     g.nodes.append((fn, tuple(refs), first, len(out_avals)))
     FUSED_STATS.recorded += 1
-    result = outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
     if len(g.nodes) >= MAX_OPS:
         flush()
-    return result
+    return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
+
+
+@functools.cache
+def _constraint_fn(sharding):
+    return jax.jit(functools.partial(jax.lax.with_sharding_constraint, shardings=sharding))
+
+
+def constrain(x: Deferred, sharding) -> Deferred:
+    """`x` laid out by `sharding` over a device mesh, recorded: the program places the value as
+    `jax.device_put` would place `x`'s array in strict mode, without running the graph."""
+    if x.sharding == sharding:
+        return x
+    out = record(_constraint_fn(sharding), (x,))
+    out.sharding = sharding
+    return out
+
+
+def layout_of(x):
+    """The sharding of an array, or the one a Deferred value is constrained to (None if unknown)."""
+    return x.sharding if type(x) is Deferred else getattr(x, "sharding", None)
 
 
 def _program(nodes, input_slots, live, n, *inputs):
@@ -198,6 +242,28 @@ def _program(nodes, input_slots, live, n, *inputs):
         out = jax.tree_util.tree_leaves(body(*[env[r] for r in refs]))
         env[first : first + count] = out
     return [env[v] for v in live]
+
+
+def _dead_inputs(inputs, values) -> tuple:
+    """The positions of the device arrays among a graph's inputs that nothing but the graph
+    references (values overwritten while the graph was recorded: a parameter's or an optimizer
+    state's old array) and that an output of the same shape and dtype can take the place of.
+    The program is given their buffers (donated), as strict eager frees them op by op, so a
+    step's peak memory holds no second copy of what it updates."""
+    free: dict = {}
+    for d in values:
+        k = (d.shape, d.dtype)
+        free[k] = free.get(k, 0) + 1
+    dead = []
+    for i in range(len(inputs)):
+        x = inputs[i]
+        # three references: the list, `x` and getrefcount's argument
+        if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3:
+            k = (x.shape, x.dtype)
+            if free.get(k):
+                free[k] -= 1
+                dead.append(i)
+    return tuple(dead)
 
 
 def flush() -> None:
@@ -214,14 +280,17 @@ def flush() -> None:
         if d is not None:
             live.append(slot)
             values.append(d)
-    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n)
+    donate = _dead_inputs(g.inputs, values)
+    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n, donate)
     program = _PROGRAMS.get(key)
     if program is None:
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.clear()  # graphs that never repeat: keep the cache's memory bounded
-        program = _PROGRAMS[key] = jax.jit(functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n))
+        body = functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n)
+        program = _PROGRAMS[key] = jax.jit(body, donate_argnums=donate)
         FUSED_STATS.programs += 1
     FUSED_STATS.flushes += 1
+    FUSED_STATS.donated += len(donate)
     if _LOG_FLUSHES:
         print(
             f"[torchtpu] fused flush: {len(g.nodes)} ops, {len(live)} outputs, from\n"
@@ -230,6 +299,10 @@ def flush() -> None:
         )
     try:
         outs = program(*g.inputs)
+        if CONFIG.sync_dispatch:
+            # a program over a device mesh on the CPU platform is waited for, as every strict op is
+            # there (backend.state.Config)
+            outs = jax.block_until_ready(outs)
     except Exception as e:
         for d in values:
             d.error = e

@@ -18,12 +18,12 @@ from torch.utils._mode_utils import no_dispatch
 from . import dtypes
 from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
-from .fused import Deferred, record
+from .fused import Deferred, constrain, layout_of, record
 from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
 from .state import CONFIG, STATE
 from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
-from .views import STORAGE_RELATIVE, array_of, reshard, write
+from .views import STORAGE_RELATIVE, array_of, pending_array_of, reshard, write
 
 aten = torch.ops.aten
 
@@ -136,10 +136,15 @@ def _has_own_kernel(func) -> bool:
 
 
 def _keep_layout(src, out):
-    if type(src) is TpuTensor and type(out) is _ArrayImpl:
-        sharding = array_of(src).sharding
-        if len(sharding.device_set) > 1 and out.sharding != sharding:
-            return reshard(out, sharding)
+    if type(src) is TpuTensor:
+        if type(out) is _ArrayImpl:
+            sharding = array_of(src).sharding
+            if len(sharding.device_set) > 1 and out.sharding != sharding:
+                return reshard(out, sharding)
+        elif type(out) is Deferred and CONFIG.mesh_active:  # fused mode: the layout recorded, if known
+            sharding = layout_of(pending_array_of(src))
+            if sharding is not None and len(sharding.device_set) > 1:
+                return constrain(out, sharding)
     return out
 
 
@@ -158,8 +163,11 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         return returns(plan, args, kwargs, rets)
     if plan.functional is None:
         raise unsupported(func)
-    fplan = plan_for(plan.functional)
-    fargs, fkwargs = _strip_outs(plan, args, kwargs)
+    try:
+        fplan, outs, positional, resize = _FUNCTIONAL[plan]
+    except KeyError:
+        fplan, outs, positional, resize = _FUNCTIONAL[plan] = _functional_call(plan, func)
+    fargs, fkwargs = _strip_outs(plan, args, kwargs, outs, positional)
     result = run(fplan, plan.functional, fargs, fkwargs, pending=True)
     results = result if isinstance(result, (tuple, list)) else [result]
     if len(targets) == 1 and isinstance(targets[0], (list, tuple)):
@@ -167,7 +175,6 @@ def _mutating(plan: OpPlan, func, args, kwargs):
         for t, new in zip(targets[0], results):
             write_value(t, new)
         return returns(plan, args, kwargs, [])
-    resize = func._schema.overload_name.startswith("out") or "out" in plan.arg_names
     for t, new in zip(targets, results):
         if isinstance(t, (list, tuple)):  # a mutated Tensor[] among others (GradScaler's unscale)
             for ti, ni in zip(t, new):
@@ -177,17 +184,29 @@ def _mutating(plan: OpPlan, func, args, kwargs):
     return returns(plan, args, kwargs, [None] * len(plan.returns_alias))
 
 
-def _strip_outs(plan, args, kwargs):
+_FUNCTIONAL: dict = {}  # a mutating op's plan -> what _functional_call gives
+
+
+def _functional_call(plan, func):
+    """How a mutating op calls its functional variant: the variant's plan, the names of the
+    out= arguments, the names of the positional arguments, and whether outputs resize."""
+    schema_args = plan.func._schema.arguments
+    outs = frozenset(schema_args[i].name for i in plan.mutated if schema_args[i].kwarg_only)
+    positional = [a.name for a in schema_args if not a.kwarg_only]
+    resize = func._schema.overload_name.startswith("out") or "out" in plan.arg_names
+    return plan_for(plan.functional), outs, positional, resize
+
+
+def _strip_outs(plan, args, kwargs, outs, positional):
     """Arguments for the functional variant: no out= tensors, and every positional argument
     spelled out (an in-place overload's default, like bernoulli_'s p=0.5, may be required
     by its functional twin)."""
-    schema_args = plan.func._schema.arguments
-    outs = {schema_args[i].name for i in plan.mutated if schema_args[i].kwarg_only}
-    positional = [a.name for a in schema_args if not a.kwarg_only]
     if len(args) < len(positional):
         bound = bind(plan.func, args, kwargs)
         args = [bound[name] for name in positional]
         kwargs = {k: v for k, v in kwargs.items() if k not in positional}
+    if not kwargs or not outs:
+        return args, kwargs
     return args, {k: v for k, v in kwargs.items() if k not in outs}
 
 

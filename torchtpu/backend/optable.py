@@ -73,3 +73,14 @@ def custom(*ops):
 # func -> fn(args, out) -> out: fix-ups of an op's wrapped outputs (e.g. strides PyTorch's meta
 # function promises that differ from the contiguous layout of a fresh result)
 POST: dict = {}
+
+
+def post(*ops):
+    """Register `fn(args, out) -> out` as the fix-up of the wrapped outputs of `ops`."""
+
+    def register(fn):
+        for op in ops:
+            POST[op] = fn
+        return fn
+
+    return register

@@ -23,6 +23,14 @@ aten = torch.ops.aten
 # Python numbers in these positions are traced: Scalar arguments, and Tensor arguments that
 # PyTorch lets callers pass a Python number for (`x * 0.1` reaches mul.Tensor with a float).
 SCALAR_TYPES = ("number", "Optional[number]", "Tensor", "Optional[Tensor]")
+# The foreach ops' Scalar lists too: an optimizer passes per-step values there (AdamW's bias
+# corrections), which as part of the cache key would compile the op again every step.
+SCALAR_LIST_OPS = "aten::_foreach_"
+
+
+def _traced_type(schema, a) -> bool:
+    t = str(a.type)
+    return t in SCALAR_TYPES or (t == "List[number]" and schema.name.startswith(SCALAR_LIST_OPS))
 
 
 # Ops that make a tensor "like" their input: the result keeps the input's mesh layout (so
@@ -81,7 +89,8 @@ def _functional_variant(func):
     return None
 
 
-def _plan(func) -> OpPlan:
+def new_plan(func) -> OpPlan:
+    """A plan of `func` made now from its schema and the op table (not cached: see plan_for)."""
     p = OpPlan()
     p.func = func
     p.impl = None
@@ -97,10 +106,10 @@ def _plan(func) -> OpPlan:
     p.dyn_pos = frozenset(
         i
         for i, a in enumerate(schema.arguments)
-        if str(a.type) in SCALAR_TYPES and not a.kwarg_only and a.name not in static
+        if _traced_type(schema, a) and not a.kwarg_only and a.name not in static
     )
     p.dyn_kw = frozenset(
-        a.name for a in schema.arguments if str(a.type) in SCALAR_TYPES and a.kwarg_only and a.name not in static
+        a.name for a in schema.arguments if _traced_type(schema, a) and a.kwarg_only and a.name not in static
     )
     p.random = bool(p.lowering and p.lowering.random)
     p.jit = not (p.lowering and not p.lowering.jit)
@@ -129,7 +138,7 @@ def _plan(func) -> OpPlan:
         if p.lowering is None:
             p.functional = _functional_variant(func)
             if p.functional is not None:
-                fp = _PLANS.get(p.functional) or _plan(p.functional)
+                fp = _PLANS.get(p.functional) or new_plan(p.functional)
                 _PLANS[p.functional] = fp
                 p.random = fp.random
                 p.jit = fp.jit
@@ -143,8 +152,15 @@ def _plan(func) -> OpPlan:
 def plan_for(func) -> OpPlan:
     p = _PLANS.get(func)
     if p is None:
-        p = _PLANS[func] = _plan(func)
+        p = _PLANS[func] = new_plan(func)
     return p
+
+
+def forget_plan(func) -> None:
+    """Drop the cached plans of `func` (the table's, and the one handlers.dispatch keeps on the
+    overload), so that its next call plans it again."""
+    _PLANS.pop(func, None)
+    func.__dict__.pop("_tpu_plan", None)
 
 
 def has_composite_implicit(func) -> bool:

@@ -58,7 +58,7 @@ def _mode_from_environment() -> str:
 
 class Config:
     # the eager mode (backend.fused.set_eager_mode): `debug` checks every op's result, `fused`
-    # records ops for backend.fused while no device mesh exists (see note_mesh)
+    # records ops for backend.fused
     eager_mode = _mode_from_environment()
     debug = eager_mode == "debug"
     fused = eager_mode == "fused"
@@ -72,7 +72,7 @@ class Config:
     def set_mode(self, mode: str) -> None:
         self.eager_mode = mode
         self.debug = mode == "debug"
-        self.fused = mode == "fused" and not self.mesh_active
+        self.fused = mode == "fused"
 
 
 CONFIG = Config()
@@ -82,9 +82,6 @@ def note_mesh(jax_mesh) -> None:
     """Arrays laid out over `jax_mesh` exist after this call (see Config)."""
     if jax_mesh.size > 1:
         CONFIG.mesh_active = True
-        # arrays laid out over a mesh keep their layouts through the strict path only: fused
-        # mode records no more ops (what it recorded runs when read)
-        CONFIG.fused = False
         if jax_mesh.devices.flat[0].platform == "cpu":
             CONFIG.sync_dispatch = True
 

@@ -204,6 +204,25 @@ class TpuTensor(torch.Tensor):
     # __torch_dispatch__ and __repr__ are given by handlers.py: the dispatcher is built on
     # this module, so this module cannot import it.
 
+    # DTensor's methods, answered by the sharding layer (torchtpu.distributed.dtensor), which
+    # gives its functions with register_dtensor_methods: the backend sits below it.
+    @property
+    def placements(self):
+        return _dtensor_method("placements")(self)
+
+    @property
+    def device_mesh(self):
+        return _dtensor_method("device_mesh")(self)
+
+    def redistribute(self, *args, **kwargs):
+        return _dtensor_method("redistribute")(self, *args, **kwargs)
+
+    def full_tensor(self, *args, **kwargs):
+        return _dtensor_method("full_tensor")(self, *args, **kwargs)
+
+    def to_local(self, *args, **kwargs):
+        return _dtensor_method("to_local")(self, *args, **kwargs)
+
     # `param.data = new` replaces a tensor's contents while keeping the object (its identity,
     # autograd hooks and grad). PyTorch's setter copies the TensorImpl's fields (sizes, dtype);
     # the values of a tpu tensor live on the Python object, so they follow here.
@@ -292,6 +311,28 @@ class TpuTensor(torch.Tensor):
         if tuple(self.shape) == tuple(host.shape) and self.stride() == host.stride() and not self.storage_offset():
             return host
         return host.as_strided(tuple(self.shape), self.stride(), self.storage_offset())
+
+
+_DTENSOR_METHODS: dict = {}  # name -> fn(tensor, ...): TpuTensor's DTensor methods
+
+
+def register_dtensor_methods(*, placements, device_mesh, redistribute, full_tensor, to_local) -> None:
+    """Give TpuTensor its DTensor methods (`t.placements`, `t.device_mesh`, `t.redistribute(...)`,
+    `t.full_tensor()`, `t.to_local()`): each function takes the tensor first."""
+    _DTENSOR_METHODS.update(
+        placements=placements,
+        device_mesh=device_mesh,
+        redistribute=redistribute,
+        full_tensor=full_tensor,
+        to_local=to_local,
+    )
+
+
+def _dtensor_method(name: str):
+    fn = _DTENSOR_METHODS.get(name)
+    if fn is None:
+        raise AttributeError(f"TpuTensor.{name}: the DTensor methods come with torchtpu.distributed; import torchtpu")
+    return fn
 
 
 def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuTensor:

@@ -10,11 +10,12 @@ from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
 from .fallback import to_cpu
+from .fused import record
 from .handlers import cast, resize_tensor, set_meta
 from .optable import custom
-from .state import is_tracing, note_mesh
+from .state import CONFIG, is_tracing, note_mesh
 from .tensor import TpuTensor, internal_index, jax_device, new_base, place, storage_of
-from .views import array_of, write
+from .views import array_of, pending_array_of, write
 
 aten = torch.ops.aten
 
@@ -77,16 +78,20 @@ def _to_copy(args, kwargs):
         cpu = to_cpu(x)
         with no_dispatch():
             return cpu.to(dtype=dtype, device=device, copy=False) if cpu.dtype != dtype or device.type != "cpu" else cpu
-    index = storage_of(x).device_index if device is None or device.index is None else internal_index(device.index)
-    a = array_of(x)
+    own = storage_of(x).device_index
+    index = own if device is None or device.index is None else internal_index(device.index)
+    recording = CONFIG.fused and index == own == 0 and not is_tracing()
+    # fused mode: a cast or copy on the device is recorded (backend.fused)
+    src = pending_array_of(x) if recording else array_of(x)
+    a = src
     jdt = dtypes.to_jax_dtype(dtype)
     if a.dtype != jdt:
         a = cast(a, jdt)
-    if index != storage_of(x).device_index and not is_tracing():
+    if index != own and not is_tracing():
         a = jax.device_put(a, _device(index))
-    elif a is array_of(x) and not is_tracing():
+    elif a is src and not is_tracing():
         # A real copy: sharing the buffer would let a donated step invalidate it.
-        a = _copy_array(a)
+        a = record(_copy_array, (a,)) if recording else _copy_array(a)
     return new_base(a, index, dtype)
 
 

@@ -16,7 +16,7 @@ import torch
 from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 from . import dtypes
-from .fused import Deferred, force, record
+from .fused import Deferred, constrain, force, record
 from .optable import LOWERINGS
 from .state import CONFIG, HOOKS, STATE
 from .tensor import Storage, TpuTensor, jax_device
@@ -96,7 +96,7 @@ def write(t: TpuTensor, new) -> None:
     st = t._st
     if not t._vw:
         if st.dist is not None or CONFIG.mesh_active:
-            new = _keep_dist_layout(st, force(new))
+            new = _keep_dist_layout(st, new)
         st.array = new
     elif type(new) is Deferred or type(st.pending_array()) is Deferred:
         base = st.pending_array()
@@ -113,19 +113,23 @@ def write(t: TpuTensor, new) -> None:
 
 def _keep_dist_layout(st, new):
     # A write into a tensor laid out over a mesh keeps its layout (as DTensor's in-place ops
-    # do): parameters initialised in place stay sharded.
-    old = st.array
-    if type(new) is _ArrayImpl:
-        if type(old) is _ArrayImpl:
-            sharding = old.sharding
-            if not isinstance(sharding, jax.sharding.NamedSharding):
-                return new
-        elif st.dist is not None:
-            sharding = st.dist.sharding
-        else:
+    # do): parameters initialised in place stay sharded. In fused mode a pending value is
+    # constrained to the layout in its program (backend.fused.constrain).
+    old = st.pending_array()
+    if type(old) is _ArrayImpl:
+        sharding = old.sharding
+        if not isinstance(sharding, jax.sharding.NamedSharding):
             return new
-        if new.sharding != sharding:
-            new = reshard(new, sharding)
+    elif type(old) is Deferred and old.sharding is not None:
+        sharding = old.sharding
+    elif st.dist is not None:
+        sharding = st.dist.sharding
+    else:
+        return new
+    if type(new) is Deferred:
+        return constrain(new, sharding)
+    if type(new) is _ArrayImpl and new.sharding != sharding:
+        new = reshard(new, sharding)
     return new
 
 

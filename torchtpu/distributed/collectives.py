@@ -24,10 +24,7 @@ import torch
 from jax import lax
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..backend.optable import custom, lower
-from ..backend.state import tracing
-from ..backend.tensor import TpuTensor, new_base
-from ..backend.views import array_of
+from ..backend import TpuTensor, array_of, custom, lower, new_base, tracing
 from ..hardware import TP_AXIS
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh

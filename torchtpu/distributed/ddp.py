@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..backend import device as _device
+from ..backend import mark_pinned
 
 _armed: list = []  # the torch.library.Library holding the replacement, while armed
 
@@ -34,7 +34,7 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
     storage = torch.empty(_storage_numel(size, stride), dtype=dtype).untyped_storage()
     out = torch.empty(0, dtype=dtype).set_(storage, 0, list(size), list(stride))
     if pin_memory:
-        _device._pinned.add(out)
+        mark_pinned(out)
         # the reducer's one pinned buffer of this backward: back to PyTorch's kernel at its end
         torch.autograd.Variable._execution_engine.queue_callback(_disarm)
     return out

@@ -28,9 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..backend.optable import lower
-from ..backend.tensor import Layout, TpuTensor, new_base, storage_of
-from ..backend.views import array_of, reshard
+from ..backend import Layout, TpuTensor, array_of, lower, new_base, post, register_dtensor_methods, reshard, storage_of
 from . import placements as pl
 from .mesh import DeviceMesh, current_mesh
 
@@ -64,6 +62,7 @@ def _shard_lowering(x, spec, grad_spec):
     return lax.with_sharding_constraint(x, pl.decode(spec))
 
 
+@post(torch.ops.torchtpu.shard.default)
 def _shard_post(args, out):
     # The result records its layout (also while tracing), so state made from it, such as a
     # gradient accumulated into .grad, keeps the layout in ahead-of-time programs.
@@ -72,15 +71,6 @@ def _shard_post(args, out):
         if all(e is not P.UNCONSTRAINED for e in sharding.spec):
             storage_of(out).dist = Layout(None, None, sharding)
     return out
-
-
-def _register_post():
-    from ..backend.optable import POST
-
-    POST[torch.ops.torchtpu.shard.default] = _shard_post
-
-
-_register_post()
 
 
 def shard_as(
@@ -245,7 +235,10 @@ def _to_local(self, *, grad_placements=None):
     return self
 
 
-for _name, _fn in (("redistribute", _redistribute), ("full_tensor", _full_tensor), ("to_local", _to_local)):
-    setattr(TpuTensor, _name, _fn)
-TpuTensor.placements = property(_placements)
-TpuTensor.device_mesh = property(_device_mesh)
+register_dtensor_methods(
+    placements=_placements,
+    device_mesh=_device_mesh,
+    redistribute=_redistribute,
+    full_tensor=_full_tensor,
+    to_local=_to_local,
+)

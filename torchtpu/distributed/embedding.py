@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 from torch.nn import functional as F
 
-from ..backend.optable import lower
+from ..backend import lower
 from . import placements as pl
 from .params import get_layout
 

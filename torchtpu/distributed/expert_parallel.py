@@ -65,11 +65,9 @@ import torch
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ..backend import array_of, new_base, tracing
 from ..backend.ops.grouped_mm_tpu import every_row_grouped, routed_share
 from ..backend.ops.linalg import grouped_mm, grouped_mm_stored
-from ..backend.state import tracing
-from ..backend.tensor import new_base
-from ..backend.views import array_of
 from .batch import data_parallel_axes
 from .mesh import DeviceMesh
 from .vjp_saved import save_vjp, saved_vjp

@@ -294,7 +294,7 @@ def set_mesh(mesh: DeviceMesh | None) -> None:
     global _CURRENT
     _CURRENT = mesh
     if mesh is not None:
-        from ..backend.state import note_mesh
+        from ..backend import note_mesh
 
         note_mesh(mesh.jax_mesh)
 

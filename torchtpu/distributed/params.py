@@ -23,8 +23,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..backend.tensor import Layout, Storage, TpuTensor, storage_of
-from ..backend.views import array_of, reshard, row_index
+from ..backend import Layout, Storage, TpuTensor, array_of, reshard, row_index, storage_of
 from . import placements as pl
 from .mesh import DeviceMesh
 
@@ -215,7 +214,7 @@ def scanned_children(blocks: torch.nn.Module, rec: ModuleRecord) -> list:
 
 
 def _lazy(shape, dtype, rec) -> TpuTensor:
-    from ..backend.tensor import new_empty
+    from ..backend import new_empty
 
     t = new_empty(shape, dtype, 0)
     if rec is not None and rec.mesh is not None:
@@ -242,7 +241,7 @@ def partition_spec(t: TpuTensor) -> P:
 def empty(shape, dtype=torch.float32, *, mesh: DeviceMesh, placements) -> TpuTensor:
     """A tpu tensor laid out over `mesh` whose storage is not created until it is read:
     an input for `CompiledFunction.compile_for` (ahead-of-time compilation)."""
-    from ..backend.tensor import new_empty
+    from ..backend import new_empty
 
     shape = tuple(shape)
     t = new_empty(shape, dtype, 0)

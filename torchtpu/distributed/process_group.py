@@ -20,7 +20,6 @@ gloo communicator; see docs/DESIGN_NOTES.md). CPU tensors go to a gloo group mad
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -32,177 +31,28 @@ import numpy as np
 import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
-from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from ..backend.tensor import TpuTensor, internal_index, torch_device
-from ..backend.views import array_of, write
+from ..backend import internal_index, torch_device, write
+from .pg_programs import (
+    AXIS,
+    IN_FLIGHT,
+    Work,
+    collective_program,
+    global_array,
+    local_array,
+    local_flat_array,
+    one_at_a_time,
+    own_block,
+    pair_mesh,
+    shaped,
+)
 
 __all__ = ["BACKEND_NAME", "TpuProcessGroup"]
 
 BACKEND_NAME = "tpu"
-_AXIS = "r"
 _RO = dist.ReduceOp
 _JOIN_TIMEOUT = timedelta(minutes=5)
-
-
-# ----------------------------------------------------------------------------- work
-
-
-class _Work(dist.Work):
-    """The result of one op: its output arrays are already written into the tensors (they are
-    futures); `wait()` blocks until they are computed."""
-
-    def __init__(self, arrays=(), tensors=(), before=None):
-        super().__init__()
-        self._arrays = list(arrays)
-        self._tensors = list(tensors)
-        self._before = before  # run at wait(): pending point-to-point ops
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._before is not None:
-            self._before()
-            self._before = None
-        jax.block_until_ready(self._arrays)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._before is None and all(a.is_ready() for a in self._arrays)
-
-    def result(self):
-        return self._tensors
-
-    def get_future(self):
-        self.wait()
-        fut = torch.futures.Future()
-        fut.set_result(self._tensors)
-        return fut
-
-
-_IN_FLIGHT: list = []  # the arrays of the last collective program of this process
-
-
-def _one_at_a_time():
-    if _IN_FLIGHT:
-        jax.block_until_ready(_IN_FLIGHT[:])
-        _IN_FLIGHT.clear()
-
-
-# ----------------------------------------------------------------------------- programs
-
-
-def _local(t: torch.Tensor, device, flat: bool = False):
-    """`t`'s values as an array on `device`, in `t`'s shape (a 0-d tensor as one element), or
-    flat. Keeping the shape saves XLA two copies of the tensor (a reshape is one on the way in
-    and one on the way out) in the elementwise collectives."""
-    a = array_of(t) if isinstance(t, TpuTensor) else jnp.asarray(t.detach().cpu().numpy())
-    if flat or a.ndim == 0:
-        a = a.reshape(-1)
-    return jax.device_put(a, device)
-
-
-def _local_flat(t: torch.Tensor, device):
-    return _local(t, device, flat=True)
-
-
-def _global(mesh: Mesh, local, n: int):
-    """The array of the members' blocks stacked along dim 0 (n * local.shape[0], ...), whose block
-    on this process's device is `local`."""
-    sharding = NamedSharding(mesh, P(_AXIS))
-    shape = (n * local.shape[0], *local.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, sharding, [local])
-
-
-def _shaped(out, shape):
-    """`out` in `shape` (no copy when it already has it)."""
-    return out if out.shape == tuple(shape) else out.reshape(shape)
-
-
-def _mine(out):
-    return out.addressable_shards[0].data
-
-
-@functools.cache
-def _program(mesh: Mesh, kind: str, static):
-    """A jitted shard_map over `mesh` for one op; each device's block is its rank's tensor (flat,
-    or in its shape for the elementwise ops and the all_gathers into a tensor)."""
-
-    def body(x):
-        if kind == "all_reduce":
-            return _reduce(x, static)
-        if kind == "broadcast":
-            root = static
-            keep = lax.axis_index(_AXIS) == root
-            if x.dtype == jnp.bool_:
-                return lax.psum(jnp.where(keep, x, False).astype(jnp.int32), _AXIS) > 0
-            return lax.psum(jnp.where(keep, x, jnp.zeros_like(x)), _AXIS)
-        if kind == "all_gather":  # static: stack (a new dim 0) rather than concatenate
-            return lax.all_gather(x, _AXIS, tiled=not static)
-        if kind == "reduce_scatter":
-            op, n = static
-            if op in ("sum", "avg"):
-                out = lax.psum_scatter(x, _AXIS, scatter_dimension=0, tiled=True)
-                return out / n if op == "avg" else out
-            full = _reduce(x, op)
-            k = x.shape[0] // n
-            return lax.dynamic_slice_in_dim(full, lax.axis_index(_AXIS) * k, k)
-        if kind == "all_to_all":
-            return _all_to_all(x, *static)
-        if kind == "p2p":
-            return lax.ppermute(x, _AXIS, [(0, 1)])
-        raise AssertionError(kind)
-
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS), check_vma=False))
-
-
-def _reduce(x, op: str):
-    if op == "sum":
-        return lax.psum(x, _AXIS)
-    if op == "avg":
-        return lax.psum(x, _AXIS) / lax.axis_size(_AXIS)
-    if op == "max":
-        return lax.pmax(x, _AXIS)
-    if op == "min":
-        return lax.pmin(x, _AXIS)
-    every = lax.all_gather(x, _AXIS)  # (n, size): the ops XLA has no collective for
-    if op == "product":
-        return jnp.prod(every, axis=0, dtype=x.dtype)
-    fold = {"band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor}[op]
-    out = every[0]
-    for i in range(1, every.shape[0]):
-        out = fold(out, every[i])
-    return out
-
-
-def _all_to_all(x, inner: int, sends: tuple, receives: tuple, pad: int):
-    """Uneven all_to_all: every block padded to `pad` rows of `inner` elements, exchanged, unpadded.
-    sends[r][j]: rows rank r sends to rank j; receives: this op's table for all ranks."""
-    n = len(sends)
-    me = lax.axis_index(_AXIS)
-    # Build this rank's padded (n, pad, inner) send buffer with a gather whose indices depend on
-    # the rank (a table indexed by axis_index), so the program is the same on every rank.
-    idx = np.zeros((n, n, pad), np.int32)
-    valid = np.zeros((n, n, pad), bool)
-    for r in range(n):
-        start = 0
-        for j in range(n):
-            k = sends[r][j]
-            idx[r, j, :k] = np.arange(start, start + k)
-            valid[r, j, :k] = True
-            start += k
-    rows = x.reshape(-1, inner)
-    my_idx = jnp.asarray(idx)[me]
-    my_valid = jnp.asarray(valid)[me]
-    buf = jnp.where(my_valid[..., None], rows[my_idx], jnp.zeros((), x.dtype))
-    got = lax.all_to_all(buf, _AXIS, 0, 0, tiled=True)  # (n, pad, inner): block j from rank j
-    total = max(sum(row) for row in receives)
-    out_idx = np.zeros((n, total), np.int32)
-    for r in range(n):
-        pos = [j * pad + i for j in range(n) for i in range(receives[r][j])]
-        out_idx[r, : len(pos)] = pos
-    flat = got.reshape(n * pad, inner)[jnp.asarray(out_idx)[me]]
-    return flat.reshape(-1)
 
 
 # ----------------------------------------------------------------------------- the process group
@@ -269,7 +119,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         by_id = {d.id: d for d in jax.devices()}
         self._devices = [by_id[int(v)] for v in store.multi_get(keys)]
         self._device = me
-        self._mesh = Mesh(np.array(self._devices), (_AXIS,))
+        self._mesh = Mesh(np.array(self._devices), (AXIS,))
         self._gloo_group = None
 
     @property
@@ -342,11 +192,11 @@ class TpuProcessGroup(dist.ProcessGroup):
             self._store.delete_key(self._stale.pop())
 
     def _run(self, kind: str, static, local):
-        _one_at_a_time()
-        out = _program(self._mesh, kind, static)(_global(self._mesh, local, self._size))
-        _IN_FLIGHT.append(out)
+        one_at_a_time()
+        out = collective_program(self._mesh, kind, static)(global_array(self._mesh, local, self._size))
+        IN_FLIGHT.append(out)
         self._tidy()
-        return _mine(out)
+        return own_block(out)
 
     def _cpu(self, tensors) -> bool:
         devs = {t.device.type for t in tensors}
@@ -382,10 +232,10 @@ class TpuProcessGroup(dist.ProcessGroup):
             if op == "avg" and not t.is_floating_point():
                 raise ValueError(f"all_reduce with ReduceOp.AVG needs a floating-point tensor, got {t.dtype}")
             self._meet("all_reduce", [op, list(t.shape), str(t.dtype)])
-            out = self._run("all_reduce", op, _local(x, self._device))
-            write(t, _shaped(out, t.shape))
+            out = self._run("all_reduce", op, local_array(x, self._device))
+            write(t, shaped(out, t.shape))
             outs.append(out)
-        return _Work(outs, tensors)
+        return Work(outs, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -396,10 +246,10 @@ class TpuProcessGroup(dist.ProcessGroup):
         outs = []
         for t in tensors:
             self._meet("broadcast", [opts.rootRank, list(t.shape), str(t.dtype)])
-            out = self._run("broadcast", opts.rootRank, _local(t, self._device))
-            write(t, _shaped(out, t.shape))
+            out = self._run("broadcast", opts.rootRank, local_array(t, self._device))
+            write(t, shaped(out, t.shape))
             outs.append(out)
-        return _Work(outs, tensors)
+        return Work(outs, tensors)
 
     def _gather_flat(self, t, op="all_gather", shape=None):
         """Every member's `t`, concatenated: flat (size * numel,), or in `shape`. The program gives
@@ -413,8 +263,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             how = "flat"
         # the members run one program: how they gather is part of what they compare
         self._meet(op, [list(t.shape), str(t.dtype), how])
-        out = self._run("all_gather", how == "stack", _local(t, self._device, flat=how == "flat"))
-        return out if shape is None else _shaped(out, shape)
+        out = self._run("all_gather", how == "stack", local_array(t, self._device, flat=how == "flat"))
+        return out if shape is None else shaped(out, shape)
 
     def allgather(self, output_lists, inputs, opts=None):
         if self._cpu(list(inputs) + [o for lst in output_lists for o in lst]):
@@ -427,7 +277,7 @@ class TpuProcessGroup(dist.ProcessGroup):
             for r, o in enumerate(lst):
                 write(o, every[r * t.numel() : (r + 1) * t.numel()].reshape(o.shape).astype(every.dtype))
             outs.append(every)
-        return _Work(outs, output_lists)
+        return Work(outs, output_lists)
 
     def _allgather_base(self, output, input, opts=None):
         if self._cpu([output, input]):
@@ -438,11 +288,11 @@ class TpuProcessGroup(dist.ProcessGroup):
             )
         every = self._gather_flat(input, "all_gather_into_tensor", tuple(output.shape))
         write(output, every)
-        return _Work([every], [output])
+        return Work([every], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _Work([a for w in works for a in w._arrays], outputs)
+        return Work([a for w in works for a in w._arrays], outputs)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         if self._cpu([output, input]):
@@ -453,13 +303,13 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"reduce_scatter_tensor: input has {input.numel()} elements, needs {self._size} x {output.numel()}"
             )
         self._meet("reduce_scatter_tensor", [op, list(input.shape), str(input.dtype)])
-        out = self._run("reduce_scatter", (op, self._size), _local_flat(x, self._device))
+        out = self._run("reduce_scatter", (op, self._size), local_flat_array(x, self._device))
         write(output, out.reshape(output.shape))
-        return _Work([out], [output])
+        return Work([out], [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _Work([a for w in works for a in w._arrays], outputs)
+        return Work([a for w in works for a in w._arrays], outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         if self._cpu(list(outputs) + [i for lst in input_lists for i in lst]):
@@ -469,7 +319,7 @@ class TpuProcessGroup(dist.ProcessGroup):
             flat = torch.cat([i.reshape(-1) for i in lst])
             w = self._reduce_scatter_base(o, flat, opts)
             outs += w._arrays
-        return _Work(outs, outputs)
+        return Work(outs, outputs)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if self._cpu([output, input]):
@@ -496,12 +346,12 @@ class TpuProcessGroup(dist.ProcessGroup):
         pad = max(1, max(max(row) for row in table_s))
         # every rank's block of the global array has the same size: the longest input, padded
         width = max(max(sum(row) for row in table_s), 1) * inner
-        local = _local_flat(input, self._device)
+        local = local_flat_array(input, self._device)
         if local.shape[0] < width:
             local = jax.device_put(jnp.pad(local, (0, width - local.shape[0])), self._device)
         out = self._run("all_to_all", (inner, table_s, table_r, pad), local)
         write(output, out[: output.numel()].reshape(output.shape))
-        return _Work([out], [output])
+        return Work([out], [output])
 
     def alltoall(self, outputs, inputs, opts=None):
         if self._cpu(list(outputs) + list(inputs)):
@@ -513,13 +363,13 @@ class TpuProcessGroup(dist.ProcessGroup):
         for t in outputs:
             t.copy_(flat_out[start : start + t.numel()].reshape(t.shape))
             start += t.numel()
-        return _Work(w._arrays, outputs)
+        return Work(w._arrays, outputs)
 
     def barrier(self, opts=None):
         self._meet("barrier", [])
         self._tidy()
-        _one_at_a_time()
-        return _Work()
+        one_at_a_time()
+        return Work()
 
     # the names torch.distributed's Python functions call (the C++ names above are the ones DDP calls)
     all_gather_single = _allgather_base
@@ -549,7 +399,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         if self._rank == opts.rootRank:
             for r, o in enumerate(output_lists[0]):
                 write(o, every[r * t.numel() : (r + 1) * t.numel()].reshape(o.shape))
-        return _Work([every], output_lists)
+        return Work([every], output_lists)
 
     def scatter(self, outputs, input_lists, opts=None):
         if self._cpu(list(outputs)):
@@ -571,14 +421,14 @@ class TpuProcessGroup(dist.ProcessGroup):
             return self._gloo.send(tensors, dst, tag)
         for t in tensors:
             self._pending.append((self._rank, dst, t))
-        return _Work(tensors=tensors, before=self._flush_p2p)
+        return Work(tensors=tensors, before=self._flush_p2p)
 
     def recv(self, tensors, src: int, tag: int = 0):
         if self._cpu(tensors):
             return self._gloo.recv(tensors, src, tag)
         for t in tensors:
             self._pending.append((src, self._rank, t))
-        return _Work(tensors=tensors, before=self._flush_p2p)
+        return Work(tensors=tensors, before=self._flush_p2p)
 
     def _flush_p2p(self):
         """Run the queued sends and receives. Each is a program over two devices that both ends run;
@@ -611,21 +461,16 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{[list(t.shape), str(t.dtype)] if what == 'send' else ''} and rank {dst} receives into "
                 f"{[list(t.shape), str(t.dtype)] if what == 'recv' else theirs}"
             )
-        mesh = _pair_mesh(self._devices[src], self._devices[dst])
-        local = _local_flat(t, self._device)
+        mesh = pair_mesh(self._devices[src], self._devices[dst])
+        local = local_flat_array(t, self._device)
         if what == "recv":
             local = jnp.zeros_like(local, device=self._device)
-        _one_at_a_time()
-        out = _program(mesh, "p2p", None)(_global(mesh, local, 2))
-        _IN_FLIGHT.append(out)
+        one_at_a_time()
+        out = collective_program(mesh, "p2p", None)(global_array(mesh, local, 2))
+        IN_FLIGHT.append(out)
         if what == "recv":
-            write(t, _mine(out).reshape(t.shape))
+            write(t, own_block(out).reshape(t.shape))
         self._store.delete_key(f"{key}/{'recv' if what == 'send' else 'send'}")
-
-
-@functools.cache
-def _pair_mesh(a, b) -> Mesh:
-    return Mesh(np.array([a, b]), (_AXIS,))
 
 
 # ----------------------------------------------------------------------------- joining the job

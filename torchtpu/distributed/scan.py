@@ -54,6 +54,10 @@ scan: the loop calls them as they are, then the scan runs the identical blocks f
 The loop must feed each block's output straight to the next block with the same other
 arguments. Anything else (work between blocks, a loop that stops early, other arguments per
 block) raises an error naming it instead of computing something different.
+
+Beside this module: scan_params.py (the stacked parameters and the optimizer's slots over them),
+scan_loops.py (the blocks' loops, and their straight-line costing copies) and scan_checkpoint.py
+(per-op selective checkpointing).
 """
 
 from __future__ import annotations
@@ -65,15 +69,15 @@ import jax
 import jax.numpy as jnp
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from ..backend import TpuTensor, array_of, is_tracing, new_base, storage_array, storage_of, tracing, write
 from ..backend import random as tpu_random
 from ..backend.activation_checkpoint import OpPolicy, force_recompute_shapes
-from ..backend.state import is_tracing, tracing
-from ..backend.tensor import Storage, TpuTensor, new_base, storage_of, storage_order
-from ..backend.views import array_of, row_index, storage_array, write
 from .params import get_layout, module_record, scanned_children
+from .scan_checkpoint import KeepOps, ReplayOps, ScanError, describe_value
+from .scan_loops import blocks_loop, loop_unrolled, straight_line, straight_line_loops
+from .scan_params import optimizer_parameters, rows_of_storage, stack_gradients, stacked_parameters
 
 __all__ = [
     "scan_layers",
@@ -83,11 +87,9 @@ __all__ = [
     "optimizer_parameters",
     "stack_gradients",
     "loop_unrolled",
+    "straight_line_loops",
+    "ScanError",
 ]
-
-
-class ScanError(RuntimeError):
-    pass
 
 
 # ----------------------------------------------------------------------------- install
@@ -190,102 +192,6 @@ def _check_identical(children, start: int = 0) -> None:
                 f"scan_layers: block {i} differs from block {start} ({diff[1]} vs {diff[0]}); only identical "
                 "blocks (same class, parameters, buffers, layouts and hooks) can be scanned"
             )
-
-
-# ----------------------------------------------------------------------------- stacked storage
-
-
-def _rows_of(base: TpuTensor, views) -> bool:
-    """Whether `views` are, in order, the rows of `base` (views[i] is base.select(0, i))."""
-    return not base._vw and _rows_of_storage(storage_of(base), views)
-
-
-def _rows_of_storage(st, views) -> bool:
-    if tuple(st.shape) != (len(views), *tuple(views[0].shape)):
-        return False
-    return all(isinstance(v, TpuTensor) and storage_of(v) is st and row_index(v) == i for i, v in enumerate(views))
-
-
-def stacked_parameters(model: nn.Module) -> list[tuple[TpuTensor, list]]:
-    """(stacked storage tensor, the blocks' Parameters that are its rows) for every parameter slot
-    of `model`'s scanned blocks that `materialize` stacked and that still are its rows."""
-    out = []
-    for mod in model.modules():
-        rec = module_record(mod)
-        if rec is None or not rec.stacked:
-            continue
-        children = scanned_children(mod, rec)
-        for slot, base in rec.stacked.items():
-            path, _, name = slot.rpartition(".")
-            views = [c.get_submodule(path)._parameters.get(name) for c in children]
-            if all(v is not None for v in views) and _rows_of(base, views):
-                out.append((base, views))
-    return out
-
-
-def optimizer_parameters(model: nn.Module, groups=None) -> list:
-    """`model.parameters()` with each stacked slot's block Parameters replaced, where the first of
-    them stood, by the slot's stacked tensor (a leaf that `stack_gradients` gives a gradient): what
-    an optimizer should update so that a compiled step holds one update per slot.
-
-    Each stacked tensor's `requires_grad` is set to its rows' here, when the optimizer is built: a
-    slot frozen after `materialize` (requires_grad_(False) on all its Parameters) is frozen in the
-    optimizer too. A slot with frozen and trainable rows is refused: one update of the stacked
-    tensor would also move the frozen rows (weight decay acts without a gradient)."""
-    groups = stacked_parameters(model) if groups is None else groups
-    for base, views in groups:
-        if len({bool(v.requires_grad) for v in views}) > 1:
-            frozen = [i for i, v in enumerate(views) if not v.requires_grad]
-            raise ValueError(
-                f"scan: the stacked parameter slot {tuple(base.shape)} mixes frozen blocks {frozen} with trainable "
-                "ones; an optimizer over the stacked slots would update the frozen rows too. Freeze a slot in every "
-                "block, or build the optimizer on model.parameters() (each block's own tensors)"
-            )
-    first = {id(views[0]): base for base, views in groups}
-    rows = {id(v) for _, views in groups for v in views}
-    out = []
-    for p in model.parameters():
-        if id(p) in first:
-            base = first[id(p)]
-            base.requires_grad_(p.requires_grad)
-            out.append(base)
-        elif id(p) not in rows:
-            out.append(p)
-    return out
-
-
-def stack_gradients(groups, model: nn.Module | None = None) -> None:
-    """Move the blocks' gradients of each stacked slot onto the slot's stacked tensor (its .grad
-    becomes their stack; theirs becomes None), so the optimizer and gradient clipping see them as one.
-
-    With `model`, first check that `groups` are still its stacked slots: an optimizer built on
-    stacked tensors whose rows are not the model's parameters would update nothing the
-    model uses."""
-    if model is not None:
-        now = {(id(b), tuple(map(id, vs))) for b, vs in stacked_parameters(model)}
-        if now != {(id(b), tuple(map(id, vs))) for b, vs in groups}:
-            raise RuntimeError(
-                "the scanned blocks' parameters were replaced after the optimizer was built on their stacked "
-                "storage; build the optimizer again (scan.optimizer_parameters) or write new values in place "
-                "(load_state_dict without assign=True, copy_)"
-            )
-    for base, views in groups:
-        grads = [v.grad for v in views]
-        if all(g is None for g in grads):
-            base.grad = None
-            continue
-        if any(g is None for g in grads):
-            # a row without a gradient is one PyTorch's optimizer would skip; a zero in the stack
-            # would still be decayed and moved by its moments
-            missing = [i for i, g in enumerate(grads) if g is None]
-            raise RuntimeError(
-                f"scan: blocks {missing} of the stacked parameter slot {tuple(base.shape)} have no gradient while the "
-                "others have one (frozen after the optimizer was built?); one stacked update cannot skip them. Freeze "
-                "a slot in every block and build the optimizer again (scan.optimizer_parameters)"
-            )
-        base.grad = torch.stack(grads)
-        for v in views:
-            v.grad = None
 
 
 # ----------------------------------------------------------------------------- one traced pass
@@ -395,7 +301,7 @@ def _scan_blocks(run: _Run, h, args, kwargs):
         for b in bs:
             if not isinstance(b, TpuTensor) or b.requires_grad:
                 raise NotImplementedError(
-                    f"scan_layers: a buffer of the scanned blocks is {_describe(b)} on {b.device}"
+                    f"scan_layers: a buffer of the scanned blocks is {describe_value(b)} on {b.device}"
                     f"{' requiring grad' if b.requires_grad else ''}; the layer scan carries tpu buffers without "
                     "gradients only (turn it off: [tpu] scan_layers = false)"
                 )
@@ -436,7 +342,7 @@ class _Job:
     buffer_slots: list  # (owner module, name) of each of the template's buffers
     buffers: list  # per block, its buffers (the tensors the scan writes back)
     save_ops: bool = False  # per-op selective checkpointing: keep the outputs of OpPolicy's ops
-    kept: list | None = None  # the forward body's _Kept records, in order (set when it is traced)
+    kept: list | None = None  # the forward body's KeptOp records, in order (set when it is traced)
 
     def policy(self) -> OpPolicy:
         """A fresh per-op policy for one run of the block (its matmul count starts at zero)."""
@@ -528,86 +434,6 @@ def _layer_rows(bases, index):
     return out
 
 
-def loop_unrolled() -> bool:
-    """Whether the blocks' loops are unrolled here: only on CPU devices of several processes, for
-    an XLA:CPU defect (elsewhere they are `lax.scan` loops).
-
-    XLA:CPU orders a program's collectives by *scheduling* edges: a collective may start once the
-    one before it has started. A plain collective runs to its end before the next starts, but a
-    while loop is asynchronous, so a collective after the loop that does not read its results
-    (the final norm's and the output projection's FSDP all-gathers in the evaluation step) runs
-    while the loop's own all-gathers do. Within one process each collective meets its peers by
-    its op id, so that is harmless; across processes XLA:CPU runs them on gloo with one tag for
-    all, the two streams of messages interleave differently on each host, and gloo aborts
-    ("Received data size doesn't match expected size"). Unrolled, the blocks are straight-line
-    code with no loop, the same arithmetic (tests/launch/test_launch.py checks the losses against
-    the unscanned job), a compile time that grows with depth again, and the same stacked
-    storage and checkpoints."""
-    return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
-
-
-_STRAIGHT_LINE = [False]
-
-
-@contextlib.contextmanager
-def straight_line_loops(unroll: bool | int = True):
-    """Within this block, programs traced run the blocks' loops fully unrolled (`lax.scan`'s
-    unroll=True): the scanned program's own structure (stacked weights, the forward's kept
-    outputs, the backward's recomputation) as straight-line code, whose cost XLA counts in full
-    where it counts a loop body once (the step estimate's costing copies). `unroll=k` instead
-    keeps the loops with k blocks per iteration, each block reading its own row of the stacked
-    inputs and writing its own row of the stacked outputs as a one-block iteration does
-    (`_blocks_loop`), so XLA's cost of a k-block body less a 1-block one is k - 1 blocks as the
-    loop runs them (`bench.step_estimate --loop`)."""
-    prev = _STRAIGHT_LINE[0]
-    _STRAIGHT_LINE[0] = unroll
-    try:
-        yield
-    finally:
-        _STRAIGHT_LINE[0] = prev
-
-
-def _straight_line() -> bool:
-    """Whether the blocks' loops are unrolled into straight-line code here (`_blocks_loop`)."""
-    return loop_unrolled() or _STRAIGHT_LINE[0] is True
-
-
-def _blocks_loop(body, init, xs, n: int, reverse: bool = False):
-    """`lax.scan(body, init, xs, reverse=reverse)` over the n blocks: a loop of one block per
-    iteration, unrolled into straight-line code where `loop_unrolled` or `straight_line_loops()`
-    says so, and with k blocks per iteration under `straight_line_loops(k)`.
-
-    The k-block loop is not `lax.scan`'s `unroll=k`, which reshapes every stacked input and output
-    to (n / k, k, ...) and slices and writes a group of k rows per iteration: XLA adds copies for
-    those groups (a toy FSDP stack of matmul blocks on v5p: 8% more per block than one block per
-    iteration). Here each block of an iteration slices row i of the stacked inputs and writes row
-    i of the stacked outputs, the ops a one-block iteration runs."""
-    k = _STRAIGHT_LINE[0]
-    if _straight_line():
-        return jax.lax.scan(body, init, xs, reverse=reverse, unroll=True)
-    if not k or k == 1:
-        return jax.lax.scan(body, init, xs, reverse=reverse)
-    if n % k:
-        raise ValueError(f"straight_line_loops({k}): {n} blocks do not split into iterations of {k}")
-
-    def row(i):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
-
-    _, out_row = jax.eval_shape(body, init, row(0))
-    outs = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), out_row)
-
-    def iteration(state, t):
-        carry, outs = state
-        for j in range(k):
-            i = t * k + (k - 1 - j if reverse else j)
-            carry, y = body(carry, row(i))
-            outs = jax.tree.map(lambda o, v, i=i: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), outs, y)
-        return (carry, outs), None
-
-    (carry, outs), _ = jax.lax.scan(iteration, (init, outs), jnp.arange(n // k, dtype=jnp.int32), reverse=reverse)
-    return carry, outs
-
-
 def _stacked_bases(params, n: int, k: int):
     """Per slot, the array of the storage whose rows the n blocks' parameters are (see
     params._materialize_stacked); None unless every slot is stacked so."""
@@ -617,133 +443,10 @@ def _stacked_bases(params, n: int, k: int):
         if not isinstance(views[0], TpuTensor):
             return None
         st = storage_of(views[0])
-        if not _rows_of_storage(st, views):
+        if not rows_of_storage(st, views):
             return None
         arrays.append(storage_array(st))
     return arrays
-
-
-# ----------------------------------------------------------------------------- per-op selective checkpointing
-
-
-def _signature(args, kwargs):
-    """What must be equal for a kept op's output to stand for its recomputation: its inputs' shapes
-    and dtypes, and its other arguments."""
-    leaves, spec = tree_flatten((args, kwargs))
-    return spec, tuple(
-        ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves
-    )
-
-
-@dataclasses.dataclass(eq=False)
-class _Kept:
-    """One op output the forward body kept: the op, its inputs' signature, the output's structure,
-    and per leaf either its value (a leaf that is no tensor) or its tensor's dtype, strides and
-    storage layout (the array is a row of the forward loop's outputs)."""
-
-    func: object
-    signature: tuple
-    spec: TreeSpec | None
-    leaves: list  # per leaf: its value, or None for a tensor
-    tensors: list  # per leaf: None, or (dtype, strides, storage layout, storage memory order)
-
-    def describe(self) -> str:
-        shapes = [s[1:] for s in self.signature[1] if s[0] == "tensor"]
-        return f"{self.func} on {', '.join(f'{tuple(sh)} {dt}' for sh, dt in shapes) or 'no tensors'}"
-
-
-class _Keep(TorchDispatchMode):
-    """The forward body's mode: runs every op and records, in order, the outputs of those OpPolicy
-    keeps."""
-
-    def __init__(self, policy: OpPolicy):
-        super().__init__()
-        self.policy = policy
-        self.kept: list[_Kept] = []
-        self.arrays: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.policy.saves(func, args):
-            return out
-        leaves, spec = tree_flatten(out)
-        values, tensors = [], []
-        for x in leaves:
-            if not isinstance(x, torch.Tensor):
-                values.append(x)
-                tensors.append(None)
-                continue
-            if not isinstance(x, TpuTensor):
-                raise ScanError(
-                    f"scan_layers: {func} in a scanned block returned {_describe(x)} on {x.device}; per-op selective "
-                    "checkpointing keeps tpu tensors only (use activation_checkpoint.mode = 'full')"
-                )
-            st = storage_of(x)
-            base = not x._vw
-            values.append(None)
-            tensors.append((x.dtype, tuple(x.stride()), st.dist if base else None, storage_order(st) if base else None))
-            self.arrays.append(array_of(x))
-        self.kept.append(_Kept(func, _signature(args, kwargs), spec, values, tensors))
-        return out
-
-
-class _Replay(TorchDispatchMode):
-    """The backward body's mode, during the recomputation: the ops OpPolicy keeps return the
-    forward's outputs (this block's row of them), in the order the forward kept them; every other
-    op runs. Raises a ScanError at the first kept op that is not the forward's."""
-
-    def __init__(self, kept: list[_Kept], arrays: list, device_index: int, policy: OpPolicy):
-        super().__init__()
-        self.policy = policy
-        self.kept = kept
-        self.arrays = arrays
-        self.device_index = device_index
-        self.pos = 0
-        self.next_array = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.policy.saves(func, args):
-            return func(*args, **kwargs)
-        i = self.pos
-        here = _Kept(func, _signature(args, kwargs), None, [], [])
-        if i >= len(self.kept):
-            raise ScanError(
-                f"scan_layers: the backward's recomputation of a block ran {here.describe()} as kept op {i}, but the "
-                f"forward kept only {len(self.kept)} ops; the block computes other ops with gradients on "
-                "(use activation_checkpoint.mode = 'full')"
-            )
-        rec = self.kept[i]
-        if rec.func is not func or rec.signature != here.signature:
-            raise ScanError(
-                f"scan_layers: the backward's recomputation of a block ran {here.describe()} as kept op {i}, where "
-                f"the forward ran {rec.describe()}; the block computes other ops with gradients on "
-                "(use activation_checkpoint.mode = 'full')"
-            )
-        self.pos += 1
-        leaves = []
-        for value, meta in zip(rec.leaves, rec.tensors):
-            if meta is None:
-                leaves.append(value)
-                continue
-            dtype, strides, dist, order = meta
-            a = self.arrays[self.next_array]
-            self.next_array += 1
-            st = Storage(a, tuple(a.shape), dtype, self.device_index)
-            st.dist = dist
-            if order is not None:
-                st.order = order
-            leaves.append(TpuTensor(st, (), tuple(a.shape), dtype, strides=strides))
-        return tree_unflatten(leaves, rec.spec)
-
-    def check_complete(self):
-        if self.pos != len(self.kept):
-            raise ScanError(
-                f"scan_layers: the backward's recomputation of a block ran {self.pos} of the {len(self.kept)} ops the "
-                f"forward kept (the next was {self.kept[self.pos].describe()}); the block computes other ops with "
-                "gradients on (use activation_checkpoint.mode = 'full')"
-            )
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -772,13 +475,13 @@ class _ScanFunction(torch.autograd.Function):
         def body(carry, xs):
             index, xs_weights, block_buffers = xs
             param_ts = [_wrap(a, dev, dt) for a, dt in zip(params_at(index, xs_weights), job.param_dtypes)]
-            keep = _Keep(job.policy()) if job.save_ops else contextlib.nullcontext()
+            keep = KeepOps(job.policy()) if job.save_ops else contextlib.nullcontext()
             with torch.no_grad(), keep:
                 out, buffers_out = job.call_block(_wrap(carry, dev, h_dtype), param_ts, extra, index, block_buffers)
             if not isinstance(out, TpuTensor) or tuple(out.shape) != tuple(carry.shape) or out.dtype != h_dtype:
                 raise ScanError(
                     f"scan_layers: a block must return one tensor shaped like its input {tuple(carry.shape)} "
-                    f"{h_dtype}, got {_describe(out)}"
+                    f"{h_dtype}, got {describe_value(out)}"
                 )
             # the block's input is the only activation kept for the backward (full recomputation),
             # with per-op selective checkpointing also the outputs of the ops OpPolicy keeps
@@ -789,7 +492,7 @@ class _ScanFunction(torch.autograd.Function):
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
         xs_weights = weights if by_xs else []
-        out, (inputs, buffers_out, kept) = _blocks_loop(body, array_of(h), (indices, xs_weights, buffers_in), job.n)
+        out, (inputs, buffers_out, kept) = blocks_loop(body, array_of(h), (indices, xs_weights, buffers_in), job.n)
         # each block's buffers as its forward left them, written back per block; the backward's
         # recomputation starts from the values each block saw and its buffer writes are dropped,
         # so a block's update happens once per step, as in an unrecomputed forward
@@ -815,7 +518,7 @@ class _ScanFunction(torch.autograd.Function):
         def body(g_carry, xs):
             index, h_in, xs_weights, block_buffers, block_kept = xs
             layer_params = params_at(index, xs_weights)
-            if _straight_line():
+            if straight_line():
                 # unrolled (the dry run's costing copies; across CPU processes, loop_unrolled),
                 # the recomputation reads the very values the forward computed from (its input,
                 # the kept outputs, the weights) and XLA would merge the ops they have in common,
@@ -828,7 +531,9 @@ class _ScanFunction(torch.autograd.Function):
             h_t = _wrap(h_in, dev, h_dtype, requires_grad=True)
             param_ts = [_wrap(a, dev, dt, requires_grad=True) for a, dt in zip(layer_params, job.param_dtypes)]
             with torch.enable_grad():
-                replay = _Replay(job.kept, block_kept, dev, job.policy()) if job.save_ops else contextlib.nullcontext()
+                replay = (
+                    ReplayOps(job.kept, block_kept, dev, job.policy()) if job.save_ops else contextlib.nullcontext()
+                )
                 with replay:
                     out, _ = job.call_block(h_t, param_ts, extra, index, block_buffers)
                 if job.save_ops:
@@ -839,7 +544,7 @@ class _ScanFunction(torch.autograd.Function):
             return g_h, g_params
 
         indices = jnp.arange(job.n, dtype=jnp.int32)
-        g_h, g_stacked = _blocks_loop(body, g_arr, (indices, inputs, xs_weights, buffers_in, kept), job.n, reverse=True)
+        g_h, g_stacked = blocks_loop(body, g_arr, (indices, inputs, xs_weights, buffers_in, kept), job.n, reverse=True)
         ctx.saved = None
         grads = [None] * (job.n * k)
         for j in range(k):
@@ -847,9 +552,3 @@ class _ScanFunction(torch.autograd.Function):
                 if ctx.needs_input_grad[2 + i * k + j]:
                     grads[i * k + j] = _wrap(g_stacked[j][i], dev, job.param_dtypes[j])
         return (None, _wrap(g_h, dev, h_dtype), *grads)
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor {tuple(x.shape)} {x.dtype}"
-    return type(x).__name__

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-from ..backend.tensor import TpuTensor
+from ..backend import TpuTensor
 
 _original_free = _fsdp_param.free_storage
 _original_alloc = _fsdp_param.alloc_storage

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from ..backend.tensor import new_base
-from ..backend.views import array_of
+from ..backend import array_of, new_base
 
 __all__ = ["save_vjp", "saved_vjp"]
 

@@ -17,7 +17,7 @@ CUDA tensor's storage copy gives; every other tensor takes DCP's own path.
 
 from __future__ import annotations
 
-from ..backend.tensor import TpuTensor
+from ..backend import TpuTensor
 from .on_import import patch_on_import
 
 _PATCHED = "_torchtpu"

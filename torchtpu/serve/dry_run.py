@@ -113,7 +113,7 @@ class ServingDryRun:
 
         from torchtpu.distributed import materialize
 
-        from . import sharding
+        from . import moe, sharding
         from .runner import TpuModelRunner
         from .worker import TpuWorker
 
@@ -141,6 +141,7 @@ class ServingDryRun:
             with torch.device("meta"):
                 model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
         sharding.shard_model(model, self.mesh)
+        moe.shard_experts(model, self.mesh)
         materialize(model)
         runner.model = model.eval()
         return runner
@@ -194,7 +195,7 @@ class ServingDryRun:
 
 def _local_bytes(t) -> int:
     """Bytes one device holds of tpu tensor `t` (its layout's shard shape; whole when unlaid)."""
-    from torchtpu.backend.tensor import storage_of
+    from torchtpu.backend import storage_of
 
     st = storage_of(t)
     shape = tuple(t.shape)

@@ -152,10 +152,10 @@ class TpuPlatform(Platform):
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        raise ValueError(
-            f"quantization={quant!r} is not supported on tpu: torchtpu serves unquantized checkpoints "
-            "(bfloat16/float16/float32); serve the unquantized model or use another vLLM platform"
-        )
+        from .quant import QUANTIZATION, refusal
+
+        if quant != QUANTIZATION:  # its scheme is checked with the model's config (check_and_update_config)
+            raise refusal(f"quantization={quant!r}")
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -167,6 +167,22 @@ class TpuPlatform(Platform):
                 "torchtpu's vLLM platform runs tensor parallelism only: got pipeline_parallel_size="
                 f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}; "
                 "use tensor_parallel_size over the host's tpu devices"
+            )
+        if parallel.enable_expert_parallel or parallel.enable_eplb:
+            raise ValueError(
+                "torchtpu's vLLM platform splits a MoE model's experts over tensor_parallel_size devices on their "
+                "intermediate dim; expert parallelism (enable_expert_parallel / --enable-expert-parallel) and EPLB are "
+                "not supported: leave them off"
+            )
+        model_config = vllm_config.model_config
+        if model_config is not None and model_config.quantization is not None:
+            from .quant import check_quantization
+
+            check_quantization(
+                model_config.quantization,
+                getattr(model_config.hf_config, "quantization_config", None),
+                parallel.tensor_parallel_size,
+                model_config.is_moe,
             )
         if parallel.tensor_parallel_size > 1:
             _one_process_tensor_parallel(vllm_config)
@@ -190,7 +206,6 @@ class TpuPlatform(Platform):
         compilation.cudagraph_capture_sizes = []
         vllm_config.scheduler_config.async_scheduling = False
 
-        model_config = vllm_config.model_config
         spec = vllm_config.speculative_config
         if model_config is not None and spec is not None and spec.method != "ngram":
             raise ValueError(

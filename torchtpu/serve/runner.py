@@ -37,7 +37,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 import torchtpu
 
-from . import sharding, steps
+from . import moe, quant, sharding, steps  # noqa: F401  (quant: vLLM's w8a16 kernel for tpu, registered on import)
 from .attention import DeviceAttentionMetadata, HostAttentionMetadata
 
 logger = init_logger(__name__)
@@ -104,9 +104,11 @@ class TpuModelRunner(CPUModelRunner):
                 model = loader.create_model(vllm_config=self.vllm_config, model_config=model_config)
             if self.mesh is not None:
                 sharding.shard_model(model, self.mesh)
+                moe.shard_experts(model, self.mesh)
             loader.load_weights(model, model_config)
             if self.mesh is not None:
                 sharding.reorder_loaded_weights(model)
+                moe.reorder_loaded_experts(model)
             process_weights_after_loading(model, model_config, self.tpu_device)
         model.compute_logits = _LogitsPassThrough(model.compute_logits)
         self.model = model.eval()

@@ -56,7 +56,7 @@ __all__ = [
     "attempt_number",
     "failure_status",
     "leave_job",
-    "maybe_stall",
+    "injected_stall",
 ]
 
 EXIT_OK = 0
@@ -70,9 +70,6 @@ EXIT_INTERRUPTED = 130
 # as xpk does): 42, and 127-255, a process killed by a signal (128 + N: SIGKILL and the OOM killer
 # give 137) or a command that could not be started.
 RESTART_EXIT_CODES = (EXIT_RETRIABLE, *range(127, 256))
-
-# Test hook: "HOST:STEP:SECONDS" makes process HOST sleep SECONDS inside step STEP (a stuck host).
-STALL_ENV = "TORCHTPU_TEST_STALL"
 
 
 class Preempted(Exception):
@@ -274,14 +271,22 @@ def leave_job(status: int) -> int:
     return status
 
 
-def maybe_stall(step: int, process_index: int) -> None:
-    """Test hook (TORCHTPU_TEST_STALL="HOST:STEP:SECONDS"): process HOST sleeps in step STEP."""
-    spec = os.environ.get(STALL_ENV)
+def injected_stall(spec: str, process_index: int):
+    """[debug] inject_stall = "HOST:STEP:SECONDS" on process HOST: a function of the step number that
+    sleeps SECONDS in step STEP (a stuck host); None on the other processes, or when `spec` is empty."""
     if not spec:
-        return
-    host, at, seconds = (float(x) for x in spec.split(":"))
-    if int(host) == process_index and int(at) == step:
-        print(
-            f"{STALL_ENV}: process {process_index} stalls {seconds:.0f} s in step {step}", file=sys.stderr, flush=True
-        )
-        time.sleep(seconds)
+        return None
+    host, at, seconds = spec.split(":")
+    if int(host) != process_index:
+        return None
+
+    def stall(step: int) -> None:
+        if step == int(at):
+            print(
+                f"[debug] inject_stall: process {process_index} stalls {float(seconds):.0f} s in step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(float(seconds))
+
+    return stall

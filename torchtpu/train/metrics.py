@@ -428,3 +428,49 @@ def build_metrics_logger(
         rank=process_index if m.save_for_all_ranks else None,
         start_step=start_step,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# A logged step's throughput
+# --------------------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Wall seconds per training step since the last logged step, with evaluation time left out."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self._t0 = time.perf_counter()
+        self._steps = 0
+
+    def step_done(self) -> None:
+        self._steps += 1
+
+    def leave_out(self, seconds: float) -> None:
+        """Time spent on something other than training steps (a validation) since the last restart."""
+        self._t0 += seconds
+
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self._t0) / self._steps
+
+
+def step_metrics(
+    seconds_per_step: float, tokens_per_step: int, devices: int, flops_per_token: float, peak: float
+) -> dict[str, float]:
+    """Tokens/s per device ("tps"), model TFLOP/s per device ("tflops"), MFU in % of `peak` FLOP/s per
+    device ("mfu") and the step time ("step_time") of steps of `tokens_per_step` tokens over `devices`
+    devices that took `seconds_per_step` each."""
+    tps = tokens_per_step / seconds_per_step / devices
+    tflops = flops_per_token * tps / 1e12
+    return {"tps": tps, "tflops": tflops, "mfu": 100.0 * tflops * 1e12 / peak, "step_time": seconds_per_step}
+
+
+def device_memory_gib() -> float | None:
+    """Device memory in use on this process's first device (GiB)."""
+    import jax
+
+    from torchtpu.backend import device_memory_stats
+
+    return device_memory_stats(jax.local_devices()[0]).get("bytes_in_use", 0) / 1024**3

@@ -6,14 +6,24 @@ dtypes, activation recomputation).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from .config.job_config import ConfigError, JobConfig
 
-__all__ = ["build_model_args", "build_meta_model", "mixed_precision_dtypes", "ac_settings", "torch_dtype"]
+__all__ = [
+    "build_model_args",
+    "build_meta_model",
+    "mixed_precision_dtypes",
+    "ac_settings",
+    "torch_dtype",
+]
 
 
-def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
+def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None, overrides: dict | None = None):
     """The flavor's torchtitan model arguments (with [model] attn_type applied) with max_seq_len = training.seq_len (or validation.seq_len if
-    validation is on and its sequences are longer).
+    validation is on and its sequences are longer), then [model] flavor_overrides and n_layers, then
+    `overrides` (fields replaced, as flavor_overrides replaces them; tests build narrower copies).
 
     The model keeps the flavor's vocabulary size; a tokenizer with more ids than that cannot
     be trained on (its ids would index past the embedding table) and is refused."""
@@ -52,7 +62,35 @@ def build_model_args(cfg: JobConfig, tokenizer_vocab_size: int | None):
     # The RoPE table (a non-persistent buffer, so checkpoints do not depend on it) must cover the
     # validation sequences too.
     args.max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-    return args
+    return _with_overrides(cfg, args, overrides)
+
+
+def _with_overrides(cfg: JobConfig, args, overrides: dict | None):
+    """`args` with [model] flavor_overrides, [model] n_layers, then `overrides` replacing its fields (a
+    dict for a dataclass field, such as moe_args, replaces some of that dataclass's fields)."""
+    fields = {
+        **(json.loads(cfg.model.flavor_overrides) if cfg.model.flavor_overrides else {}),
+        **({} if cfg.model.n_layers is None else {"n_layers": cfg.model.n_layers}),
+        **(overrides or {}),
+    }
+    if not fields:
+        return args
+    names = {f.name for f in dataclasses.fields(args)}
+    where = cfg.origin("model", "flavor_overrides") or "default"
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ConfigError(
+            f"{where}: [model] flavor_overrides = {cfg.model.flavor_overrides!r}: the {cfg.model.name} "
+            f"{cfg.model.flavor} model's arguments ({type(args).__name__}) have no field {unknown[0]!r}; "
+            f"fields: {', '.join(sorted(n for n in names if not n.startswith('_')))}"
+        )
+    try:
+        return dataclasses.replace(
+            args,
+            **{k: dataclasses.replace(getattr(args, k), **v) if isinstance(v, dict) else v for k, v in fields.items()},
+        )
+    except TypeError as e:  # a nested field the nested arguments lack
+        raise ConfigError(f"{where}: [model] flavor_overrides = {cfg.model.flavor_overrides!r}: {e}") from None
 
 
 def build_meta_model(cfg: JobConfig, model_args):

@@ -121,7 +121,7 @@ def per_parameter_state(optimizer, sd: dict) -> dict:
 def _row(v, i):
     """Row i of a stacked state tensor, its storage marked as rows (read and written by index,
     as the stacked parameters are: backend.views.run_chain)."""
-    from torchtpu.backend.tensor import TpuTensor, storage_of
+    from torchtpu.backend import TpuTensor, storage_of
 
     if isinstance(v, TpuTensor):
         storage_of(v).rows = True
@@ -142,7 +142,7 @@ def stacked_state(optimizer, sd: dict) -> dict:
         return sd
     import torch
 
-    from torchtpu.backend.tensor import storage_of
+    from torchtpu.backend import storage_of
 
     _single_group(optimizer)
     model_params, groups = tracked

@@ -1,6 +1,6 @@
 """Held-out evaluation during training ([validation]), with torchtitan 0.2.2's meaning of each key.
 
-    validator = Validator(cfg, model, tokenizer, dims, place=trainer._place, loss_context=trainer._loss_context)
+    validator = Validator(cfg, model, tokenizer, dims, place, loss_context)   # the trainer's (build.py)
     if validator.should_validate(step):          # step 1 and every validation.freq steps
         metrics = validator.validate()            # {"validation/loss": ..., "validation/perplexity": ...}
 

@@ -533,6 +533,7 @@ def mul(self, other):
 
 def _int_div_trunc(a, b):
     # C semantics, with x / 0 = -1 (all bits set, like CUDA) instead of a trap.
+    a, b = jnp.broadcast_arrays(a, b)  # lax.div does not broadcast
     zero = b == 0
     safe = jnp.where(zero, 1, b)
     if jnp.issubdtype(a.dtype, jnp.signedinteger):
@@ -544,6 +545,7 @@ def _int_div_trunc(a, b):
 
 
 def _int_div_floor(a, b):
+    a, b = jnp.broadcast_arrays(a, b)  # lax.rem does not broadcast
     q = _int_div_trunc(a, b)
     if jnp.issubdtype(a.dtype, jnp.signedinteger):
         safe = jnp.where(b == 0, 1, b)

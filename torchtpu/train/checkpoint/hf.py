@@ -238,8 +238,7 @@ def load_hf_into_model(folder: str, model: torch.nn.Module, model_args) -> None:
     folder, through its family's adapter; each parameter keeps its own sharding and dtype. A tied
     tensor is written once; a tensor the Hugging Face layout has no place for (Qwen3 MoE's
     expert_bias) keeps its value."""
-    from torchtpu.backend.tensor import TpuTensor
-    from torchtpu.backend.views import array_of, write
+    from torchtpu.backend import TpuTensor, array_of, write
 
     from .manager import canonical_name
 
@@ -401,9 +400,7 @@ def gather_to_cpu(t: torch.Tensor) -> torch.Tensor:
     With several processes this is a collective: every process must call it."""
     import jax
 
-    from torchtpu.backend import dtypes
-    from torchtpu.backend.tensor import TpuTensor
-    from torchtpu.backend.views import array_of
+    from torchtpu.backend import TpuTensor, array_of, dtypes
 
     if not isinstance(t, TpuTensor):
         return t.detach().cpu()

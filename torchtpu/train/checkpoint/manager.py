@@ -44,8 +44,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torchtpu.backend.tensor import TpuTensor
-from torchtpu.backend.views import array_of, write
+from torchtpu.backend import TpuTensor, array_of, write
 
 from .files import (
     ARRAYS,

@@ -17,10 +17,8 @@ import jax
 import numpy as np
 import torch
 
-from torchtpu.backend import dtypes
-from torchtpu.backend.tensor import TpuTensor
+from torchtpu.backend import TpuTensor, array_of, dtypes, write
 from torchtpu.backend.transfer import from_jax
-from torchtpu.backend.views import array_of, write
 
 from .files import CheckpointError
 

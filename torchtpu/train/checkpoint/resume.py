@@ -1,6 +1,6 @@
 """Where a run starts: this run's newest readable checkpoint, or [checkpoint] initial_load_path.
 
-    trainer.maybe_resume()    # calls maybe_resume(trainer)
+    resumed, step = maybe_resume(checkpointer, cfg, state)   # state: a train_state.TrainState
 
 A save that never finished is ignored (and removed); a damaged checkpoint is set aside as
 step_N.unreadable and the one before it is used; a final model-only save resumes from the newest
@@ -20,15 +20,16 @@ from .files import describe_size, folder_size
 __all__ = ["maybe_resume"]
 
 
-def maybe_resume(trainer) -> bool:
-    """Resume from the newest readable checkpoint of this run ([checkpoint] load_step: that one); without any,
-    start from [checkpoint] initial_load_path when set. True when a checkpoint of this run was restored."""
-    ck = trainer.checkpointer
-    cfg = trainer.cfg.checkpoint
+def maybe_resume(ck, job_cfg, state) -> tuple[bool, int | None]:
+    """Resume from the newest readable checkpoint of this run in `ck` ([checkpoint] load_step: that one);
+    without any, start from [checkpoint] initial_load_path when set (not in a dry run). Restores `state`
+    (a train_state.TrainState) in place; returns (whether a checkpoint of this run was restored, the step
+    the restored state holds, None when no step was restored)."""
+    cfg = job_cfg.checkpoint
     if ck is None:
-        if cfg.initial_load_path and not trainer.dry:
-            _initial_load(trainer)
-        return False
+        if cfg.initial_load_path and not job_cfg.tpu.dry_run:
+            return False, _initial_load(job_cfg, state)
+        return False, None
     from .manager import CorruptCheckpointError, split_step_path
 
     for partial in ck.partial_saves:
@@ -39,7 +40,7 @@ def maybe_resume(trainer) -> bool:
     latest = ck.latest_step()
     while latest is not None:
         try:
-            return _resume_at(trainer, ck, latest if cfg.load_step == -1 else cfg.load_step)
+            return True, _resume_at(ck, job_cfg, state, latest if cfg.load_step == -1 else cfg.load_step)
         except CorruptCheckpointError as e:
             if cfg.load_step != -1:
                 raise  # the step the user asked for, not some other one
@@ -54,27 +55,26 @@ def maybe_resume(trainer) -> bool:
                 )
             )
     if cfg.initial_load_path:
-        _initial_load(trainer)
-    return False
+        return False, _initial_load(job_cfg, state)
+    return False, None
 
 
-def _resume_at(trainer, ck, step: int) -> bool:
+def _resume_at(ck, job_cfg, state, step: int) -> int:
     """Resume from checkpoint `step` of this run's folder (or, when it holds only the final model
-    weights, from the newest full checkpoint before it)."""
+    weights, from the newest full checkpoint before it); returns the step restored."""
     from .manager import CheckpointError, is_model_only, load_model_weights
 
-    cfg = trainer.cfg.checkpoint
+    cfg = job_cfg.checkpoint
     if is_model_only(ck.manifest(step)):
         path = ck.step_path(step)
-        if step >= trainer.cfg.training.steps:
+        if step >= job_cfg.training.steps:
             # This run already finished: its final save holds the weights only.
-            load_model_weights(ck, step, trainer.model)
-            trainer.step = step
+            load_model_weights(ck, step, state.model)
             log(
                 f"{path} is this run's final (model-only) save: nothing left to train up to training.steps = "
-                f"{trainer.cfg.training.steps}; raise it to train on"
+                f"{job_cfg.training.steps}; raise it to train on"
             )
-            return True
+            return step
         full = [s for s in ck.all_steps() if s < step and not is_model_only(ck.manifest(s))]
         if cfg.load_step != -1 or not full:
             raise CheckpointError(
@@ -93,30 +93,31 @@ def _resume_at(trainer, ck, step: int) -> bool:
         )
         step = full[-1]
     t0 = time.perf_counter()
-    trainer.restore_full(ck, step)
-    path = ck.step_path(trainer.step)
+    step = state.restore(ck, step, cfg.exclude_from_loading)
+    path = ck.step_path(step)
     log(
-        f"attempt {attempt_number()}: resumed from {path} (step {trainer.step}): "
+        f"attempt {attempt_number()}: resumed from {path} (step {step}): "
         f"{describe_size(folder_size(path))} read in {time.perf_counter() - t0:.1f} s"
     )
-    return True
+    return step
 
 
-def _initial_load(trainer) -> None:
-    """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state)."""
+def _initial_load(job_cfg, state) -> int | None:
+    """checkpoint.initial_load_path: start from a torchtpu checkpoint's weights (or whole state); returns
+    the step a whole state holds, None for weights."""
     from .manager import CheckpointManager, is_model_only, load_model_weights, split_step_path
 
-    cfg = trainer.cfg.checkpoint
+    cfg = job_cfg.checkpoint
     where = f"[checkpoint] initial_load_path = {cfg.initial_load_path!r}"
     if cfg.initial_load_in_hf:
         from .hf import HFCheckpointError, load_hf_into_model
 
         try:
-            load_hf_into_model(cfg.initial_load_path, trainer.model, trainer.model_args)
+            load_hf_into_model(cfg.initial_load_path, state.model, state.model_args)
         except HFCheckpointError as e:
             raise ConfigError(f"{where} (initial_load_in_hf): {e}") from None
         log(f"initial weights from the Hugging Face folder {cfg.initial_load_path}")
-        return
+        return None
     folder, step = split_step_path(cfg.initial_load_path)
     src = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
     try:
@@ -129,18 +130,16 @@ def _initial_load(trainer) -> None:
                 )
         tree = src.manifest(step)
         if cfg.initial_load_model_only:
-            load_model_weights(src, step, trainer.model)
+            load_model_weights(src, step, state.model)
             log(f"initial weights from {src.step_path(step)}")
-        elif is_model_only(tree):
+            return None
+        if is_model_only(tree):
             raise ConfigError(
                 f"{where}: {src.step_path(step)} holds only model weights; set "
                 "checkpoint.initial_load_model_only = true to start from them"
             )
-        else:
-            trainer.restore_full(src, step)
-            log(
-                f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} "
-                f"(step {trainer.step})"
-            )
+        restored = state.restore(src, step, cfg.exclude_from_loading)
+        log(f"initial state (weights, optimizer, schedule, data position) from {src.step_path(step)} (step {restored})")
+        return restored
     finally:
         src.close()

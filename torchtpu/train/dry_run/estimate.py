@@ -1,6 +1,6 @@
 """`torchtpu-train --dry-run`: size a TPU slice without a TPU.
 
-    status = dry_run(trainer)    # Trainer built with [tpu] dry_run = true; 0 fits, 1 does not
+    status = dry_run(job)    # job: a BuiltStep of a Trainer built with [tpu] dry_run = true; 0 fits, 1 does not
 
 It compiles the real training step ahead of time for the job's devices (a TPU topology's
 compile-only devices when `[tpu] topology` names one) and prints:
@@ -38,10 +38,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from torchtpu.costing import COSTING_DEPTHS, mfu_percent
 
 __all__ = [
+    "BuiltStep",
     "compile_step",
     "costing_depths",
     "dry_run",
@@ -57,6 +61,24 @@ __all__ = [
 
 
 HEARTBEAT_SECONDS = 20.0
+
+
+@dataclass(frozen=True)
+class BuiltStep:
+    """What the dry run compiles and reports on: a job's configuration, devices, parallel degrees, mesh,
+    model (arguments, built model, MoE layers, FLOPs per token) and its step (a torchtpu.compile
+    function). `at_depth(cfg, n)` builds the same job for `cfg` with n blocks (the costing copies)."""
+
+    cfg: Any
+    devices: Any
+    dims: Any
+    mesh: Any
+    model_args: Any
+    model: Any
+    moe_layers: list
+    flops_per_token: float
+    step_fn: Any
+    at_depth: Callable[[Any, int], BuiltStep]
 
 
 @contextlib.contextmanager
@@ -81,11 +103,11 @@ def phase(what: str):
     print(f"dry run: {what}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def mesh_line(trainer) -> str:
+def mesh_line(job) -> str:
     """`mesh dp_replicate 1 x dp_shard 8 x tp 1 = 8 devices (v5p:2x2x1)`: the layout the step is compiled for."""
-    dims = trainer.dims
+    dims = job.dims
     layout = " x ".join(f"{name} {n}" for name, n in zip(dims.mesh_axis_names, dims.mesh_shape))
-    where = trainer.cfg.tpu.topology or trainer.devices[0].device_kind
+    where = job.cfg.tpu.topology or job.devices[0].device_kind
     return (
         f"dry run: mesh {layout} = {dims.world_size} devices ({where}); global batch {dims.global_batch_size} x "
         f"{dims.seq_len} tokens in {dims.grad_accum_steps} micro-batch(es)"
@@ -114,34 +136,34 @@ def recompute_text(ac_mode: str, every: int = 1) -> str:
     return f"{low:.2f}x" if low == high else f"{low:.2f}x to {high:.2f}x"
 
 
-def _micro_batch(trainer):
-    """One micro-batch of int32 token ids laid out as the trainer's batches are."""
+def _micro_batch(job):
+    """One micro-batch of int32 token ids laid out as the job's batches are."""
     import torch
 
     import torchtpu.distributed as td
     from torchtpu.distributed.batch import batch_placements
 
-    dims = trainer.dims
+    dims = job.dims
     shape = (dims.micro_batch_size, dims.seq_len)
-    placements = batch_placements(trainer.mesh)
+    placements = batch_placements(job.mesh)
     # One micro-batch: with accumulation the step repeats the same forward/backward over the
     # same buffers, so memory is one micro-batch's; time and FLOPs are scaled to the step.
     return [
         (
-            td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
-            td.empty(shape, torch.int32, mesh=trainer.mesh, placements=placements),
+            td.empty(shape, torch.int32, mesh=job.mesh, placements=placements),
+            td.empty(shape, torch.int32, mesh=job.mesh, placements=placements),
         )
     ]
 
 
-def compile_step(trainer):
-    """The step of `trainer` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
-    return trainer.step_fn.compile_for(_micro_batch(trainer))
+def compile_step(job):
+    """The step of `job` compiled for one micro-batch of int32 token ids (jax.stages.Compiled)."""
+    return job.step_fn.compile_for(_micro_batch(job))
 
 
-def _step_report(trainer, dump: str | None = None, label: str = "the full program"):
+def _step_report(job, dump: str | None = None, label: str = "the full program"):
     """(compile_report, largest temporaries (with `dump`, a folder for XLA's dump) or None, compile
-    seconds, None) of `trainer`'s step for one micro-batch; the last item is the date of the first
+    seconds, None) of the job's step for one micro-batch; the last item is the date of the first
     compile instead when the same program's report comes from the dry run's cache."""
     from torchtpu.backend.aot import aot_compile
     from torchtpu.costing import largest_temporaries
@@ -150,8 +172,8 @@ def _step_report(trainer, dump: str | None = None, label: str = "the full progra
     from . import cache as dry_run_cache
 
     with phase(f"lowering {label}"):
-        lowered = trainer.step_fn.lower_for(_micro_batch(trainer))
-    mesh = trainer.mesh.jax_mesh
+        lowered = job.step_fn.lower_for(_micro_batch(job))
+    mesh = job.mesh.jax_mesh
     key = dry_run_cache.program_key(lowered, mesh)
     hit = dry_run_cache.load(key)
     if hit is not None and (dump is None or hit["temporaries"] is not None):
@@ -196,8 +218,8 @@ def costing_depths(model_args) -> tuple[int, int]:
     return (lead + COSTING_DEPTHS[0], lead + COSTING_DEPTHS[1])
 
 
-def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict:
-    """Per-micro-batch cost of the trainer's step at its full depth, with the method used.
+def step_estimate(job, report: dict, unscanned_copies: bool = False) -> dict:
+    """Per-micro-batch cost of the job's step at its full depth, with the method used.
 
     Compiles the same job at `costing_depths` layers as programs whose cost XLA counts fully, and
     extrapolates; a model at most that deep is costed as it is when it has no loops. If that
@@ -216,8 +238,8 @@ def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict
     from torchtpu.distributed.scan import straight_line_loops
     from torchtpu.distributed.topology import costing_compiles
 
-    depth = trainer.model_args.n_layers
-    depths = costing_depths(trainer.model_args)
+    depth = job.model_args.n_layers
+    depths = costing_depths(job.model_args)
     loops = report.get("while_loops") or []
     if depth <= depths[1] and not loops:
         return {
@@ -229,13 +251,13 @@ def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict
         }
     try:
         small, cached = [], []
-        scanned = _runs_layer_scan(trainer)
+        scanned = _runs_layer_scan(job)
         scanned_copies = scanned and not unscanned_copies
-        cfg = trainer.cfg if scanned_copies else unrolled(trainer.cfg)
+        cfg = job.cfg if scanned_copies else unrolled(job.cfg)
         straight = straight_line_loops if scanned_copies else contextlib.nullcontext
         for n in depths:
             with phase(f"building the {n}-layer costing copy"), straight():
-                t = type(trainer)(cfg, n_layers=n)  # a Trainer, built shallow (not imported: trainer.py imports this)
+                t = job.at_depth(cfg, n)
             # past XLA's out-of-memory errors only once the full program, whose kernels are the copies', has
             # compiled with the checks (a report of it here); bench.step_estimate, without one, keeps them
             with costing_compiles(t.mesh.jax_mesh, past_oom="flops_per_device" in report), straight():
@@ -249,7 +271,7 @@ def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict
             est["method"] += " (the copies keep the layer scan, unrolled into straight-line code)"
         elif scanned:
             est["method"] += " (copies of the unscanned model: the step runs the layer scan)"
-        lead = leading_dense_layers(trainer.model_args)
+        lead = leading_dense_layers(job.model_args)
         if lead:
             est["method"] += f" (each copy holds all {lead} leading dense layer(s); the slope is the MoE blocks')"
         est = with_fit_note(with_loop_warning(est, small, depths), small, depths)
@@ -273,12 +295,12 @@ def step_estimate(trainer, report: dict, unscanned_copies: bool = False) -> dict
         }
 
 
-def _runs_layer_scan(trainer) -> bool:
-    """Whether the trainer's model runs blocks under the layer scan: `[tpu] scan_layers` on, and a
+def _runs_layer_scan(job) -> bool:
+    """Whether the job's model runs blocks under the layer scan: `[tpu] scan_layers` on, and a
     family that did not turn it off for blocks that differ (Llama 4's interleaved flavors)."""
     from torchtpu.distributed.scan import is_scanned
 
-    return bool(trainer.cfg.tpu.scan_layers) and any(is_scanned(m) for m in trainer.model.modules())
+    return bool(job.cfg.tpu.scan_layers) and any(is_scanned(m) for m in job.model.modules())
 
 
 def with_loop_warning(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
@@ -318,37 +340,37 @@ def with_fit_note(est: dict, costing_reports, depths=COSTING_DEPTHS) -> dict:
     }
 
 
-def _recomputation_skips_last_expert_matmul(trainer) -> bool:
-    """Whether a MoE layer of `trainer`'s model runs torchtpu's dispatch with its scores applied after
+def _recomputation_skips_last_expert_matmul(job) -> bool:
+    """Whether a MoE layer of the job's model runs torchtpu's dispatch with its scores applied after
     the experts: its experts' last matmul and the way back are one custom-gradient step, which a
     recomputation of the layer does not rerun."""
     from torchtpu.models.moe import ExpertParallelMoE
 
-    return any(isinstance(m, ExpertParallelMoE) and not m.score_before_experts for m, _ in trainer.moe_layers)
+    return any(isinstance(m, ExpertParallelMoE) and not m.score_before_experts for m, _ in job.moe_layers)
 
 
-def estimate_lines(trainer, est: dict, peak: float | None) -> list[str]:
+def estimate_lines(job, est: dict, peak: float | None) -> list[str]:
     """The dry run's lines on model FLOPs and the estimated step (time, tokens/s, MFU) of
-    `trainer`'s job, from `est` (step_estimate's per-micro-batch cost) and the chip's bf16 peak."""
+    the job's job, from `est` (step_estimate's per-micro-batch cost) and the chip's bf16 peak."""
     from ..model_builder import ac_settings
 
-    dims = trainer.dims
+    dims = job.dims
     accum = dims.grad_accum_steps
     lines = []
     tokens = dims.tokens_per_step
     chips = dims.world_size
-    model_flops = trainer.flops_per_token * tokens
+    model_flops = job.flops_per_token * tokens
     lines.append(
-        f"model FLOPs / step      {model_flops:.4g} ({trainer.flops_per_token:.4g} per token x {tokens} "
+        f"model FLOPs / step      {model_flops:.4g} ({job.flops_per_token:.4g} per token x {tokens} "
         "tokens, torchtitan's 6N + attention)"
     )
-    ac_mode, ac_every = ac_settings(trainer.cfg)
+    ac_mode, ac_every = ac_settings(job.cfg)
     lines.append(f"costing method          {est['method']}")
     flops = est.get("flops_per_device")
     if flops:
         model_per_device = model_flops / accum / chips
         expected = recompute_text(ac_mode, ac_every)
-        if ac_mode in ("full", "selective") and _recomputation_skips_last_expert_matmul(trainer):
+        if ac_mode in ("full", "selective") and _recomputation_skips_last_expert_matmul(job):
             expected += ", less where a MoE layer's recomputation stops before its experts' last matmul"
         lines.append(
             f"XLA FLOPs / device      {flops:.4g} per micro-batch = {flops / model_per_device:.2f}x the "
@@ -380,30 +402,30 @@ def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
-def dry_run(trainer) -> int:
-    """Compile `trainer`'s step ahead of time, print the report; 0 if it fits, else 1."""
+def dry_run(job) -> int:
+    """Compile the job's step ahead of time, print the report; 0 if it fits, else 1."""
     import torchtpu.distributed as td
     from torchtpu.costing import temporaries_lines
     from torchtpu.distributed.topology import format_report
 
-    if not hasattr(trainer.step_fn, "compile_for") or not hasattr(td, "empty"):
+    if not hasattr(job.step_fn, "compile_for") or not hasattr(td, "empty"):
         raise RuntimeError(
             "this torchtpu build cannot compile a step ahead of time (compile_for / "
             "torchtpu.distributed.empty are missing)"
         )
-    dims = trainer.dims
+    dims = job.dims
     accum = dims.grad_accum_steps
-    print(mesh_line(trainer), flush=True)
+    print(mesh_line(job), flush=True)
     keep = os.environ.get("TORCHTPU_DRY_RUN_DUMP")  # a folder to keep XLA's dump of the step in
     with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="torchtpu-dry-run-") as dump:
         try:
-            report, temps, t_compile, cached = _step_report(trainer, dump)
+            report, temps, t_compile, cached = _step_report(job, dump)
         except Exception as e:  # noqa: BLE001
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
                 raise
             print(
-                out_of_memory_line(text or type(e).__name__, _where(trainer), _fit_hint(trainer)),
+                out_of_memory_line(text or type(e).__name__, _where(job), _fit_hint(job)),
                 file=sys.stderr,
                 flush=True,
             )
@@ -434,15 +456,15 @@ def dry_run(trainer) -> int:
         )
     # memory and fit are known now; the step-time estimate may compile more programs (below)
     print("\n".join(lines), flush=True)
-    estimate = step_estimate(trainer, report)
-    print("\n".join(estimate_lines(trainer, estimate, report["peak_bf16_flops_per_device"])), flush=True)
+    estimate = step_estimate(job, report)
+    print("\n".join(estimate_lines(job, estimate, report["peak_bf16_flops_per_device"])), flush=True)
 
     fits = report["fits"]
     if fits is False:
         print(
             f"torchtpu-train: dry run: the step needs {_gib(report['hbm_bytes_needed'])} of HBM per device but a "
             f"{report['chip']} device has {_gib(report['hbm_bytes_available'])}: it does NOT fit on "
-            f"{_where(trainer)}; {_fit_hint(trainer)}",
+            f"{_where(job)}; {_fit_hint(job)}",
             file=sys.stderr,
             flush=True,
         )
@@ -476,15 +498,15 @@ def out_of_memory_line(text: str, where: str, hint: str) -> str:
     )
 
 
-def _fit_hint(trainer) -> str:
+def _fit_hint(job) -> str:
     hint = (
         "shard more (parallelism.data_parallel_shard_degree, tensor_parallel_degree) or lower "
         "training.local_batch_size / seq_len"
     )
-    if trainer.cfg.activation_checkpoint.mode != "full":
+    if job.cfg.activation_checkpoint.mode != "full":
         hint += ', or set activation_checkpoint.mode = "full"'
     return hint
 
 
-def _where(trainer) -> str:
-    return trainer.cfg.tpu.topology or f"{len(trainer.devices)} {trainer.devices[0].device_kind} devices"
+def _where(job) -> str:
+    return job.cfg.tpu.topology or f"{len(job.devices)} {job.devices[0].device_kind} devices"
