@@ -305,3 +305,13 @@ def test_foreach_optimizers_match_cpu_and_compile_nothing_after_their_first_step
     got, compiles = train("tpu")
     _close(got, want, "foreach AdamW weights", rtol=1e-5, atol=1e-6)
     assert compiles[2:] == [0, 0, 0, 0], compiles
+
+
+def test_optimizers_default_to_foreach_on_tpu_as_on_cuda():
+    """torch.optim picks its foreach implementation for parameters on tpu, as it does on CUDA (and
+    keeps the for-loop one on the CPU)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    on_tpu = [torch.nn.Parameter(torch.ones(2).to("tpu")), torch.nn.Linear(2, 2).to("tpu").weight]
+    assert _default_to_fused_or_foreach(on_tpu, differentiable=False) == (False, True)
+    assert _default_to_fused_or_foreach([torch.nn.Parameter(torch.ones(2))], differentiable=False) == (False, False)
