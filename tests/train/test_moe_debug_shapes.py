@@ -41,8 +41,6 @@ def test_shipped_debugmodel_moe_trains_within_a_memory_bound(tmp_path):
         "64",
         "--training.local_batch_size",
         "2",
-        "--activation_checkpoint.mode",
-        "full",
         "--validation.enable",
         "false",
         "--metrics.log_freq",
