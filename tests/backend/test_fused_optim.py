@@ -271,15 +271,26 @@ def test_mismatched_lists_and_amsgrad_state_are_errors():
         aten._fused_adamw_(ints, grads, m, v, [], steps, amsgrad=False, **kw)
 
 
-def test_foreach_adamw_matches_cpu_and_compiles_nothing_after_its_first_steps():
-    """AdamW(foreach=True) passes its per-step bias corrections as Scalar lists
-    (`_foreach_div.ScalarList`, `_foreach_addcdiv.ScalarList`): their values are program inputs, so
-    steps after the first two run the programs already compiled, and the weights equal the CPU's."""
+FOREACH = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam-amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    "sgd-nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "rmsprop-centered": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01)),
+}
+
+
+@pytest.mark.parametrize("case", FOREACH)
+def test_foreach_optimizers_match_cpu_and_compile_nothing_after_their_first_steps(case):
+    """torch.optim's foreach implementations (foreach=True) on tpu equal the CPU's. AdamW passes its
+    per-step bias corrections as Scalar lists (`_foreach_div.ScalarList`, `_foreach_addcdiv.ScalarList`):
+    their values are program inputs, so steps after the first two run the programs already compiled."""
+    cls, kw = FOREACH[case]
 
     def train(device):
         torch.manual_seed(0)
         params = [torch.randn(s).to(device).requires_grad_() for s in SHAPES]
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+        opt = cls(params, foreach=True, **kw)
         g = torch.Generator().manual_seed(1)
         compiles = []
         for _ in range(6):
@@ -294,3 +305,13 @@ def test_foreach_adamw_matches_cpu_and_compiles_nothing_after_its_first_steps():
     got, compiles = train("tpu")
     _close(got, want, "foreach AdamW weights", rtol=1e-5, atol=1e-6)
     assert compiles[2:] == [0, 0, 0, 0], compiles
+
+
+def test_optimizers_default_to_foreach_on_tpu_as_on_cuda():
+    """torch.optim picks its foreach implementation for parameters on tpu, as it does on CUDA (and
+    keeps the for-loop one on the CPU)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    on_tpu = [torch.nn.Parameter(torch.ones(2).to("tpu")), torch.nn.Linear(2, 2).to("tpu").weight]
+    assert _default_to_fused_or_foreach(on_tpu, differentiable=False) == (False, True)
+    assert _default_to_fused_or_foreach([torch.nn.Parameter(torch.ones(2))], differentiable=False) == (False, False)

@@ -365,7 +365,7 @@ def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
 # ---------------------------------------------------------------------------------------------
 
 # The Qwen3 MoE debug flavor made narrow as tests/train/test_families.py makes it (8 experts, 2 per
-# token; [model] flavor_overrides), 2 blocks, 32-token sequences
+# token; [model] flavor_overrides), 2 blocks, 32-token sequences, no activation checkpointing
 MOE_ARGS = json.dumps(
     {
         "dim": 64,
@@ -377,7 +377,16 @@ MOE_ARGS = json.dumps(
         "moe_args": {"num_experts": 8, "top_k": 2},
     }
 )
-MOE_TRAIN = [*TRAIN[:2], "train_configs/qwen3_debug.toml", "--model.flavor", "debugmodel_moe", *TRAIN[3:-1], MOE_ARGS]
+MOE_TRAIN = [
+    *TRAIN[:2],
+    "train_configs/qwen3_debug.toml",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--activation_checkpoint.mode",
+    "none",
+    *TRAIN[3:-1],
+    MOE_ARGS,
+]
 MOE_SHORT = ["--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2", *NO_VALIDATION]
 
 

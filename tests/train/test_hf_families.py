@@ -259,6 +259,8 @@ def round_trip(request, tmp_path_factory):
         str(STEPS),
         "--lr_scheduler.warmup_steps",
         "1",
+        "--activation_checkpoint.mode",
+        "none",
         "--validation.enable",
         "false",
         "--checkpoint.initial_load_path",

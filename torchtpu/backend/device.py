@@ -490,3 +490,19 @@ def register() -> None:
     rng_prims.install()
     serialization.install()
     autocast.register()
+    _optimizers_default_to_foreach()
+
+
+def _optimizers_default_to_foreach() -> None:
+    """torch.optim picks its foreach implementation by default for tensors of a type it lists (plain
+    tensors; a Parameter on tpu is a TpuTensor) on a foreach device (PrivateUse1 is one): listed, the
+    optimizers of a plain loop on tpu run one program per foreach op over every parameter, as on
+    CUDA, instead of one per parameter and op."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    from .tensor import TpuTensor
+
+    for types_ in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if TpuTensor not in types_:
+            types_.append(TpuTensor)

@@ -64,7 +64,10 @@ def array_of(t: TpuTensor):
         return a
     base = storage_array(st)
     a = run_chain(vw, base, st.rows)
-    if not STATE.trace_depth:
+    # A row of a stacked storage (a layer scan's parameter) is read again rather than kept: kept,
+    # the rows of every block would hold a second copy of the model's weights beside the stack
+    # (1.2 GB for Qwen3's debugmodel_moe), past every step that replaces the stack.
+    if not STATE.trace_depth and not st.rows:
         t._vc = a
         t._vv = st.version
     return a
@@ -86,8 +89,9 @@ def pending_array_of(t: TpuTensor):
         a = run_chain(vw, force(a), st.rows)
     else:
         a = record(_jitted_chain(vw), (a,))
-    t._vc = a
-    t._vv = st.version
+    if not st.rows:
+        t._vc = a
+        t._vv = st.version
     return a
 
 
