@@ -2,7 +2,7 @@
 
 flops = model_flops_per_token(model, model_args, seq_len)[1]
 peak, where = peak_flops()              # (459e12, "table: TPU v5p") on a v5p chip
-mfu = 100 * flops * tokens_per_second_per_chip / peak
+step = step_metrics(seconds_per_step, tokens_per_step, devices, flops, peak)   # MFU: costing.mfu_percent
 
 logger = MetricsLogger("outputs/run1", log_freq=10, enable_tensorboard=True, enable_wandb=False,
                        total_steps=1000, is_main_process=(jax.process_index() == 0))
@@ -464,7 +464,10 @@ def step_metrics(
     devices that took `seconds_per_step` each."""
     tps = tokens_per_step / seconds_per_step / devices
     tflops = flops_per_token * tps / 1e12
-    return {"tps": tps, "tflops": tflops, "mfu": 100.0 * tflops * 1e12 / peak, "step_time": seconds_per_step}
+    from torchtpu.costing import mfu_percent
+
+    mfu = mfu_percent(flops_per_token * tokens_per_step, seconds_per_step, devices, peak)
+    return {"tps": tps, "tflops": tflops, "mfu": mfu, "step_time": seconds_per_step}
 
 
 def device_memory_gib() -> float | None:
