@@ -161,8 +161,9 @@ def loss_context(mesh, tp: int):
 
     if tp > 1:
         from torchtpu.distributed import loss_parallel
+        from torchtpu.hardware import TP_AXIS
 
-        return loss_parallel(mesh["tp"])
+        return loss_parallel(mesh[TP_AXIS])
     return contextlib.nullcontext()
 
 
