@@ -45,6 +45,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from torchtpu import jax_op
 from torchtpu.backend.ops import linalg
 from torchtpu.distributed.params import apply_layout, set_layout
+from torchtpu.hardware import TP_AXIS
 
 from . import sharding
 
@@ -105,9 +106,9 @@ def _experts_tensor_parallel(rows, w13, w2, ends):
     FusedMoE all-reduces."""
 
     def shard(rows, w13, w2, ends):
-        return jax.lax.psum(_experts(rows, w13, w2, ends), sharding.AXIS)
+        return jax.lax.psum(_experts(rows, w13, w2, ends), TP_AXIS)
 
-    specs = (P(), P(None, sharding.AXIS, None), P(None, None, sharding.AXIS), P())
+    specs = (P(), P(None, TP_AXIS, None), P(None, None, TP_AXIS), P())
     mesh = _TENSOR_PARALLEL_MESH[0]
     return jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(rows, w13, w2, ends)
 
@@ -150,8 +151,8 @@ def shard_experts(model: torch.nn.Module, mesh) -> None:
         method = getattr(module, "quant_method", None)
         if not isinstance(method, TpuFusedMoEMethod) or module.w2_weight.shape[2] % n:
             continue
-        set_layout(module, "w13_weight", mesh, [[], [sharding.AXIS], []])
-        set_layout(module, "w2_weight", mesh, [[], [], [sharding.AXIS]])
+        set_layout(module, "w13_weight", mesh, [[], [TP_AXIS], []])
+        set_layout(module, "w2_weight", mesh, [[], [], [TP_AXIS]])
         apply_layout(module, "w13_weight")
         apply_layout(module, "w2_weight")
         method.tensor_parallel = n
