@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 
 import torch
 
@@ -162,6 +163,25 @@ def engine(folder, **kwargs):
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
         gc.collect()
+
+
+def assert_refused_at_start(config, folder, match: str) -> None:
+    """Save a transformers `config` (no weights) with the bundled tokenizer in `folder` and check that
+    starting an engine on it raises NotImplementedError matching `match`: an architecture torchtpu
+    refuses when the model is built, before any weight is read."""
+    import shutil
+
+    from torchtpu.train.tokenizer import BUNDLED_TOKENIZER
+
+    config.save_pretrained(folder)
+    shutil.copy(BUNDLED_TOKENIZER, os.path.join(folder, "tokenizer.json"))
+    try:
+        with engine(folder, max_model_len=256):
+            pass
+    except NotImplementedError as e:
+        assert re.search(match, str(e)), f"refused, but not naming {match!r}: {e}"
+        return
+    raise AssertionError(f"an engine started on {config.architectures or type(config).__name__}; expected a refusal")
 
 
 def counter(llm, name: str) -> int:

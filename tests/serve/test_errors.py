@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import BOS, EOS, VOCAB, engine, write_model
+from .harness import BOS, EOS, VOCAB, assert_refused_at_start, engine, write_model
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,7 @@ def test_an_architecture_without_a_tpu_attention_backend_names_it(tmp_path):
     built, before any weight is read."""
     from transformers import DeepseekV3Config
 
-    from torchtpu.train.tokenizer import BUNDLED_TOKENIZER
-
-    DeepseekV3Config(
+    config = DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -98,10 +96,5 @@ def test_an_architecture_without_a_tpu_attention_backend_names_it(tmp_path):
         max_position_embeddings=256,
         bos_token_id=BOS,
         eos_token_id=EOS,
-    ).save_pretrained(tmp_path)
-    import shutil
-
-    shutil.copy(BUNDLED_TOKENIZER, tmp_path / "tokenizer.json")
-    with pytest.raises(NotImplementedError, match=r"MLA"):
-        with engine(tmp_path, max_model_len=256):
-            pass
+    )
+    assert_refused_at_start(config, tmp_path, r"MLA")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .harness import MIN_MARGIN, NEW_TOKENS, PROMPTS, engine, greedy, write_model
+from .harness import MIN_MARGIN, NEW_TOKENS, PROMPTS, assert_refused_at_start, engine, greedy, write_model
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +88,11 @@ def test_expert_parallelism_is_refused_naming_it(qwen3_moe):
 def test_gpt_oss_is_refused_naming_its_attention_sinks(tmp_path):
     """gpt-oss's attention has sinks, which the tpu attention backend does not compute: refused
     when the model is built, before any weight is read."""
-    import shutil
-
     from transformers import GptOssConfig
-
-    from torchtpu.train.tokenizer import BUNDLED_TOKENIZER
 
     from .harness import BOS, EOS, VOCAB
 
-    GptOssConfig(
+    config = GptOssConfig(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=128,
@@ -109,8 +105,5 @@ def test_gpt_oss_is_refused_naming_its_attention_sinks(tmp_path):
         max_position_embeddings=256,
         bos_token_id=BOS,
         eos_token_id=EOS,
-    ).save_pretrained(tmp_path)
-    shutil.copy(BUNDLED_TOKENIZER, tmp_path / "tokenizer.json")
-    with pytest.raises(NotImplementedError, match=r"paged attention does not support sinks"):
-        with engine(tmp_path, max_model_len=256):
-            pass
+    )
+    assert_refused_at_start(config, tmp_path, r"paged attention does not support sinks")
