@@ -34,7 +34,8 @@ def dump_compiles_to(folder: str):
 @contextlib.contextmanager
 def compiler_options(options: dict):
     """While active, `aot_compile` passes these XLA compiler options (on top of its caller's) to
-    every program it compiles; `topology.costing_compiles` uses it."""
+    every program it compiles, and `torchtpu.compile` to the steps it compiles to run;
+    `topology.costing_compiles` uses it."""
     before = _OPTIONS[0]
     _OPTIONS[0] = {**before, **options}
     try:

@@ -75,6 +75,7 @@ from . import random as tpu_random
 from .aot import (
     abstract_storage,
     aot_compile,
+    current_compiler_options,
     committed,
     keep_sharding,
     program_mesh,
@@ -420,7 +421,7 @@ class CompiledFunction:
             # Ahead-of-time lower + compile, so the executable's memory and cost analyses
             # are available (CompiledFunction.memory_analysis / cost_analysis / as_text).
             lowered = entry.jitted.lower(state_arrays, arg_arrays, key_data, hyper, host_arrays)
-            entry.executable = lowered.compile()
+            entry.executable = lowered.compile(current_compiler_options() or None)
             entry.lowered_text = lowered.as_text()
             self.last = entry
         if first_holder is not None:
