@@ -75,8 +75,8 @@ from . import random as tpu_random
 from .aot import (
     abstract_storage,
     aot_compile,
-    current_compiler_options,
     committed,
+    current_compiler_options,
     keep_sharding,
     program_mesh,
     replicated,
