@@ -215,3 +215,7 @@ _.reset_max_memory_allocated
 # kv_idx) and a mask_mod as (b, h, q_idx, kv_idx), and the backward operator's kernel with its joint graph, by position
 _.q_idx
 _.joint_graph
+
+# tests/train/user_code/my_norm.py: the model family it registers names its preparer as a
+# "module:attribute" string, which torchtpu.models.registry resolves by name.
+use_my_norm

@@ -88,6 +88,9 @@ _COVERING_RUNS = {
     "tests/train/test_faults.py::test_first_job_is_untouched_and_its_log_reads_n_of_N_with_eta": [
         "training.max_bad_records"
     ],
+    "tests/train/test_custom_import.py::test_a_users_op_trains_under_fsdp_with_the_reference_ops_losses": [
+        "experimental.custom_import"
+    ],
 }
 # key -> the real run that shows its behaviour
 COVERED_BY = {key: run for run, keys in _COVERING_RUNS.items() for key in keys}

@@ -643,4 +643,5 @@ def test_schema_is_dataclasses():
         "validation",
         "debug",
         "tpu",
+        "experimental",
     ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["FAMILIES", "ModelFamily", "UnknownModel", "family_of", "get_family", "model_flavors"]
+__all__ = ["FAMILIES", "ModelFamily", "UnknownModel", "family_of", "get_family", "model_flavors", "register_family"]
 
 
 class UnknownModel(ValueError):
@@ -180,6 +180,35 @@ def get_family(name: str) -> ModelFamily:
         return FAMILIES[name]
     except KeyError:
         raise UnknownModel(f"no model family {name!r}; families: {', '.join(FAMILIES)}") from None
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add a model family the trainer, the dry run and generation then build by its name, as they
+    build the families above. A job's `[experimental] custom_import` module calls this when the
+    configuration is read, so `[model] name` and `flavor` may name it:
+
+        register_family(dataclasses.replace(get_family("llama3"), name="llama3_my_norm",
+                                            preparer="my_kernels:use_my_norm"))
+
+    Registering the same definition again (a module imported twice) is allowed; another family
+    under a registered name is a ValueError."""
+    if not isinstance(family, ModelFamily):
+        raise TypeError(f"register_family takes a ModelFamily, got {type(family).__name__}")
+    for field in ("args_table", "model_class", "preparer", "parallelizer", "flops_counter"):
+        value = getattr(family, field)
+        if not isinstance(value, str) or ":" not in value:
+            raise ValueError(
+                f"model family {family.name!r}: {field} must be a 'module:attribute' string, got {value!r}"
+            )
+    if not family.flavors:
+        raise ValueError(f"model family {family.name!r} has no flavors")
+    known = FAMILIES.get(family.name)
+    if known is not None and known != family:
+        raise ValueError(
+            f"a model family named {family.name!r} is already registered; register yours under another name"
+        )
+    FAMILIES[family.name] = family
+    return family
 
 
 def family_of(model) -> ModelFamily:

@@ -106,6 +106,17 @@ def stall_spec(v):
     return None if v == "" or _STALL_RE.match(v) else 'allowed: "" (none) or "HOST:STEP:SECONDS", e.g. "1:4:600"'
 
 
+def model_family(v):
+    """A registered model family: the built-in ones or one that `[experimental] custom_import` registered
+    (the registry is read when the value is checked, after that import)."""
+    from ...models.registry import model_flavors
+
+    names = list(model_flavors())
+    if v in names:
+        return None
+    return f"allowed: {', '.join(names)} (or a family that [experimental] custom_import registers)"
+
+
 def known_components(v):
     bad = [c for c in v if c not in ("model", "loss")]
     return None if not bad else f"unknown component {bad[0]!r}; allowed: model, loss"

@@ -5,7 +5,8 @@ Section and key names, types and defaults follow torchtitan 0.2.2's JobConfig wh
 the same thing on TPU, so a torchtitan TOML file mostly reads as is. Keys that only make sense on
 CUDA are left out (naming one gives an error that says so); TPU-specific keys live in
 [parallelism] (`num_slices`, `dcn_axis`), [model] (`attn_type`, `n_layers`, `flavor_overrides`),
-[debug] (`verbose`, `inject_stall`) and in a [tpu] section.
+[debug] (`verbose`, `inject_stall`) and in a [tpu] section; [experimental] `custom_import` imports the
+user's own module (its model families and ops) before the rest is checked.
 
 Reading a configuration (defaults < TOML file < command line), --help and the checks that involve
 several keys are in config_manager.py; resolving the parallel degrees for a device count is
@@ -29,6 +30,7 @@ from .fields import (
     known_components,
     minus_one_or_non_negative,
     minus_one_or_positive,
+    model_family,
     non_negative,
     not_supported,
     only_one,
@@ -134,7 +136,11 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = option("llama3", "Model family, by its torchtitan name.", choices=tuple(model_flavors()))
+    name: str = option(
+        "llama3",
+        "Model family, by its torchtitan name, or a family of your own that [experimental] custom_import registers.",
+        check=model_family,
+    )
     flavor: str = option(
         "debugmodel",
         "Size of the model within the family: "
@@ -482,6 +488,17 @@ class Debug:
 
 
 @dataclass
+class Experimental:
+    custom_import: str = option(
+        "",
+        "A Python module imported before the rest of the configuration is checked: a dotted name importable "
+        "from the working directory or PYTHONPATH (e.g. my_kernels), or a .py file. It can register a model "
+        "family of its own (torchtpu.models.registry.register_family) that [model] name then selects, with "
+        "its own ops (torchtpu.jax_op); every process of the job imports it. Empty: none.",
+    )
+
+
+@dataclass
 class Tpu:
     topology: str = option(
         "",
@@ -541,6 +558,7 @@ class JobConfig:
     validation: Validation = section_field(Validation, "Held-out evaluation")
     debug: Debug = section_field(Debug, "Reproducibility and debugging")
     tpu: Tpu = section_field(Tpu, "TPU slice, XLA and libtpu settings")
+    experimental: Experimental = section_field(Experimental, "Your own code: model families and ops")
 
     def __post_init__(self):
         # Where each value came from: (section, ..., key) -> file path or config_manager.COMMAND_LINE.

@@ -27,7 +27,7 @@ __all__ = [
 
 
 # Keys torchtitan 0.2.2 has that torchtpu deliberately lacks (CUDA-only, or features not built).
-TORCHTITAN_ONLY_SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental")
+TORCHTITAN_ONLY_SECTIONS = ("quantize", "memory_estimation", "fault_tolerance")
 TORCHTITAN_ONLY_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("job",): ("custom_config_module",),
     ("model",): ("tokenizer_path", "converters", "print_after_conversion"),
@@ -65,6 +65,7 @@ TORCHTITAN_ONLY_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ),
     ("comm",): ("trace_buf_size", "save_traces_folder", "save_traces_file_prefix", "mode"),
     ("debug",): ("deterministic_warn_only", "moe_force_load_balance"),
+    ("experimental",): ("custom_args_module",),
 }
 
 
