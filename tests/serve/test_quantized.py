@@ -3,7 +3,7 @@ random Llama (every decoder linear weight int8 per output channel, symmetric, pa
 serves through vLLM's own `CompressedTensorsWNA16` scheme with torchtpu's kernel, and its tokens
 and logprobs are those of the dequantized model (int8 x scale, float32) in transformers on CPU.
 The kernel alone, per channel and per group, against the dequantized product on CPU; its product
-compiled for a TPU reads the int8 weight in the dot."""
+compiled for a TPU reads the int8 weight in the dot. The same under tensor parallelism (TP 2)."""
 
 from __future__ import annotations
 
@@ -80,12 +80,15 @@ def _weights(worker) -> dict:
     }
 
 
-def test_w8a16_checkpoint_gives_the_dequantized_models_tokens_and_logprobs(w8a16):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_w8a16_checkpoint_gives_the_dequantized_models_tokens_and_logprobs(w8a16, tp):
+    """On one device, and under TP 2 (the packed weights and scales split as plain weights are,
+    the fused QKV and gate-up rows in shard-major order)."""
     from vllm import SamplingParams
 
     folder, model = w8a16
     prompts = PROMPTS[:4]
-    with engine(folder, max_num_batched_tokens=32) as llm:
+    with engine(folder, tensor_parallel_size=tp, max_num_batched_tokens=32) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),

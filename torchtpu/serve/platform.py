@@ -181,7 +181,6 @@ class TpuPlatform(Platform):
             check_quantization(
                 model_config.quantization,
                 getattr(model_config.hf_config, "quantization_config", None),
-                parallel.tensor_parallel_size,
                 model_config.is_moe,
             )
         if parallel.tensor_parallel_size > 1:

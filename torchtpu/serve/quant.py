@@ -17,7 +17,8 @@ for vLLM's out-of-tree platforms (`register_linear_kernel`):
 
 `check_quantization` refuses, in one line naming it, every other quantization: other methods,
 other compressed-tensors schemes (activation quantization, other bit widths, asymmetric
-weights), quantized MoE experts and quantized weights under tensor parallelism.
+weights) and quantized MoE experts. Under tensor parallelism the packed weights and their scales
+are laid out as the plain weights are (sharding.py), and XLA partitions the product.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ QUANTIZATION = "compressed-tensors"
 _FIX = (
     "torchtpu serves unquantized checkpoints (bfloat16/float16/float32) and compressed-tensors int8 weight-only "
     "ones (8-bit symmetric int weights per channel or group, pack-quantized, no activation quantization, dense "
-    "layers, one device); serve the unquantized model or use another vLLM platform"
+    "layers); serve the unquantized model or use another vLLM platform"
 )
 
 
@@ -44,7 +45,7 @@ def refusal(what: str) -> ValueError:
     return ValueError(f"{what} is not supported on tpu: {_FIX}")
 
 
-def check_quantization(method: str, hf_quant_config: dict | None, tensor_parallel: int, is_moe: bool) -> None:
+def check_quantization(method: str, hf_quant_config: dict | None, is_moe: bool) -> None:
     """One-line ValueError unless the checkpoint is what `TpuW8A16LinearKernel` computes."""
     if method != QUANTIZATION:
         raise refusal(f"quantization={method!r}")
@@ -69,8 +70,6 @@ def check_quantization(method: str, hf_quant_config: dict | None, tensor_paralle
         raise refusal("a quantized KV cache (kv_cache_scheme)")
     if is_moe:
         raise refusal("a quantized Mixture-of-Experts model")
-    if tensor_parallel > 1:
-        raise refusal(f"quantized weights with tensor_parallel_size={tensor_parallel}")
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ each hold a slice of:
 
 - column-parallel linears: the output dim over "tp" (weight dim 0, bias dim 0);
 - row-parallel linears: the input dim over "tp" (weight dim 1);
+- the same for an int8 weight-only layer's packed weight and its scales (quant.py): rows, or input
+  columns (four to a packed word, whole groups of the per-group scales);
 - the LM head: the vocabulary over "tp";
 - embedding tables: the hidden dim over "tp" (a lookup then reads only local columns).
 
@@ -66,11 +68,20 @@ def tensor_parallel_mesh(n: int):
     return init_device_mesh("tpu", (n,), mesh_dim_names=(TP_AXIS,), devices=devices[:n])
 
 
+# A linear layer's parameters that hold its weight's rows (output channels) and columns (inputs): the
+# plain weight, and int8 weight-only checkpoints' packed words [out, in / 4] and scales [out, groups]
+# (quant.py). Per-channel scales [out, 1] have no column to split: the divisibility rule keeps them
+# whole. `weight_shape` (the unpacked shape, two integers) is not a weight.
+_WEIGHTS = ("weight", "weight_packed", "weight_scale")
+# parameters whose rows a fused layer's shard-major order moves (reorder_loaded_weights)
+_ROWS = ("weight", "weight_packed", "weight_scale", "bias")
+
+
 def _split_dim(module: torch.nn.Module, name: str) -> int | None:
     if isinstance(module, ColumnParallelLinear):
-        return 0
+        return 0 if name in _WEIGHTS or name == "bias" else None
     if isinstance(module, RowParallelLinear):
-        return 1 if name == "weight" else None
+        return 1 if name in _WEIGHTS else None
     if isinstance(module, ParallelLMHead):
         return 0
     if isinstance(module, VocabParallelEmbedding):
@@ -133,7 +144,7 @@ def reorder_loaded_weights(model: torch.nn.Module) -> None:
         if not isinstance(forward, _ModelOrderForward):
             continue
         rows = shard_major_rows(forward.sizes, forward.n)
-        for name in ("weight", "bias"):
+        for name in _ROWS:
             p = module._parameters.get(name)
             if p is not None:
                 with torch.no_grad():
