@@ -340,3 +340,18 @@ def test_dry_run_compiles_without_allocating(tmp_path, capsys):
         if isinstance(v, torch.Tensor)
     )
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_weights_initialized_as_one_program_equal_op_by_op_initialization(tmp_path):
+    """The trainer runs the model's init_weights in fused eager (a few programs instead of one per
+    op); the weights equal, bit for bit, those of op-by-op initialization (debug mode keeps it)."""
+    from tests.train.reference import cpu_state
+    from torchtpu.train.trainer import Trainer
+
+    cfg = load_config(small_argv(tmp_path, "--validation.enable", "false"))
+    fused = cpu_state(Trainer(cfg, n_layers=N_LAYERS).model)
+    with torchtpu.eager_mode("debug"):
+        op_by_op = cpu_state(Trainer(cfg, n_layers=N_LAYERS).model)
+    assert fused.keys() == op_by_op.keys() and len(fused) > 10
+    for name, value in fused.items():
+        assert torch.equal(value, op_by_op[name]), name

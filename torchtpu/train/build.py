@@ -137,10 +137,23 @@ def parallel_model(cfg: JobConfig, mesh, dims: ParallelDims, model_args, init: b
     )
     materialize(model)
     if init:
-        with torch.no_grad():
+        with torch.no_grad(), _one_program():
             model.init_weights(buffer_device=torch.device("tpu"))
     model.train()
     return model, family, num_params, flops_per_token
+
+
+def _one_program():
+    """Fused eager for the weights' initialization, unless the user chose debug mode: the model's
+    init ops (one small program each in strict eager: 83 compiles for the debug model) recorded
+    and run as one program, with the same random numbers."""
+    import contextlib
+
+    import torchtpu
+
+    if torchtpu.get_eager_mode() != "strict":
+        return contextlib.nullcontext()
+    return torchtpu.eager_mode("fused")
 
 
 def place_tokens(mesh, vocab_size: int, x, global_rows: int):
