@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from torchtpu.models.registry import get_family
 from torchtpu.train.config.job_config import ConfigError
 from torchtpu.train.config.manager import load_config
 
@@ -18,6 +19,19 @@ from .debug_run import DEBUG_TOML
 from .reference import cpu_state, reference_run
 
 pytestmark = pytest.mark.usefixtures("keep_current_mesh")
+
+
+@pytest.fixture(autouse=True)
+def registered_families_restored():
+    """The families a test's custom import registers leave the registry with the test, so the tests
+    that walk every family after it in this process see the built-in ones."""
+    from torchtpu.models import registry
+
+    before = dict(registry.FAMILIES)
+    yield
+    registry.FAMILIES.clear()
+    registry.FAMILIES.update(before)
+
 
 USER_MODULE = os.path.join(os.path.dirname(__file__), "user_code", "my_norm.py")
 STEPS = 6
@@ -43,6 +57,8 @@ def test_a_users_op_trains_under_fsdp_with_the_reference_ops_losses(tmp_path):
 
     cfg = load_config(_argv(tmp_path, "--experimental.custom_import", USER_MODULE, "--model.name", "llama3_my_norm"))
     my_norm = sys.modules["my_norm"]
+    family = get_family("llama3_my_norm")
+    assert not family.has_hf_weights()  # no folder in torchtpu.models: no Hugging Face weights, no error
     t = Trainer(cfg)
     assert t.dims.dp_shard == 8
     assert sum(type(m) is my_norm.MyRMSNorm for m in t.model.modules()) == 2 * 2 + 1

@@ -72,7 +72,12 @@ class ModelFamily:
         (`torchtpu.models.<name>.hf`, found without importing it)."""
         import importlib.util
 
-        return bool(self.hf_adapter) and importlib.util.find_spec(f"torchtpu.models.{self.name}.hf") is not None
+        if not self.hf_adapter:
+            return False
+        try:
+            return importlib.util.find_spec(f"torchtpu.models.{self.name}.hf") is not None
+        except ModuleNotFoundError:  # a family registered from outside torchtpu has no folder here
+            return False
 
     def prepare(self, model):
         """`model` (freshly built, on any device) with the changes it needs on the tpu device."""
