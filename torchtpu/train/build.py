@@ -144,9 +144,10 @@ def parallel_model(cfg: JobConfig, mesh, dims: ParallelDims, model_args, init: b
 
 
 def _one_program():
-    """Fused eager for the weights' initialization, unless the user chose debug mode: the model's
-    init ops (one small program each in strict eager: 83 compiles for the debug model) recorded
-    and run as one program, with the same random numbers."""
+    """Fused eager for the weights' initialization, unless the user chose another mode: the model's
+    init ops (one small program each in strict eager: 78 compiles for the debug model) recorded and
+    run together, with the same random numbers, up to each point where Python reads a value
+    (PyTorch's trunc_normal_ checks one per parameter): 46 compiles."""
     import contextlib
 
     import torchtpu
