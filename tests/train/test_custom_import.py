@@ -1,6 +1,6 @@
 """`[experimental] custom_import`: the user's own module, imported while the configuration is read, registers
 a model family whose norms run the user's JAX function with a hand-written gradient as a torch op
-(torchtpu.jax_op); `torchtpu-train` trains it under FSDP over the 8 devices with the losses of plain
+(torchtpu.jax_op); the Trainer `torchtpu-train` runs trains it under FSDP over the 8 devices with the losses of plain
 PyTorch on CPU running nn.RMSNorm (the reference op). Bad values are one-line errors."""
 
 from __future__ import annotations
