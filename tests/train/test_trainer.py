@@ -342,7 +342,7 @@ def test_dry_run_compiles_without_allocating(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_weights_initialized_as_one_program_equal_op_by_op_initialization(tmp_path):
+def test_weights_initialized_in_fused_eager_equal_op_by_op_initialization(tmp_path):
     """The trainer runs the model's init_weights in fused eager (a few programs instead of one per
     op); the weights equal, bit for bit, those of op-by-op initialization (debug mode keeps it)."""
     from tests.train.reference import cpu_state

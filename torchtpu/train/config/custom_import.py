@@ -19,27 +19,23 @@ import sys
 
 from .job_config import ConfigError
 
-__all__ = ["custom_import_of", "import_custom"]
+__all__ = ["import_custom"]
 
 _KEY = ("experimental", "custom_import")
 
 
-def custom_import_of(table: dict, table_source: str | None, overrides) -> tuple[str, str] | None:
-    """(module, where it was set) of the last `[experimental] custom_import` among the TOML file's
-    table and the command line's overrides ((path, value, option) in order), or None."""
-    found = None
+def import_custom(table: dict, table_source: str | None, overrides=()) -> None:
+    """Import the module that the last `[experimental] custom_import` names, among the TOML file's
+    table and the command line's overrides ((path, value, option) in order); nothing when none does
+    or it is "". A module that cannot be found is a one-line ConfigError naming where to put it; an
+    error inside the module is the module's own, raised as is."""
+    name, source = "", None
     section = table.get("experimental") if isinstance(table, dict) else None
     if isinstance(section, dict) and isinstance(section.get("custom_import"), str):
-        found = (section["custom_import"], table_source or "<dict>")
+        name, source = section["custom_import"], table_source or "<dict>"
     for path, value, _option in overrides:
         if tuple(path) == _KEY and isinstance(value, str):
-            found = (value, "command line")
-    return found
-
-
-def import_custom(name: str, source: str) -> None:
-    """Import the module `name` names (nothing for ""). A module that cannot be found is a one-line
-    ConfigError naming where to put it; an error inside the module is the module's own, raised as is."""
+            name, source = value, "command line"
     name = name.strip()
     if not name:
         return

@@ -23,7 +23,7 @@ import tomllib
 from typing import Any
 
 from ...models.registry import model_flavors
-from .custom_import import custom_import_of, import_custom
+from .custom_import import import_custom
 from .job_config import ConfigError, JobConfig
 from .schema import TORCHTITAN_ONLY_KEYS, TORCHTITAN_ONLY_SECTIONS, Spec, fmt, section_name, section_specs, walk
 
@@ -256,9 +256,7 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
         return out
 
     data = strip_none(data, ())
-    custom = custom_import_of(data, source, ())
-    if custom is not None:
-        import_custom(*custom)
+    import_custom(data, source)
     job = data.get("job")
     if isinstance(job, dict) and "config_file" in job:
         job = dict(job)
@@ -399,9 +397,7 @@ def load_config(argv: list[str]) -> JobConfig:
     config_file, overrides = _parse_argv(list(argv))
     cfg = JobConfig()
     table = _read_toml(config_file) if config_file is not None else {}
-    custom = custom_import_of(table, config_file, overrides)
-    if custom is not None:
-        import_custom(*custom)  # the user's model families, before [model] is checked
+    import_custom(table, config_file, overrides)  # the user's model families, before [model] is checked
     if config_file is not None:
         _apply_table(cfg, table, (), config_file)
         cfg.job.config_file = config_file
