@@ -180,6 +180,7 @@ _.get_min_capability  # vLLM's linear-kernel selection asks the w8a16 kernel (to
 _.can_implement
 _.apply_weights
 _.platform_plugin
+_.general_plugin
 _.simple_compile_backend
 _.supported_dtypes
 _.validate_request

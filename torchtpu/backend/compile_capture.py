@@ -186,7 +186,7 @@ class HostWatch:
         return dtypes.torch_to_numpy(t)
 
     def check(self):
-        gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
+        collect_if_alive(self.unknown)  # temporaries of the traced step, kept alive only by reference cycles
         frozen = [t for r in self.unknown if (t := r()) is not None]
         if frozen:
             raise RuntimeError(
@@ -201,6 +201,14 @@ class HostWatch:
                 f"{', '.join(_describe(t) for t in mutated[:5])}. The change would happen once, when the step "
                 "is traced, not on every call. Keep them on tpu."
             )
+
+
+def collect_if_alive(refs: list[weakref.ref]) -> None:
+    """gc.collect() where it can change what `refs` (weak references) show: when one of them is still
+    alive, perhaps only through a reference cycle. A full collection costs 0.1-0.5 s in a process
+    with a large heap (a vLLM server, a pytest worker), and most traced steps leave nothing alive."""
+    if any(r() is not None for r in refs):
+        gc.collect()
 
 
 _NUMBER_TYPES = (int, float, bool)
@@ -300,7 +308,7 @@ def abstract_warmup(step, args, kwargs, flat):
             st.array, st.version = a, v
         before.clear()
         st = None
-        gc.collect()  # temporaries of the traced step, kept alive only by reference cycles
+        collect_if_alive(created)  # temporaries of the traced step, kept alive only by reference cycles
         for ref in created:
             st = ref()
             if st is not None:

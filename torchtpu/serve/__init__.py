@@ -28,3 +28,24 @@ def platform_plugin() -> str | None:
     if os.environ.get("TORCHTPU_VLLM", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     return PLATFORM
+
+
+def general_plugin() -> None:
+    """vLLM's general-plugin hook, run in every vLLM process before the model's config is read. On
+    torchtpu's platform, vLLM inspects a model's class (which of its interfaces the class implements)
+    in this process rather than in a fresh Python process. vLLM does it apart so that a GPU parent
+    process never initializes CUDA; the tpu device has nothing to keep uninitialized there, and the
+    fresh process costs 10-16 s of imports the first time each architecture is served on a machine
+    (vLLM caches the answer on disk after that)."""
+    from vllm.platforms import current_platform
+
+    if f"{type(current_platform).__module__}.{type(current_platform).__qualname__}" != PLATFORM:
+        return
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _in_this_process
+
+
+def _in_this_process(fn):
+    return fn()
