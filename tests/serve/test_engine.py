@@ -50,12 +50,17 @@ def _generate(llm, prompts, **params):
     return [r.outputs[0] for r in _requests(llm, prompts, **params)]
 
 
-def test_platform_is_torchtpu():
+def test_platform_is_torchtpu(served):
+    """The platform plugin chose torchtpu, and the general plugin (loaded by the engine's start) has
+    vLLM inspect model classes in this process, not in a fresh one."""
     import vllm.platforms
+    from vllm.model_executor.models import registry
 
+    import torchtpu.serve
     from torchtpu.serve.platform import TpuPlatform
 
     assert isinstance(vllm.platforms.current_platform, TpuPlatform)
+    assert registry._run_in_subprocess is torchtpu.serve._in_this_process
 
 
 def test_the_default_kv_cache_holds_max_num_seqs_sequences_of_max_model_len(served):
