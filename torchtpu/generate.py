@@ -52,6 +52,7 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
     from torchtpu.train.parallel_dims import resolve_dims
 
     family = get_family(cfg.model.name)
+    step = _checkpoint_step(checkpoint)  # a missing checkpoint is an error before the model is built
     if family.decode is None:
         raise ConfigError(
             f"[model] name = {cfg.model.name!r}: torchtpu-generate has no KV-cache decoding for this family; "
@@ -77,29 +78,46 @@ def load_for_generation(cfg, checkpoint: str, total_len: int):
         model.init_weights(buffer_device=torch.device("tpu"))  # the RoPE table; weights are overwritten
     model.eval()
 
-    from torchtpu.train.checkpoint.hf import HFCheckpointError, is_hf_folder, load_hf_into_model
+    from torchtpu.train.checkpoint.hf import HFCheckpointError, load_hf_into_model
 
     try:
-        if is_hf_folder(checkpoint):
+        if step is None:
             load_hf_into_model(checkpoint, model, args)
         else:
             from torchtpu.train.checkpoint.manager import CheckpointManager, load_model_weights, split_step_path
 
-            folder, step = split_step_path(checkpoint)
-            ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
+            ck = CheckpointManager(split_step_path(checkpoint)[0], interval=1, async_mode="sync", read_only=True)
             try:
-                step = ck.latest_step() if step is None else step
-                if step is None:
-                    raise ConfigError(
-                        f"--checkpoint {checkpoint!r}: no checkpoint (step_N folder) in it; point it at "
-                        "a torchtpu-train checkpoint folder, a step_N folder or a Hugging Face folder"
-                    )
                 load_model_weights(ck, step, model)
             finally:
                 ck.close()
     except HFCheckpointError as e:
         raise ConfigError(f"--checkpoint {checkpoint!r}: {e}") from None
     return model, mesh, tok
+
+
+def _checkpoint_step(checkpoint: str) -> int | None:
+    """The step of a torchtpu-train checkpoint that `checkpoint` names (its folder's newest, or the
+    step_N folder itself); None for a Hugging Face folder."""
+    from torchtpu.train.checkpoint.hf import is_hf_folder
+    from torchtpu.train.checkpoint.manager import CheckpointManager, split_step_path
+    from torchtpu.train.config.job_config import ConfigError
+
+    if is_hf_folder(checkpoint):
+        return None
+    folder, step = split_step_path(checkpoint)
+    if step is None:
+        ck = CheckpointManager(folder, interval=1, async_mode="sync", read_only=True)
+        try:
+            step = ck.latest_step()
+        finally:
+            ck.close()
+    if step is None:
+        raise ConfigError(
+            f"--checkpoint {checkpoint!r}: no checkpoint (step_N folder) in it; point it at "
+            "a torchtpu-train checkpoint folder, a step_N folder or a Hugging Face folder"
+        )
+    return step
 
 
 def generate(
