@@ -35,10 +35,12 @@ A quantized cache holds fp8 (`kv_dtype`: float8_e4m3fn or float8_e5m2), either t
 type or as uint8 bytes of it (vLLM allocates its fp8 caches as uint8), with one float scale for
 the keys and one for the values (`k_scale`, `v_scale`; 1.0 unless a checkpoint provides them).
 The write stores `clip(x / scale, -max, max)` rounded to the fp8 type (saturating to its largest
-finite value, as vLLM's GPU kernels do); attention reads `fp8 -> float32 x scale` (the Pallas
+finite value, as vLLM's CUDA kernels do); attention reads `fp8 -> float32 x scale` (the Pallas
 kernel converts inside the kernel, to float32 then q's dtype). Half the bytes of a bfloat16 cache
 per token. An unquantized cache (`kv_dtype=None` and a cache of a non-fp8 type) is stored and read
-as its own type.
+as its own type. The kernel loads an 8-bit cache four bytes a word, two kv heads' keys and
+values, so it takes an fp8 cache with an even number of kv heads per shard; with one, attention
+runs as the pure JAX form (logged once on a TPU host).
 
 On TPU the attention runs JAX's Pallas ragged paged attention kernel, chosen when the program
 is lowered (`jax.lax.platform_dependent`, as attention_tpu.py does for training attention);
@@ -57,6 +59,9 @@ shapes do not).
 Pallas interpret mode does not run this kernel with jax 0.10.2 (the plain interpreter fails
 discharging its masked stores, the TPU interpreter on a reshaped ref), so on CPU the kernel is
 only compiled ahead of time for TPU topologies (tests/backend/test_paged_attention.py), not run.
+Mosaic lowers the kernel for an fp8 cache with the chip generation of JAX's default device, so
+compiling that ahead of time on a host without TPUs needs `jax.default_device(<a device of the
+topology>)` around the lowering (tests/serve/test_kv_cache_dtype.py).
 
 Under tensor parallelism (a mesh with a "tp" axis over which the kv heads divide) both
 functions run per shard under `jax.shard_map`: q and the cache split over heads, the metadata
@@ -64,6 +69,8 @@ replicated; attention is independent per kv head, so no collective is needed.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +92,8 @@ __all__ = [
     "fp8_format",
     "quantize",
 ]
+
+log = logging.getLogger("torchtpu")
 
 _LANES = 128
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -345,6 +354,11 @@ def unsupported_reason(q_shape, cache_shape, q_dtype, cache_dtype) -> str | None
         return f"cache head dim {cache_shape[3]} is not a multiple of {_LANES} (allocate it with kv_cache_shape)"
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"dtype {jnp.dtype(q_dtype)} (the kernel takes float32 or bfloat16)"
+    if jnp.dtype(cache_dtype).itemsize == 1 and cache_shape[2] % 4:
+        return (
+            f"an odd number of kv heads per shard ({cache_shape[2] // 2}) in an 8-bit cache (the kernel loads "
+            "four bytes a word: two kv heads' keys and values)"
+        )
     try:
         _rpa.kernel.get_min_heads_per_blk(q_shape[1], cache_shape[2], q_dtype, cache_dtype)
     except (ValueError, AssertionError) as e:
@@ -451,6 +465,21 @@ def _pallas_attention(
     return jnp.where(real[:, None, None], out[..., :head_dim], jnp.zeros((), out.dtype))
 
 
+_FP8_FALLBACKS: set = set()
+
+
+def _note_fp8_fallback(reason: str) -> None:
+    """Log once per reason, on a TPU host, that attention over an fp8 cache runs without the kernel."""
+    if reason in _FP8_FALLBACKS or jax.default_backend() != "tpu":
+        return
+    _FP8_FALLBACKS.add(reason)
+    log.warning(
+        "torchtpu ragged paged attention over an fp8 KV cache on TPU: no Pallas kernel (%s); it runs as the "
+        "pure JAX attention",
+        reason,
+    )
+
+
 def ragged_paged_attention(
     q,
     kv_cache,
@@ -493,7 +522,10 @@ def ragged_paged_attention(
     shards = 1 if split is None or split[1] is None else dict(split[0].shape)[split[1]]
     local_q = (tokens, heads // shards, head_dim)
     local_cache = (*kv_cache.shape[:2], kv_cache.shape[2] // shards, kv_cache.shape[3])
-    use_kernel = unsupported_reason(local_q, local_cache, q.dtype, fp8 or kv_cache.dtype) is None
+    reason = unsupported_reason(local_q, local_cache, q.dtype, fp8 or kv_cache.dtype)
+    use_kernel = reason is None
+    if fp8 is not None and reason is not None:
+        _note_fp8_fallback(reason)
 
     def local(q, cache, *meta):
         if not use_kernel:
