@@ -21,8 +21,9 @@ def test_quantization_is_refused_with_the_fix(llama):
 
 
 def test_quantized_kv_cache_is_refused_with_the_fix(llama):
+    """A quantized cache other than fp8 (which serves: test_kv_cache_dtype.py)."""
     with pytest.raises(Exception, match=r"kv_cache_dtype") as info:
-        with engine(llama, kv_cache_dtype="fp8"):
+        with engine(llama, kv_cache_dtype="int8_per_token_head"):
             pass
     assert "auto" in str(info.value), str(info.value)
 

@@ -12,6 +12,13 @@ metadata of the step. The metadata is built twice:
 
 Each layer's cache is one tensor [num_blocks, block_size, 2 * num_kv_heads, head_dim], key and
 value interleaved on the head axis (torchtpu.backend.ops.nn_paged).
+
+`kv_cache_dtype="fp8"` (or "fp8_e4m3", both float8_e4m3fn, or "fp8_e5m2") quantizes the cache:
+vLLM allocates it as uint8 (one byte per element, which its KV-cache spec and the worker's
+sizing count), the write stores key / k_scale and value / v_scale in the fp8 type, saturated,
+and attention reads them back times the scales. The scales are the layer's (`_k_scale_float`,
+`_v_scale_float`: 1.0, as no checkpoint torchtpu serves carries KV-cache scales), read when the
+step is traced, so they are constants of the compiled program.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+from torchtpu.backend.ops.nn_paged import FP8_KV_CACHE_DTYPES
+
 BACKEND_NAME = "TORCHTPU_PAGED"
 # Tokens per cache block unless the user sets --block-size. vLLM asks the backend after the model
 # is built (`get_preferred_block_size`) and would otherwise take its general default (16).
@@ -38,7 +47,7 @@ PREFERRED_BLOCK_SIZE = 32
 class TpuAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32", *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -150,12 +159,13 @@ class TpuAttentionImpl(AttentionImpl[DeviceAttentionMetadata]):
         ]
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attn_type={attn_type}")
-        if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        if kv_cache_dtype not in TpuAttentionBackend.supported_kv_cache_dtypes:
             unsupported.append(f"kv_cache_dtype={kv_cache_dtype}")
         if unsupported:
             raise NotImplementedError(
                 f"torchtpu's paged attention does not support {', '.join(unsupported)}: it serves decoder "
-                "self-attention with an unquantized KV cache (kv_cache_dtype='auto')"
+                "self-attention with an unquantized KV cache (kv_cache_dtype='auto') or an fp8 one "
+                "(kv_cache_dtype='fp8', 'fp8_e4m3' or 'fp8_e5m2')"
             )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -164,6 +174,8 @@ class TpuAttentionImpl(AttentionImpl[DeviceAttentionMetadata]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
         self.kv_cache_dtype = kv_cache_dtype
+        # what the cache ops are told the cache holds: an fp8 type, or its own dtype
+        self.cache_format = kv_cache_dtype if kv_cache_dtype in FP8_KV_CACHE_DTYPES else "auto"
         self.kv_sharing_target_layer_name = None
         self.attn_type = attn_type
 
@@ -192,7 +204,10 @@ class TpuAttentionImpl(AttentionImpl[DeviceAttentionMetadata]):
         q = query.view(-1, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size)
         v = value.view(-1, self.num_kv_heads, self.head_size)
-        torch.ops.torchtpu.paged_kv_write(kv_cache, k, v, m.slot_mapping)
+        quantized = {}
+        if self.cache_format != "auto":
+            quantized = dict(kv_cache_dtype=self.cache_format, **kv_scales(layer))
+        torch.ops.torchtpu.paged_kv_write(kv_cache, k, v, m.slot_mapping, **quantized)
         out = torch.ops.torchtpu.ragged_paged_attention(
             q,
             kv_cache,
@@ -203,6 +218,22 @@ class TpuAttentionImpl(AttentionImpl[DeviceAttentionMetadata]):
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
+            **quantized,
         )
         output.view(out.shape).copy_(out)
         return output
+
+
+def kv_scales(layer) -> dict:
+    """The layer's fp8 KV-cache scales as Python floats (vLLM's attention layer keeps them as
+    `_k_scale_float` / `_v_scale_float`; 1.0 where a layer has none)."""
+    scales = {}
+    for name in ("k_scale", "v_scale"):
+        value = float(getattr(layer, f"_{name}_float", 1.0))
+        if not value > 0 or value == float("inf"):
+            raise ValueError(
+                f"torchtpu: layer {getattr(layer, 'layer_name', layer)} has {name}={value}; an fp8 KV "
+                "cache needs a positive finite scale"
+            )
+        scales[name] = value
+    return scales

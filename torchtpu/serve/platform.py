@@ -192,9 +192,15 @@ class TpuPlatform(Platform):
         spawn_if_xla_started()
 
         cache = vllm_config.cache_config
-        if not cache.user_specified_block_size:
-            from .attention import PREFERRED_BLOCK_SIZE
+        from .attention import PREFERRED_BLOCK_SIZE, TpuAttentionBackend
 
+        if cache.cache_dtype not in TpuAttentionBackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(
+                f"kv_cache_dtype={cache.cache_dtype!r} is not supported on tpu: use 'auto' (the model's dtype), "
+                "'bfloat16', 'float16', 'float32', or an fp8 cache with per-layer scales ('fp8' = 'fp8_e4m3', "
+                "'fp8_e5m2')"
+            )
+        if not cache.user_specified_block_size:
             cache.block_size = PREFERRED_BLOCK_SIZE
 
         # The model step is compiled by torchtpu (one XLA program per padding bucket), so vLLM's

@@ -10,7 +10,10 @@ vLLM's GPU worker with what differs on tpu:
   `VLLM_CPU_KVCACHE_SPACE` (GiB) when set, else no more than `max_num_seqs` sequences of
   `max_model_len` tokens can ever use, within `gpu_memory_utilization` of the host's memory less
   what this process holds, and never more than the host has available. A cache that cannot
-  hold one `max_model_len` sequence is refused at start-up in one line naming the fixes;
+  hold one `max_model_len` sequence is refused at start-up in one line naming the fixes. Every
+  figure is in bytes of vLLM's KV-cache spec, whose pages count the cache's element size (one
+  byte for an fp8 cache, kv_cache_dtype="fp8"): a given size holds twice a bfloat16 cache's
+  tokens, and the default on XLA's CPU devices holds the same tokens in half the bytes;
 - warm-up: every padding bucket's step compiled before the first request (runner.py);
 - `torchtpu_cache_stats()`: torchtpu's compile counters in the worker's process, for
   `LLM.collective_rpc("torchtpu_cache_stats")` (recompiles are visible from the front end).

@@ -31,6 +31,17 @@ back to q's head dim.
   kv_heads). All shapes are fixed (the token and sequence counts are padded buckets), so one
   compiled program serves every batch of a bucket.
 
+A quantized cache holds fp8 (`kv_dtype`: float8_e4m3fn or float8_e5m2), either typed as that fp8
+type or as uint8 bytes of it (vLLM allocates its fp8 caches as uint8), with one float scale for
+the keys and one for the values (`k_scale`, `v_scale`; 1.0 unless a checkpoint provides them).
+The write stores `clip(x / scale, -max, max)` rounded to the fp8 type (saturating to its largest
+finite value, as vLLM's CUDA kernels do); attention reads `fp8 -> float32 x scale` (the Pallas
+kernel converts inside the kernel, to float32 then q's dtype). Half the bytes of a bfloat16 cache
+per token. An unquantized cache (`kv_dtype=None` and a cache of a non-fp8 type) is stored and read
+as its own type. The kernel loads an 8-bit cache four bytes a word, two kv heads' keys and
+values, so it takes an fp8 cache with an even number of kv heads per shard; with one, attention
+runs as the pure JAX form (logged once on a TPU host).
+
 On TPU the attention runs JAX's Pallas ragged paged attention kernel, chosen when the program
 is lowered (`jax.lax.platform_dependent`, as attention_tpu.py does for training attention);
 everywhere else, and for what the kernel does not take (`unsupported_reason`: a cache head dim
@@ -48,6 +59,9 @@ shapes do not).
 Pallas interpret mode does not run this kernel with jax 0.10.2 (the plain interpreter fails
 discharging its masked stores, the TPU interpreter on a reshaped ref), so on CPU the kernel is
 only compiled ahead of time for TPU topologies (tests/backend/test_paged_attention.py), not run.
+Mosaic lowers the kernel for an fp8 cache with the chip generation of JAX's default device, so
+compiling that ahead of time on a host without TPUs needs `jax.default_device(<a device of the
+topology>)` around the lowering (tests/serve/test_kv_cache_dtype.py).
 
 Under tensor parallelism (a mesh with a "tp" axis over which the kv heads divide) both
 functions run per shard under `jax.shard_map`: q and the cache split over heads, the metadata
@@ -55,6 +69,8 @@ replicated; attention is independent per kv head, so no collective is needed.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +89,14 @@ __all__ = [
     "ragged_paged_attention_jax",
     "unsupported_reason",
     "kernel_cost",
+    "fp8_format",
+    "quantize",
 ]
 
+log = logging.getLogger("torchtpu")
+
 _LANES = 128
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _MASKED = -1e30  # a finite "minus infinity" for the online softmax (exp gives 0, never NaN)
 _CHUNK_POSITIONS = 256  # context positions per gathered chunk in the pure JAX attention
 
@@ -102,6 +123,40 @@ def _check_cache(kv_cache, head_dim: int, where: str):
             f"{where}: kv_cache head dim {kv_cache.shape[3]} is smaller than the heads' {head_dim}; "
             "allocate it with kv_cache_shape"
         )
+
+
+def fp8_format(cache_dtype, kv_dtype=None, where: str = "paged attention"):
+    """The fp8 type a cache of `cache_dtype` holds, or None for an unquantized cache: `kv_dtype`
+    when given (the cache is that fp8 type, or uint8 bytes of it), else the cache's own type if
+    it is an fp8 type."""
+    cache_dtype = jnp.dtype(cache_dtype)
+    if kv_dtype is None:
+        return cache_dtype if cache_dtype in _FP8 else None
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype not in _FP8:
+        raise ValueError(f"{where}: kv_dtype {kv_dtype} is not an fp8 type (float8_e4m3fn or float8_e5m2)")
+    if cache_dtype not in (kv_dtype, jnp.dtype(jnp.uint8)):
+        raise ValueError(
+            f"{where}: a kv_cache of {cache_dtype} cannot hold {kv_dtype}; allocate it as {kv_dtype} or uint8"
+        )
+    return kv_dtype
+
+
+def _check_scales(k_scale, v_scale, where: str):
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not 0 < float(value) < float("inf"):
+            raise ValueError(f"{where}: {name}={value}; an fp8 cache's scales are positive and finite")
+
+
+def quantize(x, scale: float, fp8):
+    """x / scale in the fp8 type `fp8`, saturated to its largest finite value (NaN stays NaN)."""
+    top = float(jnp.finfo(fp8).max)
+    return jnp.clip(x.astype(jnp.float32) / jnp.float32(scale), -top, top).astype(fp8)
+
+
+def _as_fp8(x, fp8):
+    """x (fp8 values, or uint8 bytes of them) as the fp8 type."""
+    return x if x.dtype == fp8 else lax.bitcast_convert_type(x, fp8)
 
 
 def _pad_last(x, size: int):
@@ -143,11 +198,16 @@ def _per_head_shard(fn, split, specs_in, spec_out):
 # ----------------------------------------------------------------------------- cache write
 
 
-def write_kv_cache(kv_cache, k, v, slot_mapping):
+def write_kv_cache(kv_cache, k, v, slot_mapping, *, kv_dtype=None, k_scale: float = 1.0, v_scale: float = 1.0):
     """`kv_cache` with token i's k and v written at slot `slot_mapping[i]` (negative: skipped).
-    `slot_mapping` may be longer than k (a padded bucket); its first len(k) entries are used."""
+    `slot_mapping` may be longer than k (a padded bucket); its first len(k) entries are used.
+    An fp8 cache (`kv_dtype`, see the module's docstring) gets k / k_scale and v / v_scale,
+    saturated, in its fp8 type."""
     tokens, kv_heads, head_dim = k.shape
     _check_cache(kv_cache, head_dim, "write_kv_cache")
+    fp8 = fp8_format(kv_cache.dtype, kv_dtype, "write_kv_cache")
+    if fp8 is not None:
+        _check_scales(k_scale, v_scale, "write_kv_cache")
     if v.shape != k.shape:
         raise ValueError(f"write_kv_cache: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
     if kv_cache.shape[2] != 2 * kv_heads:
@@ -160,8 +220,14 @@ def write_kv_cache(kv_cache, k, v, slot_mapping):
 
     def local(cache, k, v, slots):
         blocks, block_size, combined, dim = cache.shape
+        if fp8 is not None:
+            k, v = quantize(k, k_scale, fp8), quantize(v, v_scale, fp8)
         kv = jnp.stack([k, v], axis=2).reshape(tokens, combined, k.shape[-1])  # k, v interleaved per head
-        kv = _pad_last(kv, dim).astype(cache.dtype)
+        if fp8 is None:
+            kv = _pad_last(kv, dim).astype(cache.dtype)
+        else:  # the fp8 values, or their bytes in a uint8 cache
+            kv = _pad_last(kv, dim)
+            kv = kv if cache.dtype == fp8 else lax.bitcast_convert_type(kv, cache.dtype)
         rows = blocks * block_size
         # an index past the end is dropped (a negative one would count from the end)
         at = jnp.where(slots < 0, rows, slots)
@@ -199,10 +265,18 @@ def ragged_paged_attention_jax(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     q_tile: int = 16,
+    kv_dtype=None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
-    """Ragged paged attention in pure JAX (any platform; see the module's note on its cost)."""
+    """Ragged paged attention in pure JAX (any platform; see the module's note on its cost). An
+    fp8 cache (`kv_dtype`, see the module's docstring) is read as float32 times its scales."""
     tokens, heads, head_dim = q.shape
     _, block_size, combined, cache_dim = kv_cache.shape
+    fp8 = fp8_format(kv_cache.dtype, kv_dtype, "ragged_paged_attention")
+    if fp8 is not None:
+        _check_scales(k_scale, v_scale, "ragged_paged_attention")
+    scaled = fp8 is not None and (k_scale, v_scale) != (1.0, 1.0)
     kv_heads = combined // 2
     group = heads // kv_heads
     kv_lens, block_tables, cu_q_lens, num_seqs = (
@@ -233,7 +307,10 @@ def ragged_paged_attention_jax(
             def per_chunk(c, state):
                 m, l, acc = state
                 blocks = lax.dynamic_slice_in_dim(tables[s], c * chunk_blocks, chunk_blocks)
-                kv = kv_cache[blocks].reshape(span, kv_heads, 2, cache_dim)[..., :head_dim].astype(jnp.float32)
+                kv = kv_cache[blocks].reshape(span, kv_heads, 2, cache_dim)[..., :head_dim]
+                kv = (kv if fp8 is None else _as_fp8(kv, fp8)).astype(jnp.float32)
+                if scaled:  # dequantized: keys x k_scale, values x v_scale
+                    kv = kv * jnp.array([k_scale, v_scale], jnp.float32)[:, None]
                 p = c * span + lanes
                 allowed = mine[:, None] & (p[None, :] <= pos_t[:, None])
                 if sliding_window is not None:
@@ -277,6 +354,11 @@ def unsupported_reason(q_shape, cache_shape, q_dtype, cache_dtype) -> str | None
         return f"cache head dim {cache_shape[3]} is not a multiple of {_LANES} (allocate it with kv_cache_shape)"
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"dtype {jnp.dtype(q_dtype)} (the kernel takes float32 or bfloat16)"
+    if jnp.dtype(cache_dtype).itemsize == 1 and cache_shape[2] % 4:
+        return (
+            f"an odd number of kv heads per shard ({cache_shape[2] // 2}) in an 8-bit cache (the kernel loads "
+            "four bytes a word: two kv heads' keys and values)"
+        )
     try:
         _rpa.kernel.get_min_heads_per_blk(q_shape[1], cache_shape[2], q_dtype, cache_dtype)
     except (ValueError, AssertionError) as e:
@@ -318,8 +400,28 @@ def kernel_cost(tokens, heads, head_dim, max_seqs, pages_per_seq, page_size, com
     )
 
 
-def _pallas_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, sliding_window, soft_cap):
+def _pallas_attention(
+    q,
+    kv_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    kv_dtype=None,
+    k_scale=1.0,
+    v_scale=1.0,
+):
     tokens, heads, head_dim = q.shape
+    fp8 = fp8_format(kv_cache.dtype, kv_dtype, "ragged_paged_attention")
+    # an fp8 cache goes to the kernel as its fp8 type, which dequantizes each block it loads
+    scales = {}
+    if fp8 is not None:
+        kv_cache = _as_fp8(kv_cache, fp8)
+        scales = dict(k_scale=float(k_scale), v_scale=float(v_scale))
     _, page_size, combined, cache_dim = kv_cache.shape
     max_seqs, pages_per_seq = block_tables.shape
     qp = _pad_last(q, cache_dim)
@@ -352,6 +454,7 @@ def _pallas_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *
                 soft_cap=soft_cap,
                 num_kv_pages_per_block=pages,
                 num_queries_per_block=queries,
+                **scales,
             ),
         )
 
@@ -360,6 +463,21 @@ def _pallas_attention(q, kv_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *
     # the kernel leaves padding tokens' rows as it finds them
     real = jnp.arange(tokens) < meta[2][meta[3][0]]
     return jnp.where(real[:, None, None], out[..., :head_dim], jnp.zeros((), out.dtype))
+
+
+_FP8_FALLBACKS: set = set()
+
+
+def _note_fp8_fallback(reason: str) -> None:
+    """Log once per reason, on a TPU host, that attention over an fp8 cache runs without the kernel."""
+    if reason in _FP8_FALLBACKS or jax.default_backend() != "tpu":
+        return
+    _FP8_FALLBACKS.add(reason)
+    log.warning(
+        "torchtpu ragged paged attention over an fp8 KV cache on TPU: no Pallas kernel (%s); it runs as the "
+        "pure JAX attention",
+        reason,
+    )
 
 
 def ragged_paged_attention(
@@ -373,11 +491,16 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_dtype=None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """Ragged paged attention (see the module's docstring): the Pallas kernel on TPU, the pure
-    JAX attention elsewhere; per head shard under tensor parallelism."""
+    JAX attention elsewhere; per head shard under tensor parallelism. An fp8 cache: `kv_dtype`,
+    `k_scale`, `v_scale` as for write_kv_cache."""
     tokens, heads, head_dim = q.shape
     _check_cache(kv_cache, head_dim, "ragged_paged_attention")
+    fp8 = fp8_format(kv_cache.dtype, kv_dtype, "ragged_paged_attention")
     kv_heads = kv_cache.shape[2] // 2
     if heads % kv_heads:
         raise ValueError(f"ragged_paged_attention: {heads} query heads are not a multiple of {kv_heads} kv heads")
@@ -393,11 +516,16 @@ def ragged_paged_attention(
     if soft_cap is not None and soft_cap == 0:
         raise ValueError("ragged_paged_attention: soft_cap=0 caps every score at 0; pass None for no cap")
     options = dict(sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
+    if fp8 is not None:
+        options.update(kv_dtype=fp8, k_scale=float(k_scale), v_scale=float(v_scale))
     split = _head_split(kv_heads, q, kv_cache)
     shards = 1 if split is None or split[1] is None else dict(split[0].shape)[split[1]]
     local_q = (tokens, heads // shards, head_dim)
     local_cache = (*kv_cache.shape[:2], kv_cache.shape[2] // shards, kv_cache.shape[3])
-    use_kernel = unsupported_reason(local_q, local_cache, q.dtype, kv_cache.dtype) is None
+    reason = unsupported_reason(local_q, local_cache, q.dtype, fp8 or kv_cache.dtype)
+    use_kernel = reason is None
+    if fp8 is not None and reason is not None:
+        _note_fp8_fallback(reason)
 
     def local(q, cache, *meta):
         if not use_kernel:
