@@ -2,7 +2,8 @@
 `Qwen3MoeForCausalLM` and its `FusedMoE` layer, 8 experts, top-2, renormalised) gives
 transformers' greedy tokens on one device and under tensor parallelism, where its experts lie
 split on their intermediate dim as vLLM's FusedMoE splits them over its ranks. Expert parallelism and
-gpt-oss (attention sinks) are refused at start-up."""
+gpt-oss (attention sinks) are refused at start-up. The counting sort that groups the rows by expert
+equals a stable argsort and has a time in XLA's TPU cost model."""
 
 from __future__ import annotations
 
@@ -107,3 +108,33 @@ def test_gpt_oss_is_refused_naming_its_attention_sinks(tmp_path):
         eos_token_id=EOS,
     )
     assert_refused_at_start(config, tmp_path, r"paged attention does not support sinks")
+
+
+def test_expert_order_is_a_stable_sort_by_expert_that_xla_can_time_on_tpu():
+    """`_expert_order` (the counting sort of the (token, k) rows by expert) equals PyTorch's stable
+    argsort on CPU, on tpu, and compiled ahead of time for v6e its program has a time in XLA's cost
+    model, which PyTorch's 64-bit argsort and scatter-add indices left without one (the MoE serving
+    dry run's step estimate depends on it)."""
+    from torch.distributed.tensor import Replicate
+
+    import torchtpu
+    from torchtpu.distributed import empty, init_device_mesh, topology
+    from torchtpu.serve.moe import _expert_order
+
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, 16, (300,), generator=gen, dtype=torch.int32)
+    want = flat.long().argsort(stable=True)
+    for device in ("cpu", "tpu"):
+        pos, order, ends = (t.cpu() for t in _expert_order(flat.to(device), 16))
+        assert torch.equal(order.long(), want) and torch.equal(pos.long(), want.argsort()), device
+        assert torch.equal(ends.long(), torch.bincount(flat.long(), minlength=16).cumsum(0)), device
+
+    if not topology.libtpu_available():
+        pytest.skip("libtpu is not installed (pip install 'torchtpu[tpu]')")
+    mesh = init_device_mesh("tpu", (1,), mesh_dim_names=("tp",), devices=topology.topology_devices("v6e:2x2")[:1])
+    ids = empty((64 * 8,), torch.int32, mesh=mesh, placements=[Replicate()])
+    with topology.costing_compiles(mesh.jax_mesh):
+        compiled = torchtpu.compile(lambda f: _expert_order(f, 128)).compile_for(ids)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert float(cost["optimal_seconds"]) > 0, cost
