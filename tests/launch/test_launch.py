@@ -261,12 +261,19 @@ def test_kill_one_host_no_restarts_stops_the_job(tmp_path):
 SHORT = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
+# Full recomputation, which turns the layer scan on, and with it the blocks' stacked parameter storage
+# (one [n_blocks, ...] array per slot, the blocks' Parameters its rows)
+FULL = ["--activation_checkpoint.mode", "full"]
+
+
 @pytest.fixture(scope="module")
 def runs_8(tmp_path_factory):
-    """The same 4 steps (checkpoints at 2 and 4) on 1 process x 8 devices and on 2 hosts x 4 devices."""
+    """The same 4 steps (checkpoints at 2 and 4) on 1 process x 8 devices and on 2 hosts x 4 devices,
+    the 2-host job with the layer scan (FULL): one job checks both that the host split and that the
+    scan change nothing. The 2-host jobs that resume below run without it."""
     tmp = tmp_path_factory.mktemp("shape8")
     run_to_end(single(tmp, "one_by_8", 8, SHORT))
-    text = run_to_end(launch(tmp, "two_by_4", 2, 4, SHORT))
+    text = run_to_end(launch(tmp, "two_by_4", 2, 4, SHORT + FULL))
     return tmp, text
 
 
@@ -278,16 +285,23 @@ def _resume_from(tmp: Path, src: str, dst: str, step: int) -> Path:
     return tmp / dst
 
 
-def test_two_hosts_of_4_devices_match_one_process_of_8(runs_8):
+def test_two_hosts_of_4_devices_with_the_layer_scan_match_one_process_of_8_without_it(runs_8):
     # Every row of the global batch is its own data stream, read by whichever process holds that row,
-    # so the host split changes nothing but the order of the floating-point reductions.
+    # so the host split changes nothing but the order of the floating-point reductions; across 2
+    # processes the scanned blocks train and evaluate as the unscanned ones do. The evaluation at
+    # step 1 is a program that XLA:CPU would run with concurrent collectives under a loop on 2 CPU
+    # hosts (scan.loop_unrolled says why).
     tmp, text = runs_8
     assert "[host 0] " in text and "[host 1] " in text
+    assert "layer scan: the blocks run unrolled" in text, text[-3000:]
     for host in (0, 1):
         assert (tmp / "two_by_4" / "logs" / "attempt_1" / f"host_{host}.stdout.log").is_file()
     got, want = losses(tmp / "two_by_4"), losses(tmp / "one_by_8")
     assert sorted(got) == [1, 2, 3, 4]
     assert_losses_close(got, want, [1, 2, 3, 4], rtol=1e-5)
+    got_val, want_val = validation_losses(tmp / "two_by_4"), validation_losses(tmp / "one_by_8")
+    assert 1 in want_val and sorted(got_val) == sorted(want_val), (got_val, want_val)
+    assert_losses_close(got_val, want_val, sorted(want_val), rtol=1e-5)
 
 
 def test_checkpoint_of_1x8_resumes_on_2x4(runs_8):
@@ -318,29 +332,16 @@ def test_fsdp8_checkpoint_resumes_on_tp2_fsdp4(runs_8):
     assert_losses_close(got, losses(tmp / "one_by_8"), [3, 4], rtol=1e-5)
 
 
-def test_two_hosts_with_the_layer_scan_match_and_resume_on_1x8_without_it(runs_8):
-    # Full recomputation turns the layer scan on, and with it the blocks' stacked parameter storage
-    # (one [n_blocks, ...] array per slot, the blocks' Parameters its rows): across 2 processes it
-    # trains and evaluates as the unscanned job does, and its checkpoint (per-parameter format)
-    # resumes unscanned on 1 host: the data position is kept per row of the global batch, not per
-    # host, so it carries over. The evaluation at step 1 is a program that XLA:CPU would run with
-    # concurrent collectives under a loop on 2 CPU hosts (scan.loop_unrolled says why).
+def test_checkpoint_of_the_scanned_2x4_job_resumes_on_1x8_without_the_scan(runs_8):
+    # The scanned job's checkpoint (per-parameter format) resumes unscanned on 1 host: the data
+    # position is kept per row of the global batch, not per host, so it carries over.
     tmp, _ = runs_8
-    full = ["--activation_checkpoint.mode", "full"]
-    text = run_to_end(launch(tmp, "two_by_4_scan", 2, 4, SHORT + full))
-    assert "[host 1] " in text
-    assert "layer scan: the blocks run unrolled" in text, text[-3000:]
-    want = losses(tmp / "one_by_8")
-    assert_losses_close(losses(tmp / "two_by_4_scan"), want, [1, 2, 3, 4], rtol=1e-5)
-    got_val, want_val = validation_losses(tmp / "two_by_4_scan"), validation_losses(tmp / "one_by_8")
-    assert 1 in want_val and sorted(got_val) == sorted(want_val), (got_val, want_val)
-    assert_losses_close(got_val, want_val, sorted(want_val), rtol=1e-5)
-    _resume_from(tmp, "two_by_4_scan", "resume_scan_1x8", 2)
+    _resume_from(tmp, "two_by_4", "resume_scan_1x8", 2)
     text = run_to_end(single(tmp, "resume_scan_1x8", 8, SHORT))
     assert re.search(r"resumed from \S+ \(step 2\)", text), text[-3000:]
     got = losses(tmp / "resume_scan_1x8")
     assert sorted(got) == [3, 4], got
-    assert_losses_close(got, want, [3, 4], rtol=1e-5)
+    assert_losses_close(got, losses(tmp / "one_by_8"), [3, 4], rtol=1e-5)
 
 
 def test_resume_with_another_global_batch_is_refused_with_the_fix(runs_8):
