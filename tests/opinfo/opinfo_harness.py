@@ -27,7 +27,7 @@ import torchtpu  # noqa: E402,F401
 for _module in (_opinfo_core, _common_utils):
     setattr(_module, "extract_test_fn", lambda: None)  # noqa: B010  (vulture reads an assignment as unused)
 
-MAX_SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_MAX_SAMPLES", "12"))
+MAX_SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_MAX_SAMPLES", "10"))
 ATOL = 1e-4
 RTOL = 1e-4
 

@@ -1,7 +1,8 @@
 """PyTorch's OpInfo database on tpu, checked against CPU.
 
-Every sample of a float32 OpInfo (up to TORCHTPU_OPINFO_MAX_SAMPLES, default 12) runs on tpu
-and its outputs are compared with CPU's (forward); for an OpInfo with autograd the same tpu run's
+Every sample of a float32 OpInfo (up to TORCHTPU_OPINFO_MAX_SAMPLES, default 10: 4,705 samples, 92%
+of the 5,124 that 12 gave) runs on tpu and its outputs are compared with CPU's (forward); for an
+OpInfo with autograd the same tpu run's
 input gradients are compared too (backward), in one test, test_forward_and_backward, which
 compiles each forward program once for both checks; test_forward covers the OpInfos without
 autograd. OpInfos listed in tests/opinfo/opinfo_known_failures.py are strict expected failures
