@@ -67,8 +67,8 @@ def _to_cpu(x):
 def _seed(seed: int) -> None:
     """`torch.manual_seed` on the two generators a sample reads, CPU's and tpu's. torch.manual_seed
     itself also seeds CUDA, XPU and MTIA, and on a build without them each of those queues a formatted
-    copy of the caller's stack for an initialization that never comes: 3 ms a call under pytest's
-    deep stack, 15% of the OpInfo tests' time at 7 seeds a sample."""
+    copy of the caller's stack for an initialization that never comes: about 1.1 ms a call 70 frames
+    deep (0.003 ms for these two), about 5% of the OpInfo tests' time at 7 seeds a sample."""
     torch.default_generator.manual_seed(seed)
     torch.tpu.manual_seed_all(seed)
 
