@@ -227,13 +227,8 @@ class TpuAttentionImpl(AttentionImpl[DeviceAttentionMetadata]):
 def kv_scales(layer) -> dict:
     """The layer's fp8 KV-cache scales as Python floats (vLLM's attention layer keeps them as
     `_k_scale_float` / `_v_scale_float`; 1.0 where a layer has none)."""
-    scales = {}
-    for name in ("k_scale", "v_scale"):
-        value = float(getattr(layer, f"_{name}_float", 1.0))
-        if not value > 0 or value == float("inf"):
-            raise ValueError(
-                f"torchtpu: layer {getattr(layer, 'layer_name', layer)} has {name}={value}; an fp8 KV "
-                "cache needs a positive finite scale"
-            )
-        scales[name] = value
+    from torchtpu.backend.ops.paged_attention import check_scales
+
+    scales = {name: float(getattr(layer, f"_{name}_float", 1.0)) for name in ("k_scale", "v_scale")}
+    check_scales(**scales, where=f"torchtpu: layer {getattr(layer, 'layer_name', layer)}")
     return scales

@@ -91,6 +91,7 @@ __all__ = [
     "kernel_cost",
     "fp8_format",
     "quantize",
+    "check_scales",
 ]
 
 log = logging.getLogger("torchtpu")
@@ -142,7 +143,8 @@ def fp8_format(cache_dtype, kv_dtype=None, where: str = "paged attention"):
     return kv_dtype
 
 
-def _check_scales(k_scale, v_scale, where: str):
+def check_scales(k_scale, v_scale, where: str):
+    """Raise unless both scales of an fp8 cache are positive and finite; `where` starts the message."""
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not 0 < float(value) < float("inf"):
             raise ValueError(f"{where}: {name}={value}; an fp8 cache's scales are positive and finite")
@@ -154,9 +156,10 @@ def quantize(x, scale: float, fp8):
     return jnp.clip(x.astype(jnp.float32) / jnp.float32(scale), -top, top).astype(fp8)
 
 
-def _as_fp8(x, fp8):
-    """x (fp8 values, or uint8 bytes of them) as the fp8 type."""
-    return x if x.dtype == fp8 else lax.bitcast_convert_type(x, fp8)
+def _viewed_as(x, dtype):
+    """x's bytes as `dtype` of the same width (fp8 values as uint8 bytes, or back); x itself if it
+    is of that dtype."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def _pad_last(x, size: int):
@@ -207,7 +210,7 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, kv_dtype=None, k_scale: floa
     _check_cache(kv_cache, head_dim, "write_kv_cache")
     fp8 = fp8_format(kv_cache.dtype, kv_dtype, "write_kv_cache")
     if fp8 is not None:
-        _check_scales(k_scale, v_scale, "write_kv_cache")
+        check_scales(k_scale, v_scale, "write_kv_cache")
     if v.shape != k.shape:
         raise ValueError(f"write_kv_cache: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
     if kv_cache.shape[2] != 2 * kv_heads:
@@ -226,8 +229,7 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, kv_dtype=None, k_scale: floa
         if fp8 is None:
             kv = _pad_last(kv, dim).astype(cache.dtype)
         else:  # the fp8 values, or their bytes in a uint8 cache
-            kv = _pad_last(kv, dim)
-            kv = kv if cache.dtype == fp8 else lax.bitcast_convert_type(kv, cache.dtype)
+            kv = _viewed_as(_pad_last(kv, dim), cache.dtype)
         rows = blocks * block_size
         # an index past the end is dropped (a negative one would count from the end)
         at = jnp.where(slots < 0, rows, slots)
@@ -275,7 +277,7 @@ def ragged_paged_attention_jax(
     _, block_size, combined, cache_dim = kv_cache.shape
     fp8 = fp8_format(kv_cache.dtype, kv_dtype, "ragged_paged_attention")
     if fp8 is not None:
-        _check_scales(k_scale, v_scale, "ragged_paged_attention")
+        check_scales(k_scale, v_scale, "ragged_paged_attention")
     scaled = fp8 is not None and (k_scale, v_scale) != (1.0, 1.0)
     kv_heads = combined // 2
     group = heads // kv_heads
@@ -308,7 +310,7 @@ def ragged_paged_attention_jax(
                 m, l, acc = state
                 blocks = lax.dynamic_slice_in_dim(tables[s], c * chunk_blocks, chunk_blocks)
                 kv = kv_cache[blocks].reshape(span, kv_heads, 2, cache_dim)[..., :head_dim]
-                kv = (kv if fp8 is None else _as_fp8(kv, fp8)).astype(jnp.float32)
+                kv = (kv if fp8 is None else _viewed_as(kv, fp8)).astype(jnp.float32)
                 if scaled:  # dequantized: keys x k_scale, values x v_scale
                     kv = kv * jnp.array([k_scale, v_scale], jnp.float32)[:, None]
                 p = c * span + lanes
@@ -420,7 +422,7 @@ def _pallas_attention(
     # an fp8 cache goes to the kernel as its fp8 type, which dequantizes each block it loads
     scales = {}
     if fp8 is not None:
-        kv_cache = _as_fp8(kv_cache, fp8)
+        kv_cache = _viewed_as(kv_cache, fp8)
         scales = dict(k_scale=float(k_scale), v_scale=float(v_scale))
     _, page_size, combined, cache_dim = kv_cache.shape
     max_seqs, pages_per_seq = block_tables.shape
