@@ -50,6 +50,13 @@ def write(tmp_path: Path, name: str, text: str) -> str:
     return str(p)
 
 
+@pytest.fixture(autouse=True)
+def _own_folder(tmp_path, monkeypatch):
+    """Relative paths in the shipped configs (`./outputs/...`) land in this test's folder: a dump-folder
+    lock taken in-process is then this test's own, not one that another worker of the suite holds."""
+    monkeypatch.chdir(tmp_path)
+
+
 def run_cli(argv, capsys):
     status = cli.train_main(list(argv))
     out, err = capsys.readouterr()
