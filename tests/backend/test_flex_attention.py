@@ -12,6 +12,9 @@ sigmoid(lse - sink)).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -27,6 +30,7 @@ from torchtitan.models.attention import (
 
 import torchtpu
 from tests.conftest import assert_close_to_cpu
+from tests.processes import cpu_flags
 from torchtpu.backend.ops import flex_attention as flex_ops
 
 close = partial(assert_close_to_cpu, rtol=1e-4, atol=2e-5)
@@ -386,3 +390,33 @@ def test_torchtitan_flex_wrapper_runs_without_inductor():
     out = tpu_model(x.to("tpu"), block)
     assert torchtpu.cache_stats()["dynamo_compiles"] == before + 1
     _check_model(tpu_model, out, ref, ref_grads)
+
+
+_IMPORT_AFTER_TORCHTPU = """
+import sys, torch, torchtpu
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torchtitan.models.attention import FlexAttentionWrapper, get_causal_mask_mod
+print("inductor imported", "torch._inductor.compile_fx" in sys.modules)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
+want = flex_attention(q, k, v, block_mask=create_block_mask(get_causal_mask_mod(), 1, None, 128, 128, device="cpu"))
+mask = create_block_mask(get_causal_mask_mod(), 1, None, 128, 128, device="tpu")
+attend = lambda q, k, v: FlexAttentionWrapper()(q, k, v, block_mask=mask)
+t = [x.to("tpu") for x in (q, k, v)]
+traced = torch.compile(attend, backend="tpu", fullgraph=True)(*t)  # dynamo first: nothing compiled it yet
+print("traced", (traced.cpu() - want).abs().max().item() < 1e-5, torchtpu.cache_stats()["dynamo_compiles"])
+print("eager", (attend(*t).cpu() - want).abs().max().item() < 1e-5)
+"""
+
+
+def test_torchtitan_attention_imported_after_torchtpu_compiles_its_wrappers_at_their_first_call():
+    """torchtitan.models.attention builds inductor-backed compiled functions in its class bodies
+    (1.4 s of importing inductor's compiler in every torchtpu-train process). Imported after
+    torchtpu, they are compiled at their first call: the import leaves inductor out, and the wrapper
+    still works under dynamo (fullgraph, before any eager call compiled it) and eagerly."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1))
+    p = subprocess.run([sys.executable, "-c", _IMPORT_AFTER_TORCHTPU], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "inductor imported False" in p.stdout and "traced True 1" in p.stdout and "eager True" in p.stdout, (
+        p.stdout + p.stderr[-3000:]
+    )

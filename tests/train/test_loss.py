@@ -272,9 +272,10 @@ def test_trainer_chunked_loss_matches_plain_loss_sharded(tmp_path, _keep_current
 def test_fused_chunks_run_one_at_a_time_on_tpu(monkeypatch):
     """The chunks are independent, so XLA's scheduler may start every chunk's logits before any
     chunk's gradients are done and hold them all. The loss orders them (`_after`). Compiled ahead
-    of time for v5p:2x2x1 (FSDP 4, bf16 parameters; 8 chunks of 1024 positions, each chunk's logits
-    f32 [4096, 4096] per chip, 64 MiB): the program needs at least two chunks' logits less memory
-    than the same loss without the ordering (measured: 133 against 359 MiB of temporaries)."""
+    of time for v5p:2x2x1 (FSDP 4, bf16 parameters; 8 chunks of 512 positions, each chunk's logits
+    f32 [2048, 2048] per chip, 16 MiB): the program needs at least two chunks' logits less memory
+    than the same loss without the ordering (measured: 27 against 78 MiB of temporaries; at 4x the
+    sizes, 133 against 359 MiB, for twice the compile time)."""
     import torchtpu.train.loss as loss_module
     from torchtpu.distributed import empty, fully_shard, init_device_mesh, materialize, topology
     from torchtpu.models.llama3.parallelize import batch_placements
@@ -282,7 +283,7 @@ def test_fused_chunks_run_one_at_a_time_on_tpu(monkeypatch):
     if not topology.libtpu_available():
         pytest.skip("libtpu is not installed (pip install 'torchtpu[tpu]')")
     mesh = init_device_mesh("tpu", (4,), mesh_dim_names=("dp_shard",), devices=topology.topology_devices("v5p:2x2x1"))
-    vocab, dim, seq, chunk = 16384, 512, 8192, 1024
+    vocab, dim, seq, chunk = 8192, 256, 4096, 512
 
     def temporaries():
         with torch.device("meta"):
@@ -306,5 +307,5 @@ def test_fused_chunks_run_one_at_a_time_on_tpu(monkeypatch):
     ordered = temporaries()
     monkeypatch.setattr(loss_module, "_after", lambda x, done: (x, done))
     unordered = temporaries()
-    chunk_logits = 4 * chunk * (vocab // 4) * 4  # f32 logits of a chunk's 4 x 1024 tokens, a quarter of the vocabulary
+    chunk_logits = 4 * chunk * (vocab // 4) * 4  # f32 logits of 4 x `chunk` tokens, a quarter of the vocabulary
     assert ordered <= unordered - 2 * chunk_logits, (ordered / 2**20, unordered / 2**20)

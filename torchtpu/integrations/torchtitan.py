@@ -11,9 +11,18 @@
 
 Both take effect when torchtitan's module is imported (now or later: an import hook) and leave
 every other device to torchtitan's own code.
+
+And one cost of importing torchtitan, on every device: `torchtitan.models.attention` compiles its
+attention wrappers in class bodies (`torch.compile(varlen_attn, mode="max-autotune-no-cudagraphs")`),
+and building an inductor-backed compiled function imports inductor's compiler, 1.4 s of every
+process that imports torchtitan, whether or not its model ever calls them. While that module's body
+runs, `torch.compile` returns a function that compiles on its first call, with the same arguments.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 
@@ -94,8 +103,55 @@ def _patch_utils(module) -> None:
         module.get_peak_flops = _peak_flops_for_tpu(module.get_peak_flops)
 
 
+class CompiledOnFirstCall:
+    """`torch.compile(fn, **options)`, made the first time it is called (or an attribute of the compiled
+    function is read). Called inside a graph that dynamo traces, it traces `fn` itself, as dynamo does
+    with a compiled function called there."""
+
+    def __init__(self, compile, fn, options):
+        functools.update_wrapper(self, fn)
+        self._compile = compile
+        self._fn = fn
+        self._options = options
+        self._compiled = None
+
+    def compiled(self):
+        if self._compiled is None:
+            self._compiled = self._compile(self._fn, **self._options)
+        return self._compiled
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self._fn(*args, **kwargs)  # inside a graph dynamo traces: as it does a nested compiled function
+        return self.compiled()(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name in ("_compile", "_fn", "_options", "_compiled"):  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.compiled(), name)
+
+
+@contextlib.contextmanager
+def compile_on_first_call():
+    """`torch.compile(fn, ...)` gives a CompiledOnFirstCall while this is entered (a decorator use,
+    `torch.compile(...)` without a function, too)."""
+    compile = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:
+            return lambda fn: CompiledOnFirstCall(compile, fn, options)
+        return CompiledOnFirstCall(compile, model, options)
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = compile
+
+
 _PATCHES = {"torchtitan.models.moe.kernels": _patch_kernels, "torchtitan.tools.utils": _patch_utils}
+_AROUND = {"torchtitan.models.attention": compile_on_first_call}
 
 
 def install() -> None:
-    patch_on_import(_PATCHES)
+    patch_on_import(_PATCHES, _AROUND)
