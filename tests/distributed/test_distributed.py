@@ -130,6 +130,27 @@ def test_ops_keep_layouts_and_in_place_writes_keep_them():
     assert torch.allclose((w + batch).cpu(), 2.0 + batch.cpu())
 
 
+def test_random_init_of_a_sharded_tensor_draws_each_shard_on_its_device_with_the_unsharded_values():
+    """trunc_normal_/normal_/uniform_ of a sharded parameter (its initialisation) is drawn in the
+    parameter's layout: each device computes its own block, and the numbers are the ones the same
+    seed draws for an unsharded tensor."""
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    w = distribute_tensor(torch.empty(16, 32), mesh, (Replicate(),)).redistribute(mesh, (Shard(1),))
+    plain = torch.empty(16, 32, device="tpu")
+    for fill in (
+        lambda t: t.normal_(0.0, 0.02),
+        lambda t: t.uniform_(-1.0, 1.0),
+        lambda t: torch.nn.init.trunc_normal_(t, std=0.02),
+    ):
+        for t in (w, plain):
+            torch.tpu.manual_seed(11)
+            fill(t)
+        assert spec(w) == P(None, "dp") and torch.equal(w.full_tensor().cpu(), plain.cpu())
+    # the functional op behind normal_ returns its samples laid out as its input, not on one device
+    out = torch.ops.aten.normal_functional(w.to_local(), 0.0, 1.0)
+    assert spec(out) == P(None, "dp")
+
+
 # ----------------------------------------------------------------------------- tensor parallelism
 
 

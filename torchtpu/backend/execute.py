@@ -268,8 +268,9 @@ def _composite_implicit(func):
     return None
 
 
-def _trace_body(func, impl, spec, kwspec, random, *leaves):
-    """What runs inside jax.jit for one op: lowering + PyTorch's dtype rules."""
+def _trace_body(func, impl, spec, kwspec, random, *leaves, layout=None):
+    """What runs inside jax.jit for one op: lowering + PyTorch's dtype rules (and a random op's
+    `layout`: see _random_layout)."""
     STATS.misses += 1
     if LOG_RECOMPILES:
         shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
@@ -283,7 +284,28 @@ def _trace_body(func, impl, spec, kwspec, random, *leaves):
         kwargs["key"] = jax.random.wrap_key_data(key_leaf)
     with tracing():
         out = impl(args, kwargs)
-    return conform(out, expected)
+    out = conform(out, expected)
+    return out if layout is None else _laid_out(out, leaves[0].shape, layout)
+
+
+def _random_layout(leaves):
+    """The mesh layout of a random op's first argument where it is split over devices, else None.
+    The samples shaped like it are then drawn in that layout: each device computes its own block
+    (JAX's threefry draws the same numbers however they are split), not the whole tensor, which
+    a sharded parameter's initialisation would otherwise hold whole on every chip before keeping
+    its shard."""
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
+        return sharding
+    return None
+
+
+def _laid_out(out, shape, layout):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_laid_out(o, shape, layout) for o in out)
+    if isinstance(out, (jax.Array, jax.core.Tracer)) and out.shape == shape:
+        return jax.lax.with_sharding_constraint(out, layout)
+    return out
 
 
 def run(plan: OpPlan, func, args, kwargs, pending=False):
@@ -310,15 +332,15 @@ def run(plan: OpPlan, func, args, kwargs, pending=False):
         else:
             expected = expected_outputs(func, spec, kwspec, leaves[:-1] if plan.random else leaves)
         return conform(impl(args, kwargs), expected)
-    exe = _executable(plan, func, impl, spec, kwspec)
+    exe = _executable(plan, func, impl, spec, kwspec, _random_layout(leaves) if plan.random else None)
     STATS.calls += 1
     if CONFIG.sync_dispatch:
         return jax.block_until_ready(exe(*leaves))
     return exe(*leaves)
 
 
-def _executable(plan, func, impl, spec, kwspec):
-    key = (spec, kwspec)
+def _executable(plan, func, impl, spec, kwspec, layout=None):
+    key = (spec, kwspec) if layout is None else (spec, kwspec, layout)
     exes = plan.executables
     try:
         return exes[key]
@@ -327,7 +349,7 @@ def _executable(plan, func, impl, spec, kwspec):
             hash(key)
         except TypeError:
             raise NotImplementedError(f"torchtpu: unhashable static argument in {func}: {spec} {kwspec}") from None
-        exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random))
+        exe = exes[key] = jax.jit(functools.partial(_trace_body, func, impl, spec, kwspec, plan.random, layout=layout))
         return exe
 
 
@@ -342,7 +364,7 @@ def _record(plan, func, args, kwargs):
     index = device_index_of(args, kwargs)
     if plan.random:
         leaves.append(tpu_random.next_key_data(index))
-    exe = _executable(plan, func, impl, spec, kwspec)
+    exe = _executable(plan, func, impl, spec, kwspec, _random_layout(leaves) if plan.random else None)
     STATS.calls += 1
     if (index == 0 or _is_first_device(index)) and all(recordable(x) for x in leaves):
         ints = _int_returns(plan, func, exe, spec, kwspec, leaves) if plan.int_returns else ()
