@@ -15,6 +15,9 @@ vLLM's own and run on the host, as on vLLM's CPU backend. What moves to tpu is t
   parameters as its state (donated: the cache writes are in place). The logits come back to the
   host, where vLLM's sampler runs unchanged (temperature, top-p/top-k, seeds, logprobs).
 
+Under draft-model speculative decoding the draft model is loaded, cached and stepped the same way
+(draft.py): `load_tpu_model`, `pack_step` and `step_logits` serve both models.
+
 vLLM's runner computes `model.compute_logits(hidden_states[logits_indices])` after the forward;
 here that product already came out of the step, so `_model_forward` returns it wrapped
 (`StepLogits`) and the model's `compute_logits` hands it through (`_LogitsPassThrough`).
@@ -32,6 +35,7 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -39,6 +43,7 @@ import torchtpu
 
 from . import moe, quant, sharding, steps  # noqa: F401  (quant: vLLM's w8a16 kernel for tpu, registered on import)
 from .attention import DeviceAttentionMetadata, host_metadata
+from .draft import TpuDraftModelProposer
 
 logger = init_logger(__name__)
 
@@ -79,6 +84,8 @@ class TpuModelRunner(CPUModelRunner):
         self.layer_names: list[str] = []
         self._logits_indices = None
         self._restored_generators: list[int] = []
+        if isinstance(getattr(self, "drafter", None), DraftModelProposer):
+            self.drafter = TpuDraftModelProposer(vllm_config, self)
 
     def _buckets(self) -> steps.Buckets:
         return steps.Buckets(
@@ -98,10 +105,12 @@ class TpuModelRunner(CPUModelRunner):
         model = self.load_tpu_model(self.vllm_config, model_config)
         model.compute_logits = _LogitsPassThrough(model.compute_logits)
         self.model = model.eval()
+        if isinstance(getattr(self, "drafter", None), TpuDraftModelProposer):
+            self.drafter.load_model(self.model)
 
     def load_tpu_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         """Build vLLM's model of `model_config` on tpu, laid out over the mesh, with its weights
-        loaded."""
+        loaded (the target model, and a draft model under speculative decoding: draft.py)."""
         logger.info("torchtpu: loading %s onto tpu", model_config.model)
         loader = get_model_loader(vllm_config.load_config)
         # vLLM's BaseModelLoader.load_model, with the parameters laid out over the mesh between
@@ -177,7 +186,7 @@ class TpuModelRunner(CPUModelRunner):
         """A model call's inputs, made under vLLM's forward context with this backend's host
         metadata, padded to their bucket and packed in one host array: (bucket, packed).
         `logits_indices` are the rows whose logits the step returns; `one_row_per_request` gives
-        the bucket room for one row a request."""
+        the bucket room for one row a request (a draft step)."""
         host = host_metadata()
         n = host.num_actual_tokens
         longest = int(host.seq_lens.max()) if host.num_reqs else 0
@@ -255,6 +264,17 @@ class TpuModelRunner(CPUModelRunner):
             generators.update(restored)
             self._restored_generators = []
 
+    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
+        # vLLM copies a draft model's proposals from the GPU on a CUDA side stream; here the
+        # proposer hands them over on the host (draft.py), so they are copied in place.
+        drafts = self._draft_token_ids
+        self._draft_token_req_ids = self.input_batch.req_ids.copy()
+        if not torch.is_tensor(drafts):
+            return
+        num_reqs, num_drafts = drafts.shape
+        self.prev_num_spec_tokens = num_drafts
+        self.draft_token_ids_cpu[:num_reqs, :num_drafts] = 0 if zeros_only else drafts
+
     # -- warm-up
     def warming_up_model(self) -> None:
         """Compile the step of every padding bucket (or load it from the persistent cache)."""
@@ -262,9 +282,12 @@ class TpuModelRunner(CPUModelRunner):
         before = torchtpu.cache_stats()["xla_compiles"]
         for bucket in self.buckets.all():
             self.run_step(bucket, steps.empty(bucket, self.buckets.max_blocks_per_seq))
+        drafts = 0
+        if isinstance(getattr(self, "drafter", None), TpuDraftModelProposer):
+            drafts = self.drafter.model.warm_up()
         logger.info(
             "torchtpu: %d step programs ready in %.1f s (%d XLA compiles)",
-            len(self.compiled_buckets),
+            len(self.compiled_buckets) + drafts,
             time.perf_counter() - start,
             torchtpu.cache_stats()["xla_compiles"] - before,
         )
