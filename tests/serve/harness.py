@@ -1,7 +1,8 @@
 """The vLLM serving tests' harness: small random Hugging Face models, the oracle, engines.
 
 - `write_model(family, folder)`: a random 2-layer model of a family (Llama, Qwen2, Qwen3, Qwen3-MoE) saved as
-  a Hugging Face folder with torchtpu's bundled tokenizer (876 tokens; the vocabulary is 1024).
+  a Hugging Face folder with torchtpu's bundled tokenizer (876 tokens; the vocabulary is 1024);
+  `layers=1` writes its first layer only, with the same embedding and head (a draft model).
   Each family's seed was chosen so that the greedy continuations of `PROMPTS` have no near-tie:
   `greedy` reports the smallest top-1/top-2 logit gap it met, and the tests assert it stays far
   above float32 rounding, so a wrong token means a wrong result, not a coin flip.
@@ -81,9 +82,11 @@ FAMILIES = {
 }
 
 
-def write_model(family: str, folder) -> torch.nn.Module:
+def write_model(family: str, folder, layers: int | None = None) -> torch.nn.Module:
     """Save a random model of `family` with the bundled tokenizer in `folder`; returns the model
-    (transformers, CPU, float32, eval mode)."""
+    (transformers, CPU, float32, eval mode). `layers` keeps the first `layers` decoder layers of
+    that model and its embedding, final norm and head: a smaller model of the same vocabulary that
+    predicts much as the whole one does (a draft model for speculative decoding)."""
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -93,6 +96,11 @@ def write_model(family: str, folder) -> torch.nn.Module:
     config = getattr(transformers, spec.config_class)(**_COMMON, **spec.extra)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if layers is not None:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
     model.save_pretrained(folder)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=BUNDLED_TOKENIZER, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"

@@ -27,6 +27,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -113,6 +114,15 @@ class DeviceAttentionMetadata:
     block_tables: torch.Tensor  # [reqs, max_blocks_per_seq]
     cu_q_lens: torch.Tensor  # [reqs + 1]
     num_seqs: torch.Tensor  # [1]
+
+
+def host_metadata() -> HostAttentionMetadata:
+    """The host metadata of the model call under way (from vLLM's forward context)."""
+    metadata = get_forward_context().attn_metadata
+    host = next(iter(metadata.values())) if isinstance(metadata, dict) and metadata else None
+    if not isinstance(host, HostAttentionMetadata):
+        raise RuntimeError("torchtpu: a model step without the tpu attention backend's metadata")
+    return host
 
 
 class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[HostAttentionMetadata]):

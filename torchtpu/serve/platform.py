@@ -39,6 +39,8 @@ import torchtpu  # noqa: F401  (the tpu device and torch.compile's "tpu" backend
 logger = init_logger(__name__)
 
 TP_KEY = "torchtpu_tensor_parallel_size"
+# vLLM's proposers that run here: n-gram prompt lookup on the host, and a draft model on tpu (draft.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def tensor_parallel_size(vllm_config) -> int:
@@ -122,10 +124,21 @@ class TpuPlatform(Platform):
         opaque = {name: mod for name, mod in list(sys.modules.items()) if _holds_opaque_objects(mod)}
         for name in opaque:
             del sys.modules[name]
+        # vLLM-CPU's fallback for the rejection sampler's expand kernel is wrong for float outputs
+        # (expand_on_host); the CPU platform registers this one in its place.
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._expand_kernel_impl = expand_on_host
         try:
             CpuPlatform.register_triton_kernel_overrides()
         finally:
             sys.modules.update(opaque)
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share layer indices with the target's. The runner reaches every
+        # layer's cache by the layer's name; vLLM's list of them in layer order is an inventory.
+        pass
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -212,10 +225,16 @@ class TpuPlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
 
         spec = vllm_config.speculative_config
-        if model_config is not None and spec is not None and spec.method != "ngram":
+        if model_config is not None and spec is not None and spec.method not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative decoding with method={spec.method!r} is not supported on tpu: use method='ngram' "
-                "(n-gram prompt lookup), or leave speculative_config unset"
+                f"speculative decoding with method={spec.method!r} is not supported on tpu: use method='draft_model' "
+                "(a smaller model of the same vocabulary drafts) or method='ngram' (n-gram prompt lookup), or leave "
+                "speculative_config unset"
+            )
+        if model_config is not None and spec is not None and spec.parallel_drafting:
+            raise ValueError(
+                "speculative decoding with parallel_drafting=True is not supported on tpu: the draft model drafts "
+                "one token a forward there; leave parallel_drafting unset"
             )
         env = "VLLM_TPU_KVCACHE_SPACE"
         if os.environ.get(env):
@@ -281,6 +300,18 @@ def spawn_if_xla_started() -> None:
     os.environ[method] = "spawn"
 
 
+def expand_on_host(output, values, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's rejection-sampler `expand_kernel` on the host, for outputs of any dtype: each request's
+    value (`replace_from` read as `replace_to`) repeated over its draft tokens. vLLM-CPU's C++
+    fallback writes into an int64 copy of a non-int64 output and drops it, so the per-token
+    temperatures of a batch with sampled requests (float32) stayed uninitialised: the greedy
+    requests beside a sampled one then lost their target model's tokens under speculative decoding."""
+    values = values.masked_fill(values == replace_from, replace_to)
+    counts = torch.diff(cu_num_tokens.long(), prepend=torch.zeros(1, dtype=torch.long))
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
 def _holds_opaque_objects(module) -> bool:
     """Whether an attribute of `module` has a `__dict__` that is not a mapping."""
     namespace = getattr(module, "__dict__", None)
@@ -304,6 +335,11 @@ def _one_process_tensor_parallel(vllm_config) -> None:
     if not isinstance(extra, dict):
         raise ValueError("torchtpu's tensor parallelism keeps its degree in additional_config, which must be a dict")
     extra[TP_KEY] = n
-    parallel.tensor_parallel_size = 1
-    parallel.world_size = parallel.pipeline_parallel_size * parallel.prefill_context_parallel_size
-    parallel.distributed_executor_backend = "uni"
+    # A draft model (speculative decoding) is laid out over the same mesh: its vLLM layers too are
+    # built whole, in the same world of one.
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_parallel_config", None) if spec is not None else None
+    for config in [parallel] if draft is None or draft is parallel else [parallel, draft]:
+        config.tensor_parallel_size = 1
+        config.world_size = config.pipeline_parallel_size * config.prefill_context_parallel_size
+        config.distributed_executor_backend = "uni"

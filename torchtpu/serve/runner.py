@@ -15,6 +15,9 @@ vLLM's own and run on the host, as on vLLM's CPU backend. What moves to tpu is t
   parameters as its state (donated: the cache writes are in place). The logits come back to the
   host, where vLLM's sampler runs unchanged (temperature, top-p/top-k, seeds, logprobs).
 
+Under draft-model speculative decoding the draft model is loaded, cached and stepped the same way
+(draft.py): `load_tpu_model`, `pack_step` and `step_logits` serve both models.
+
 vLLM's runner computes `model.compute_logits(hidden_states[logits_indices])` after the forward;
 here that product already came out of the step, so `_model_forward` returns it wrapped
 (`StepLogits`) and the model's `compute_logits` hands it through (`_LogitsPassThrough`).
@@ -26,19 +29,21 @@ import time
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 import torchtpu
 
 from . import moe, quant, sharding, steps  # noqa: F401  (quant: vLLM's w8a16 kernel for tpu, registered on import)
-from .attention import DeviceAttentionMetadata, HostAttentionMetadata
+from .attention import DeviceAttentionMetadata, host_metadata
+from .draft import TpuDraftModelProposer
 
 logger = init_logger(__name__)
 
@@ -79,6 +84,8 @@ class TpuModelRunner(CPUModelRunner):
         self.layer_names: list[str] = []
         self._logits_indices = None
         self._restored_generators: list[int] = []
+        if isinstance(getattr(self, "drafter", None), DraftModelProposer):
+            self.drafter = TpuDraftModelProposer(vllm_config, self)
 
     def _buckets(self) -> steps.Buckets:
         return steps.Buckets(
@@ -95,13 +102,22 @@ class TpuModelRunner(CPUModelRunner):
         model_config = self.model_config
         if model_config.is_multimodal_model:
             raise NotImplementedError(f"torchtpu serves text-only models; {model_config.architecture} is multimodal")
+        model = self.load_tpu_model(self.vllm_config, model_config)
+        model.compute_logits = _LogitsPassThrough(model.compute_logits)
+        self.model = model.eval()
+        if isinstance(getattr(self, "drafter", None), TpuDraftModelProposer):
+            self.drafter.load_model(self.model)
+
+    def load_tpu_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
+        """Build vLLM's model of `model_config` on tpu, laid out over the mesh, with its weights
+        loaded (the target model, and a draft model under speculative decoding: draft.py)."""
         logger.info("torchtpu: loading %s onto tpu", model_config.model)
-        loader = get_model_loader(self.load_config)
+        loader = get_model_loader(vllm_config.load_config)
         # vLLM's BaseModelLoader.load_model, with the parameters laid out over the mesh between
         # creating the model (tpu storage is allocated on first write) and loading its weights.
         with set_default_torch_dtype(model_config.dtype):
             with self.tpu_device:
-                model = loader.create_model(vllm_config=self.vllm_config, model_config=model_config)
+                model = loader.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             if self.mesh is not None:
                 sharding.shard_model(model, self.mesh)
                 moe.shard_experts(model, self.mesh)
@@ -110,8 +126,7 @@ class TpuModelRunner(CPUModelRunner):
                 sharding.reorder_loaded_weights(model)
                 moe.reorder_loaded_experts(model)
             process_weights_after_loading(model, model_config, self.tpu_device)
-        model.compute_logits = _LogitsPassThrough(model.compute_logits)
-        self.model = model.eval()
+        return model.eval()
 
     # -- the KV cache
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
@@ -162,10 +177,17 @@ class TpuModelRunner(CPUModelRunner):
             raise NotImplementedError(
                 "torchtpu: the step takes token ids only (no input embeddings, no pipeline stages)"
             )
-        metadata = get_forward_context().attn_metadata
-        host = next(iter(metadata.values())) if isinstance(metadata, dict) and metadata else None
-        if not isinstance(host, HostAttentionMetadata):
-            raise RuntimeError("torchtpu: a model step without the tpu attention backend's metadata")
+        logits_indices = self._logits_indices.numpy()
+        bucket, packed = self.pack_step(input_ids, positions, logits_indices)
+        logits = self.run_step(bucket, packed)
+        return StepLogits(logits[: len(logits_indices)])
+
+    def pack_step(self, input_ids, positions, logits_indices, *, one_row_per_request: bool = False):
+        """A model call's inputs, made under vLLM's forward context with this backend's host
+        metadata, padded to their bucket and packed in one host array: (bucket, packed).
+        `logits_indices` are the rows whose logits the step returns; `one_row_per_request` gives
+        the bucket room for one row a request (a draft step)."""
+        host = host_metadata()
         n = host.num_actual_tokens
         longest = int(host.seq_lens.max()) if host.num_reqs else 0
         blocks = -(-longest // self.block_size)
@@ -174,8 +196,9 @@ class TpuModelRunner(CPUModelRunner):
                 f"torchtpu: a sequence of {longest} tokens needs {blocks} cache blocks of "
                 f"{self.block_size}, more than the step's block tables hold ({self.buckets.max_blocks_per_seq})"
             )
-        logits_indices = self._logits_indices.numpy()
         bucket = self.buckets.for_batch(n, host.num_reqs)
+        if one_row_per_request:
+            bucket = bucket.one_row_per_request()
         packed = steps.pack(
             bucket,
             self.buckets.max_blocks_per_seq,
@@ -187,8 +210,7 @@ class TpuModelRunner(CPUModelRunner):
             block_table=host.block_table.numpy(),
             logits_indices=logits_indices,
         )
-        logits = self.run_step(bucket, packed)
-        return StepLogits(logits[: len(logits_indices)])
+        return bucket, packed
 
     def run_step(self, bucket: steps.Bucket, packed: np.ndarray) -> torch.Tensor:
         """Run the compiled step of `bucket` on packed inputs; the logits rows, on the host."""
@@ -198,6 +220,11 @@ class TpuModelRunner(CPUModelRunner):
             return logits.cpu()
 
     def _step(self, packed: torch.Tensor, bucket: steps.Bucket) -> torch.Tensor:
+        return self.step_logits(self.model, packed, bucket)
+
+    def step_logits(self, model, packed: torch.Tensor, bucket: steps.Bucket) -> torch.Tensor:
+        """Inside a compiled step: `model`'s forward over the packed inputs (on tpu), with the
+        attention metadata every cache layer reads, and the logits of the step's logits rows."""
         x = steps.unpack(packed, bucket, self.buckets.max_blocks_per_seq)
         metadata = DeviceAttentionMetadata(
             slot_mapping=x["slot_mapping"],
@@ -209,8 +236,8 @@ class TpuModelRunner(CPUModelRunner):
         with set_forward_context(
             dict.fromkeys(self.layer_names, metadata), self.vllm_config, num_tokens=bucket.tokens, slot_mapping={}
         ):
-            hidden = self.model(input_ids=x["input_ids"], positions=x["positions"])
-            return self.model.compute_logits(hidden[x["logits_indices"]])
+            hidden = model(input_ids=x["input_ids"], positions=x["positions"])
+            return model.compute_logits(hidden[x["logits_indices"]])
 
     # -- sampling (vLLM's sampler, on the host)
     def _sample(self, logits, spec_decode_metadata):
@@ -237,31 +264,30 @@ class TpuModelRunner(CPUModelRunner):
             generators.update(restored)
             self._restored_generators = []
 
+    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
+        # vLLM copies a draft model's proposals from the GPU on a CUDA side stream; here the
+        # proposer hands them over on the host (draft.py), so they are copied in place.
+        drafts = self._draft_token_ids
+        self._draft_token_req_ids = self.input_batch.req_ids.copy()
+        if not torch.is_tensor(drafts):
+            return
+        num_reqs, num_drafts = drafts.shape
+        self.prev_num_spec_tokens = num_drafts
+        self.draft_token_ids_cpu[:num_reqs, :num_drafts] = 0 if zeros_only else drafts
+
     # -- warm-up
     def warming_up_model(self) -> None:
         """Compile the step of every padding bucket (or load it from the persistent cache)."""
         start = time.perf_counter()
         before = torchtpu.cache_stats()["xla_compiles"]
         for bucket in self.buckets.all():
-            self.run_step(bucket, _empty_step(bucket, self.buckets.max_blocks_per_seq))
+            self.run_step(bucket, steps.empty(bucket, self.buckets.max_blocks_per_seq))
+        drafts = 0
+        if isinstance(getattr(self, "drafter", None), TpuDraftModelProposer):
+            drafts = self.drafter.model.warm_up()
         logger.info(
             "torchtpu: %d step programs ready in %.1f s (%d XLA compiles)",
-            len(self.compiled_buckets),
+            len(self.compiled_buckets) + drafts,
             time.perf_counter() - start,
             torchtpu.cache_stats()["xla_compiles"] - before,
         )
-
-
-def _empty_step(bucket: steps.Bucket, max_blocks_per_seq: int) -> np.ndarray:
-    """A step of padding only: no request, every slot -1, so it writes nothing."""
-    return steps.pack(
-        bucket,
-        max_blocks_per_seq,
-        input_ids=np.zeros(0, np.int32),
-        positions=np.zeros(0, np.int32),
-        slot_mapping=np.zeros(0, np.int32),
-        seq_lens=np.zeros(0, np.int32),
-        query_start_loc=np.zeros(1, np.int32),
-        block_table=np.zeros((0, max_blocks_per_seq), np.int32),
-        logits_indices=np.zeros(0, np.int32),
-    )

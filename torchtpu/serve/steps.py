@@ -50,6 +50,11 @@ class Bucket:
     def logits_rows(self) -> int:
         return self.logits or self.reqs
 
+    def one_row_per_request(self) -> Bucket:
+        """The same token and request counts with one logits row per request (a draft model's
+        step: the proposer samples one token per request from each forward)."""
+        return dataclasses.replace(self, logits=0)
+
 
 class Buckets:
     """The padding buckets of a runner: token counts x request counts."""
@@ -155,3 +160,19 @@ def unpack(packed: torch.Tensor, bucket: Bucket, max_blocks_per_seq: int) -> dic
             continue
         out[name] = packed.narrow(0, off, int(np.prod(shape))).view(shape)
     return out
+
+
+def empty(bucket: Bucket, max_blocks_per_seq: int) -> np.ndarray:
+    """The packed inputs of a step of padding only: no request, every slot -1, so it writes nothing
+    (what warm-up runs)."""
+    return pack(
+        bucket,
+        max_blocks_per_seq,
+        input_ids=np.zeros(0, np.int32),
+        positions=np.zeros(0, np.int32),
+        slot_mapping=np.zeros(0, np.int32),
+        seq_lens=np.zeros(0, np.int32),
+        query_start_loc=np.zeros(1, np.int32),
+        block_table=np.zeros((0, max_blocks_per_seq), np.int32),
+        logits_indices=np.zeros(0, np.int32),
+    )
