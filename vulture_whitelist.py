@@ -181,6 +181,17 @@ _.can_implement
 _.apply_weights
 _.platform_plugin
 _.general_plugin
+# vLLM's draft-model speculation (torchtpu.serve.draft, runner, platform): its proposer builds the draft
+# model through _get_model, its runner copies the drafts through _copy_draft_token_ids_to_cpu and reads
+# what it sets; the platform checks the runner's caches and its triton overrides read the expand kernel
+# by name, which vLLM calls with the keyword MAX_NUM_TOKENS
+_._get_model
+_._copy_draft_token_ids_to_cpu
+_._draft_token_req_ids
+_.prev_num_spec_tokens
+_.check_runner_kv_caches_multi_layer
+_._expand_kernel_impl
+MAX_NUM_TOKENS
 _.simple_compile_backend
 _.supported_dtypes
 _.validate_request
