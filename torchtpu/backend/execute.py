@@ -291,9 +291,9 @@ def _trace_body(func, impl, spec, kwspec, random, *leaves, layout=None):
 def _random_layout(leaves):
     """The mesh layout of a random op's first argument where it is split over devices, else None.
     The samples shaped like it are then drawn in that layout: each device computes its own block
-    (JAX's threefry draws the same numbers however they are split), not the whole tensor, which
-    a sharded parameter's initialisation would otherwise hold whole on every chip before keeping
-    its shard."""
+    (JAX's threefry draws the same numbers however they are split), where XLA would otherwise
+    draw the whole tensor on one device and then split it (a sharded parameter's initialisation
+    holding the whole parameter on one chip)."""
     sharding = getattr(leaves[0], "sharding", None) if leaves else None
     if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
         return sharding

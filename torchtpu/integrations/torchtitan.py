@@ -15,8 +15,9 @@ every other device to torchtitan's own code.
 And one cost of importing torchtitan, on every device: `torchtitan.models.attention` compiles its
 attention wrappers in class bodies (`torch.compile(varlen_attn, mode="max-autotune-no-cudagraphs")`),
 and building an inductor-backed compiled function imports inductor's compiler, 1.4 s of every
-process that imports torchtitan, whether or not its model ever calls them. While that module's body
-runs, `torch.compile` returns a function that compiles on its first call, with the same arguments.
+process that imports torchtitan, whether or not its model ever calls them. Where torchtitan is imported
+after torchtpu (torchtpu-train), `torch.compile` returns, while that module's body runs, a function that
+compiles on its first call with the same arguments.
 """
 
 from __future__ import annotations
