@@ -8,6 +8,7 @@ step is (op, static args, output index[, memory order]); reading applies each op
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +110,18 @@ def write(t: TpuTensor, new) -> None:
         if _row_of(t._vw, base, st.rows) is None:
             st.array = record(_jitted_scatter(t._vw), (base, new))
         else:
-            st.array = scatter_chain(t._vw, force(base), force(new), st.rows)
+            new = force(new)  # runs the recorded graph first, which lets go of the arrays it read
+            base = force(base)
+            st.pending_array()  # the storage holds the array itself, not a Deferred around it
+            alone = sys.getrefcount(base) <= 3  # see below
+            st.array = scatter_chain(t._vw, base, new, st.rows, donate=alone)
     else:
-        st.array = scatter_chain(t._vw, storage_array(st), new, st.rows)
+        base = storage_array(st)
+        # three references: the storage, `base` and getrefcount's argument. Nothing else (a
+        # clone sharing the array, a view's cached value, a user's `to_jax`) can read the old
+        # array, so the write may update its buffer in place (donated) instead of copying it.
+        alone = sys.getrefcount(base) <= 3
+        st.array = scatter_chain(t._vw, base, new, st.rows, donate=alone)
     st.version += 1
 
 
@@ -213,10 +223,14 @@ def _read_row(base, index):
     return jax.lax.dynamic_index_in_dim(base, index, 0, keepdims=False)
 
 
-@jax.jit
-def _write_row(base, new, index):
+def _write_row_fn(base, new, index):
     new = jnp.broadcast_to(new.astype(base.dtype), base.shape[1:])
     return jax.lax.dynamic_update_index_in_dim(base, new, index, 0)
+
+
+# A row written into a stack the storage alone holds updates it in place (the base donated): a
+# copy of the whole stack per write made initialising a layer scan's rows quadratic in depth.
+_WRITE_ROW = {False: jax.jit(_write_row_fn), True: jax.jit(_write_row_fn, donate_argnums=0)}
 
 
 def run_chain(chain, base, rows: bool = False):
@@ -245,13 +259,19 @@ def _scatter_fn(chain, base, new):
 
 
 @functools.cache
-def _jitted_scatter(chain):
-    return jax.jit(functools.partial(_scatter_fn, chain), donate_argnums=())
+def _jitted_scatter(chain, donate: bool = False):
+    return jax.jit(functools.partial(_scatter_fn, chain), donate_argnums=0 if donate else ())
 
 
-def scatter_chain(chain, base, new, rows: bool = False):
+def scatter_chain(chain, base, new, rows: bool = False, donate: bool = False):
+    """`base` with `new` written through the view `chain`; `donate` gives the program `base`'s
+    buffer (the caller replaces every reference to it with the result)."""
     if STATE.trace_depth:
         return _scatter_fn(chain, base, new)
+    donate = donate and type(base) is _ArrayImpl
     row = _row_of(chain, base, rows)
-    out = _jitted_scatter(chain)(base, new) if row is None else _write_row(base, new, np.int32(row))
+    if row is None:
+        out = _jitted_scatter(chain, donate)(base, new)
+    else:
+        out = _WRITE_ROW[donate](base, new, np.int32(row))
     return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
