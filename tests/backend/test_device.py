@@ -348,3 +348,23 @@ def test_index_bounds_checked_in_debug_mode():
     finally:
         torchtpu.set_debug(False)
     x[torch.tensor([1, 3]).to("tpu")]  # in range: fine in both modes
+
+
+def test_programs_are_lowered_into_a_shared_mlir_context_renewed_after_a_bound(monkeypatch):
+    """JAX would make (and load every dialect into) an MLIR context per program; torchtpu lowers
+    programs into one context, renewed every MLIR_CONTEXT_PROGRAMS programs (torchtpu._platform),
+    and the programs lowered so compute what they did: eager ops of new shapes, against CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu import _platform
+
+    x = jnp.ones(3)
+    contexts = [jax.jit(lambda a, i=i: a * i).lower(x).compiler_ir().context for i in range(3)]
+    assert contexts[0] is contexts[1] is contexts[2]
+    monkeypatch.setattr(_platform, "MLIR_CONTEXT_PROGRAMS", 0)  # the next program starts a new one
+    assert jax.jit(lambda a: a + 5).lower(x).compiler_ir().context is not contexts[0]
+    monkeypatch.undo()
+    for n in (2, 5, 7):
+        c = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3)
+        torch.testing.assert_close((c.to("tpu").sin() * n).sum(0).cpu(), (c.sin() * n).sum(0))
