@@ -259,6 +259,22 @@ def test_kernel_is_chosen_only_where_it_applies():
     assert "tpu_custom_call" not in jax.jit(fn).lower(q, jnp.zeros((6, 16, 4, 128), jnp.bfloat16), *meta).as_text()
 
 
+def test_decode_buckets_take_smaller_query_blocks():
+    bf = jnp.bfloat16
+    # (kv pages, queries) per block for q heads, combined kv heads, head dim, page size, tokens, pages, seqs:
+    # a decode bucket (no more tokens than sequences) takes 128 // (q heads per kv head) queries a block
+    assert pa._kernel_blocks(bf, bf, 8, 2, 128, 32, 64, 64, 64) == (64, 16)  # Llama 3 70B, TP 8
+    assert pa._kernel_blocks(bf, bf, 8, 4, 128, 32, 64, 64, 64) == (64, 32)  # Llama 3 8B, TP 4
+    assert pa._kernel_blocks(bf, bf, 8, 2, 128, 32, 8, 64, 8) == (64, 8)  # never more than the tokens
+    # prefill and mixed buckets keep the library's size
+    assert pa._kernel_blocks(bf, bf, 8, 2, 128, 32, 2048, 64, 8) == (64, 32)
+    assert pa._kernel_blocks(bf, bf, 8, 2, 128, 32, 128, 64, 64) == (64, 32)
+    # the declared cost is the work of the blocks the kernel walks: half the score FLOPs at 16 queries
+    at = {bq: pa.kernel_cost(64, 8, 128, 64, 64, 32, 2, 2, 2, bq) for bq in (32, 16)}
+    assert at[16].flops * 2 == at[32].flops * 67 // 65
+    assert at[16].bytes_accessed > at[32].bytes_accessed  # two more (query block, sequence) pairs' pages
+
+
 @pytest.mark.skipif(not topology.libtpu_available(), reason="needs libtpu")
 def test_kernel_compiles_for_a_tpu_topology_under_tensor_parallelism():
     """Compiled ahead of time for v5e:2x2 with q and the cache split over 4 chips: the attention
