@@ -16,12 +16,12 @@ from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array typ
 from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
-from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
+from .execute import UnsupportedOp, device_index_of, flatten, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
 from .fused import Deferred, constrain, layout_of, record
 from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
-from .state import CONFIG, STATE
+from .state import CONFIG, STATE, STATS
 from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
 from .views import STORAGE_RELATIVE, array_of, pending_array_of, reshard, write
 
@@ -75,6 +75,18 @@ def dispatch(func, args, kwargs):
     except AttributeError:
         plan = func._tpu_plan = plan_for(func)
     try:
+        if plan.plain and not (CONFIG.eager_extras or STATE.trace_depth):
+            # The strict eager hot path: a functional op whose executable is cached for this
+            # call's argument signature runs it and wraps the result, with none of run()'s
+            # other cases (the fused and debug modes, observers, synchronous dispatch).
+            spec, kwspec, leaves = flatten(plan, args, kwargs)
+            exe = plan.executables.get((spec, kwspec))
+            if exe is not None:
+                STATS.calls += 1
+                out = exe(*leaves)
+                a0 = args[0] if args else None
+                index = a0._st.device_index if type(a0) is TpuTensor else device_index_of(args, kwargs)
+                return new_base(out, index) if type(out) is _ArrayImpl else wrap(out, index)
         kind = plan.kind
         if kind == "functional":
             out = run(plan, func, args, kwargs, pending=True)
