@@ -47,6 +47,11 @@ def test_operators_match_cpu(op, other, dtype):
     torch.testing.assert_close(got.cpu(), want, equal_nan=True)
 
 
+def test_operators_overflow_as_pytorch():
+    with pytest.raises(OverflowError, match="int too big to convert"):
+        torch.ones(3).to("tpu") + 2**70
+
+
 def test_operators_record_gradients():
     w = torch.randn(3, requires_grad=True)
     wt = w.detach().to("tpu").requires_grad_()

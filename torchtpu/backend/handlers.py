@@ -440,6 +440,8 @@ def _direct_ok(self, other) -> bool:
     t = type(other)
     if t is not TpuTensor and t not in _NUMBERS:  # bool, complex, CPU tensors...: PyTorch's route
         return False
+    if t is int and not -(1 << 63) <= other < 1 << 63:  # PyTorch's own overflow error
+        return False
     if _compiling():
         return False
     if (self.requires_grad or (t is TpuTensor and other.requires_grad)) and _grad_enabled():
