@@ -12,16 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
+import torch.autograd.profiler as _profiler
 from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
-from .execute import UnsupportedOp, device_index_of, returns, run, unsupported, wrap
+from .execute import UnsupportedOp, device_index_of, flatten, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
 from .fused import Deferred, constrain, layout_of, record
 from .optable import CUSTOM, LOWERINGS
 from .plans import OpPlan, argument, bind, plan_for
-from .state import CONFIG, STATE
+from .state import CONFIG, STATE, STATS
 from .tensor import NOT_DENSE, TpuTensor, contiguous_strides, new_base, storage_order
 from .views import STORAGE_RELATIVE, array_of, pending_array_of, reshard, write
 
@@ -75,6 +77,18 @@ def dispatch(func, args, kwargs):
     except AttributeError:
         plan = func._tpu_plan = plan_for(func)
     try:
+        if plan.plain and not (CONFIG.eager_extras or STATE.trace_depth):
+            # The strict eager hot path: a functional op whose executable is cached for this
+            # call's argument signature runs it and wraps the result, with none of run()'s
+            # other cases (the fused and debug modes, observers, synchronous dispatch).
+            spec, kwspec, leaves = flatten(plan, args, kwargs)
+            exe = plan.executables.get((spec, kwspec))
+            if exe is not None:
+                STATS.calls += 1
+                out = exe(*leaves)
+                a0 = args[0] if args else None
+                index = a0._st.device_index if type(a0) is TpuTensor else device_index_of(args, kwargs)
+                return new_base(out, index) if type(out) is _ArrayImpl else wrap(out, index)
         kind = plan.kind
         if kind == "functional":
             out = run(plan, func, args, kwargs, pending=True)
@@ -397,6 +411,74 @@ def _inplace_view(func, args, kwargs):
     t._vc = None
     t._vv = -1
     return t
+
+
+# ----------------------------------------------------------------------------- direct operators
+# `a + 1` on a tpu tensor reaches __torch_dispatch__ through PyTorch's C++ dispatcher (argument
+# parsing, the Python number wrapped as a CPU tensor and unwrapped again, the autograd and
+# Python-fallback kernels): more than half of a small op's time in strict eager mode. Where none
+# of the dispatcher's layers above the backend has anything to do (no gradient to record, no
+# mode, transform, autocast, profiler, compiler or JIT tracer watching, dispatch not disabled), the Python
+# operators of TpuTensor call the dispatcher's handler directly, with the arguments and overload
+# the C++ route gives it; otherwise they take PyTorch's own route.
+
+_NUMBERS = (int, float)
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_grad_enabled = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_autocast = torch._C._is_any_autocast_enabled
+_transforms = torch._C._are_functorch_transforms_active
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_compiling = torch.compiler.is_compiling
+_jit_tracing = torch._C._get_tracing_state
+
+
+def _direct_ok(self, other) -> bool:
+    """Whether `self <op> other` may skip PyTorch's dispatcher (see above)."""
+    t = type(other)
+    if t is not TpuTensor and t not in _NUMBERS:  # bool, complex, CPU tensors...: PyTorch's route
+        return False
+    if t is int and not -(1 << 63) <= other < 1 << 63:  # PyTorch's own overflow error
+        return False
+    if _compiling():
+        return False
+    if (self.requires_grad or (t is TpuTensor and other.requires_grad)) and _grad_enabled():
+        return False
+    return not (
+        _inference()
+        or _function_mode()
+        or _dispatch_modes()
+        or _autocast()
+        or _transforms()
+        or _excluded(_PYTHON_KEY)
+        or _jit_tracing() is not None
+        or _forward_ad._current_level >= 0
+        or _profiler._is_profiler_enabled
+    )
+
+
+def _direct(name, op):
+    route = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        if _direct_ok(self, other):
+            return dispatch(op, (self, other), _NO_KWARGS)
+        return route(self, other)
+
+    operator.__name__ = operator.__qualname__ = name
+    operator.__doc__ = route.__doc__
+    return operator
+
+
+for _name, _op in (
+    ("__add__", aten.add.Tensor),
+    ("__sub__", aten.sub.Tensor),
+    ("__mul__", aten.mul.Tensor),
+    ("__truediv__", aten.div.Tensor),
+):
+    setattr(TpuTensor, _name, _direct(_name, _op))
 
 
 # The tensor type's entry points into the dispatcher (tensor.py sits below the dispatcher).

@@ -59,6 +59,7 @@ class OpPlan:
         "like",
         "int_returns",
         "post",
+        "plain",
     )
 
 
@@ -146,6 +147,9 @@ def new_plan(func) -> OpPlan:
         p.kind = "view"
     else:
         p.kind = "functional"
+    # a functional op whose eager call is only: flatten, run the cached executable, wrap fresh
+    # tensors (handlers.dispatch's fast path)
+    p.plain = p.kind == "functional" and p.jit and not p.random and not p.like and p.post is None and not p.int_returns
     return p
 
 

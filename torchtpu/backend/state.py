@@ -69,10 +69,19 @@ class Config:
     sync_dispatch = False
     mesh_active = False  # a device mesh exists: in-place writes keep mesh layouts
 
+    # whether an eager op needs more than the strict hot path (handlers.dispatch): the debug or
+    # fused mode, synchronous dispatch, or an observer (Hooks); kept current on every setting
+    eager_extras = debug or fused
+
     def set_mode(self, mode: str) -> None:
         self.eager_mode = mode
         self.debug = mode == "debug"
         self.fused = mode == "fused"
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name != "eager_extras":
+            _note_extras()
 
 
 CONFIG = Config()
@@ -93,8 +102,18 @@ class Hooks:
     host = None  # callable(cpu tensor) -> array: a CPU tensor read by a tpu op
     create = None  # callable(storage): a storage was made
 
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        _note_extras()
+
 
 HOOKS = Hooks()
+
+
+def _note_extras() -> None:
+    hooks = globals().get("HOOKS")
+    observed = hooks is not None and (hooks.read is not None or hooks.host is not None or hooks.create is not None)
+    CONFIG.eager_extras = bool(CONFIG.debug or CONFIG.fused or CONFIG.sync_dispatch or observed)
 
 
 def is_tracing() -> bool:

@@ -90,7 +90,7 @@ class Storage:
     __slots__ = ("_array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "ident", "__weakref__")
 
     def __init__(self, array, shape, dtype, device_index):
-        self.array = array
+        self._array = array
         self.version = 0
         self.shape = shape
         self.dtype = dtype
