@@ -28,11 +28,9 @@ prims = torch.ops.prims
 
 
 def _is_weak(x) -> bool:
+    """Whether `x` is a weakly-typed JAX value: a Python number the executor traced (execute._scalar_array)."""
     if isinstance(x, (jax.Array, jax.core.Tracer)):
-        try:
-            return bool(jax.core.get_aval(x).weak_type)
-        except Exception:
-            return False
+        return bool(getattr(jax.typeof(x), "weak_type", False))
     return False
 
 
@@ -141,8 +139,12 @@ def cast(x, dt):
     return x
 
 
-def promote(*xs, float_=False, opmath=True):
-    """Cast operands to PyTorch's common dtype (floating if float_); returns (arrays, dtype)."""
+def promote(*xs, float_=False, opmath=True, scalars_in_opmath=False):
+    """Cast operands to PyTorch's common dtype (floating if float_); returns (arrays, dtype).
+
+    With `scalars_in_opmath`, a Python number operand of a half-precision op is cast straight to
+    the op's computation type (float32), as PyTorch's multiply and divide kernels read one:
+    `half_tensor * 2**40` is 0 where the tensor is 0, not 0 * inf."""
     dt = result_type(*xs)
     if float_:
         dt = _int_to_float(dt)
@@ -150,7 +152,14 @@ def promote(*xs, float_=False, opmath=True):
     if cdt == dt:
         return [None if x is None else cast(x, dt) for x in xs], dt
     # convert to the common dtype first (an int32 operand of a half op rounds to half), then widen
-    return [None if x is None else cast(x, dt).astype(_j(cdt)) for x in xs], dt
+    return [
+        None
+        if x is None
+        else cast(x, cdt)
+        if scalars_in_opmath and _operand(x)[0] == 2
+        else cast(x, dt).astype(_j(cdt))
+        for x in xs
+    ], dt
 
 
 def _is_number(x):
@@ -525,7 +534,7 @@ def rsub(self, other, alpha=1):
 
 @lower(aten.mul.Tensor, aten.mul.Scalar, prims.mul.default)
 def mul(self, other):
-    (a, b), dt = promote(self, other)
+    (a, b), dt = promote(self, other, scalars_in_opmath=True)
     if dt == torch.bool:
         return a & b
     return a * b
@@ -566,7 +575,7 @@ def _float_div_floor(a, b):
 
 @lower(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.true_divide.Scalar)
 def div(self, other):
-    (a, b), dt = promote(self, other, float_=True)
+    (a, b), dt = promote(self, other, float_=True, scalars_in_opmath=True)
     return a / b
 
 
