@@ -108,7 +108,7 @@ def write(t: TpuTensor, new) -> None:
         if base is None:
             base = storage_array(st)
         if _row_of(t._vw, base, st.rows) is None:
-            st.array = record(_jitted_scatter(t._vw), (base, new))
+            st.array = record(_jitted_scatter(t._vw, False), (base, new))
         else:
             new = force(new)  # runs the recorded graph first, which lets go of the arrays it read
             base = force(base)
