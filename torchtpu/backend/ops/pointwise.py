@@ -151,15 +151,14 @@ def promote(*xs, float_=False, opmath=True, scalars_in_opmath=False):
     cdt = _opmath(dt) if opmath else dt
     if cdt == dt:
         return [None if x is None else cast(x, dt) for x in xs], dt
-    # convert to the common dtype first (an int32 operand of a half op rounds to half), then widen
-    return [
-        None
-        if x is None
-        else cast(x, cdt)
-        if scalars_in_opmath and _operand(x)[0] == 2
-        else cast(x, dt).astype(_j(cdt))
-        for x in xs
-    ], dt
+
+    def widened(x):
+        if scalars_in_opmath and _operand(x)[0] == 2:
+            return cast(x, cdt)
+        # convert to the common dtype first (an int32 operand of a half op rounds to half), then widen
+        return cast(x, dt).astype(_j(cdt))
+
+    return [None if x is None else widened(x) for x in xs], dt
 
 
 def _is_number(x):
