@@ -64,13 +64,15 @@ def _alone(fn, args, mesh, donate=()):
     """XLA's estimated seconds for `fn` compiled alone (costing options) on `mesh`."""
     import jax
 
-    from torchtpu.distributed.topology import aot_compile, costing_compiles
+    from torchtpu.distributed.topology import aot_compile, compile_report, costing_compiles
 
     lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     with costing_compiles(mesh, memory_space_assignment=False):
         compiled = aot_compile(lowered)
-    ca = compiled.cost_analysis()
-    return float((ca[0] if isinstance(ca, list) else ca)["optimal_seconds"])
+    seconds = compile_report(compiled, mesh)["estimated_step_seconds"]
+    if seconds is None:
+        raise RuntimeError(f"XLA's cost model gives no time for {getattr(fn, '__name__', fn)} compiled alone")
+    return seconds
 
 
 def main(argv=None) -> int:
