@@ -23,41 +23,55 @@ if _launch_process(_sys.orig_argv):
         )
 
 else:
-    from ._platform import configure_jax as _configure_jax
+    import gc as _gc
 
-    _configure_jax()
+    # Importing torch, JAX and the op table allocates about a million long-lived objects: with the
+    # cyclic collector on, allocation triggers full collections that walk them all, and every later
+    # full collection (during training, and at interpreter exit) walks them again. Collect nothing
+    # while importing, then move what exists into the collector's permanent generation (gc.freeze):
+    # objects freed by reference counting are still freed; only cycles among them are left alone.
+    _gc_was_enabled = _gc.isenabled()
+    _gc.disable()
+    try:
+        from ._platform import configure_jax as _configure_jax
 
-    import torch
+        _configure_jax()
 
-    from . import backend as _backend
-    from .backend import transfer as _transfer  # noqa: F401  (registers the copy and transfer ops)
-    from .backend.ops import load_all as _load_ops
+        import torch
 
-    _backend.register_device()
-    _load_ops()
+        from . import backend as _backend
+        from .backend import transfer as _transfer  # noqa: F401  (registers the copy and transfer ops)
+        from .backend.ops import load_all as _load_ops
 
-    # Run backward on the calling thread rather than on autograd's per-device worker threads:
-    # JAX tracing is thread-local (a compiled step traces backward too), and an exception raised
-    # by a lowering on a worker thread could abort the process instead of reaching the caller.
-    torch.autograd.set_multithreading_enabled(False)
+        _backend.register_device()
+        _load_ops()
 
-    from . import distributed  # noqa: F401  (the sharding layer; registers torchtpu::shard)
-    from .integrations import dcp as _dcp
-    from .integrations import torchtitan as _torchtitan
+        # Run backward on the calling thread rather than on autograd's per-device worker threads:
+        # JAX tracing is thread-local (a compiled step traces backward too), and an exception raised
+        # by a lowering on a worker thread could abort the process instead of reaching the caller.
+        torch.autograd.set_multithreading_enabled(False)
 
-    _torchtitan.install()  # torchtitan's own trainer: its Triton MoE permutation and peak FLOPs on tpu
-    _dcp.install()  # torch.distributed.checkpoint's async saves stage tpu tensors by their values
-    from ._platform import cache_root, persistent_cache_stats, platform  # noqa: F401
-    from .backend import dynamo as _dynamo  # registers torch.compile backend "tpu"
-    from .backend import flex_attention as _flex_attention
+        from . import distributed  # noqa: F401  (the sharding layer; registers torchtpu::shard)
+        from .integrations import dcp as _dcp
+        from .integrations import torchtitan as _torchtitan
 
-    _flex_attention.install()  # FlexAttention's higher-order operators on tpu tensors
-    from .backend import TpuTensor  # noqa: F401
-    from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
-    from .backend.compile import compile  # noqa: F401
-    from .backend.jax_op import jax_op  # noqa: F401
-    from .backend.module_jax import module_from_jax, module_to_jax  # noqa: F401
-    from .backend.transfer import from_jax, to_jax  # noqa: F401
+        _torchtitan.install()  # torchtitan's own trainer: its Triton MoE permutation and peak FLOPs on tpu
+        _dcp.install()  # torch.distributed.checkpoint's async saves stage tpu tensors by their values
+        from ._platform import cache_root, persistent_cache_stats, platform  # noqa: F401
+        from .backend import dynamo as _dynamo  # registers torch.compile backend "tpu"
+        from .backend import flex_attention as _flex_attention
+
+        _flex_attention.install()  # FlexAttention's higher-order operators on tpu tensors
+        from .backend import TpuTensor  # noqa: F401
+        from .backend.activation_checkpoint import apply_activation_checkpointing, checkpoint_module  # noqa: F401
+        from .backend.compile import compile  # noqa: F401
+        from .backend.jax_op import jax_op  # noqa: F401
+        from .backend.module_jax import module_from_jax, module_to_jax  # noqa: F401
+        from .backend.transfer import from_jax, to_jax  # noqa: F401
+    finally:
+        _gc.freeze()
+        if _gc_was_enabled:
+            _gc.enable()
 
     def cache_stats() -> dict:
         """Executable cache counters.

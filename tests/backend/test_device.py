@@ -304,7 +304,12 @@ def test_platform_and_no_libtpu_noise_on_cpu_host():
         [
             sys.executable,
             "-c",
-            "import torch, torchtpu; print(torchtpu.platform()); print((torch.ones(2).to('tpu') + 1).cpu())",
+            "import gc, torch, torchtpu; print(torchtpu.platform()); print((torch.ones(2).to('tpu') + 1).cpu())\n"
+            # the device loads with the collector paused, then freezes what the imports made, and turns
+            # the collector back on; the program below ends with its objects collected at exit as usual
+            "print('gc', gc.isenabled(), gc.get_freeze_count() > 100_000)\n"
+            "step = torchtpu.compile(lambda x: (x * 2).sum())\n"
+            "print(step(torch.ones(3, device='tpu')).item())",
         ],
         capture_output=True,
         text=True,
@@ -312,8 +317,9 @@ def test_platform_and_no_libtpu_noise_on_cpu_host():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == "cpu"
+    assert out.stdout.splitlines() == ["cpu", "tensor([2., 2.])", "gc True True", "6.0"], out.stdout
     assert "TPU_WORKER_HOSTNAMES" not in out.stderr and "libtpu" not in out.stderr.lower(), out.stderr
+    assert "leaked" not in out.stderr, out.stderr  # nanobind's report of objects left alive at exit
 
 
 def test_torchtpu_platform_env_is_validated():
