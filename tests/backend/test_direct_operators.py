@@ -142,3 +142,27 @@ def test_operators_in_the_other_eager_modes(mode):
     if mode == "debug":
         with torchtpu.eager_mode("debug"), pytest.raises(FloatingPointError, match="aten.div.Tensor produced Inf"):
             torch.ones(2).to("tpu") / 0
+
+
+def test_the_pair_fast_path_flattens_as_flatten_does_and_matches_cpu():
+    """`flatten_pair` is `flatten` for the direct operators' common calls (a tpu base tensor with a
+    tpu base tensor or a traced Python number), and steps aside (None) for every other call."""
+    from torchtpu.backend.execute import flatten, flatten_pair
+
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    view = tb.t().t()  # a view: flatten reads it through its view steps
+    for op, name in ((operator.add, "add"), (operator.sub, "sub"), (operator.mul, "mul"), (operator.truediv, "div")):
+        func = getattr(torch.ops.aten, name).Tensor
+        for other, cpu_other in ((tb, b), (2, 2), (-0.5, -0.5), (view, b)):
+            for _ in range(2):  # the second call finds the executable the first one cached
+                torch.testing.assert_close(op(ta, other).cpu(), op(a, cpu_other))
+            plan = func._tpu_plan
+            found = flatten_pair(plan, ta, other)
+            if other is view:
+                assert found is None
+                continue
+            spec, kwspec, leaves = flatten(plan, (ta, other), {})
+            assert found[0] == (spec, kwspec) and plan.executables.get(found[0]) is not None
+            assert all(x is y for x, y in zip(found[1], leaves)) and len(found[1]) == len(leaves)
+    assert flatten_pair(torch.ops.aten.add.Tensor._tpu_plan, view, tb) is None

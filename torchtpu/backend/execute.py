@@ -125,6 +125,28 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
     return spec, kwspec, leaves
 
 
+def flatten_pair(plan: OpPlan, a, b):
+    """`flatten(plan, (a, b), {})` for the direct operators' common case, in fewer steps: `a` a tpu
+    base tensor and `b` one too or a Python number the op traces. Returns ((spec, kwspec), leaves),
+    or None where `flatten` itself is needed (a view, a read hook, any other argument)."""
+    arr = a._st.array
+    if arr is None or a._vw or HOOKS.read is not None:
+        return None
+    t = type(b)
+    if t is TpuTensor:
+        other = b._st.array
+        if other is None or b._vw:
+            return None
+        return _PAIR_OF_TENSORS, (arr, other)
+    kind = _DYN.get(t)
+    if kind is None or 1 not in plan.dyn_pos:
+        return None
+    return ((_T, kind), ()), (arr, _scalar_array(b, t))
+
+
+_PAIR_OF_TENSORS = ((_T, _T), ())
+
+
 def _unflat_value(s, it):
     if s is _T or s is _C:
         return next(it)

@@ -18,7 +18,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array typ
 from torch.utils._mode_utils import no_dispatch
 
 from . import dtypes
-from .execute import UnsupportedOp, device_index_of, flatten, returns, run, unsupported, wrap
+from .execute import UnsupportedOp, device_index_of, flatten, flatten_pair, returns, run, unsupported, wrap
 from .fallback import check_finite, cpu_fallback, tensor_repr
 from .fused import Deferred, constrain, layout_of, record
 from .optable import CUSTOM, LOWERINGS
@@ -459,12 +459,29 @@ def _direct_ok(self, other) -> bool:
     )
 
 
+def _pair(op, a, b):
+    """dispatch(op, (a, b)) where its strict hot path applies, with the pair's arguments
+    flattened by `flatten_pair`; anything else goes through `dispatch`."""
+    plan = getattr(op, "_tpu_plan", None)
+    if plan is not None and plan.plain and not (CONFIG.eager_extras or STATE.trace_depth):
+        found = flatten_pair(plan, a, b)
+        if found is not None:
+            exe = plan.executables.get(found[0])
+            if exe is not None:
+                STATS.calls += 1
+                out = exe(*found[1])
+                if type(out) is _ArrayImpl:
+                    return new_base(out, a._st.device_index)
+                return wrap(out, a._st.device_index)
+    return dispatch(op, (a, b), _NO_KWARGS)
+
+
 def _direct(name, op):
     route = getattr(torch.Tensor, name)
 
     def operator(self, other):
         if _direct_ok(self, other):
-            return dispatch(op, (self, other), _NO_KWARGS)
+            return _pair(op, self, other)
         return route(self, other)
 
     operator.__name__ = operator.__qualname__ = name
