@@ -25,7 +25,7 @@ if _launch_process(_sys.orig_argv):
 else:
     import gc as _gc
 
-    # Importing torch, JAX and the op table allocates about a million long-lived objects: with the
+    # Importing torch, JAX and the op table allocates about half a million long-lived objects: with the
     # cyclic collector on, allocation triggers full collections that walk them all, and every later
     # full collection (during training, and at interpreter exit) walks them again. Collect nothing
     # while importing, then move what exists into the collector's permanent generation (gc.freeze):
