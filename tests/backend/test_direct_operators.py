@@ -145,7 +145,7 @@ def test_operators_in_the_other_eager_modes(mode):
 
 
 def test_the_pair_fast_path_flattens_as_flatten_does_and_matches_cpu():
-    """`flatten_pair` is `flatten` for the direct operators' common calls (a tpu base tensor with a
+    """`flatten_pair` is `flatten` for the dispatcher's commonest calls (a tpu base tensor with a
     tpu base tensor or a traced Python number), and steps aside (None) for every other call."""
     from torchtpu.backend.execute import flatten, flatten_pair
 
@@ -158,11 +158,14 @@ def test_the_pair_fast_path_flattens_as_flatten_does_and_matches_cpu():
             for _ in range(2):  # the second call finds the executable the first one cached
                 torch.testing.assert_close(op(ta, other).cpu(), op(a, cpu_other))
             plan = func._tpu_plan
-            found = flatten_pair(plan, ta, other)
+            found = flatten_pair(plan, (ta, other))
             if other is view:
                 assert found is None
                 continue
             spec, kwspec, leaves = flatten(plan, (ta, other), {})
             assert found[0] == (spec, kwspec) and plan.executables.get(found[0]) is not None
             assert all(x is y for x, y in zip(found[1], leaves)) and len(found[1]) == len(leaves)
-    assert flatten_pair(torch.ops.aten.add.Tensor._tpu_plan, view, tb) is None
+    add = torch.ops.aten.add.Tensor._tpu_plan
+    assert flatten_pair(add, (view, tb)) is None
+    assert flatten_pair(add, (ta, tb, 2)) is None  # the alpha argument: flatten's
+    assert flatten_pair(add, (torch.tensor(2.0), tb)) is None  # a CPU tensor first

@@ -125,10 +125,16 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
     return spec, kwspec, leaves
 
 
-def flatten_pair(plan: OpPlan, a, b):
-    """`flatten(plan, (a, b), {})` for the direct operators' common case, in fewer steps: `a` a tpu
-    base tensor and `b` one too or a Python number the op traces. Returns ((spec, kwspec), leaves),
-    or None where `flatten` itself is needed (a view, a read hook, any other argument)."""
+def flatten_pair(plan: OpPlan, args):
+    """`flatten(plan, args, {})` for the commonest call, in fewer steps: two arguments, a tpu base
+    tensor and another or a Python number the op traces (`a + b`, `a * 2`). Returns
+    ((spec, kwspec), leaves), or None where `flatten` itself is needed (other arguments, a view, a
+    read hook)."""
+    if len(args) != 2:
+        return None
+    a, b = args
+    if type(a) is not TpuTensor:
+        return None
     arr = a._st.array
     if arr is None or a._vw or HOOKS.read is not None:
         return None

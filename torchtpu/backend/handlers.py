@@ -81,8 +81,12 @@ def dispatch(func, args, kwargs):
             # The strict eager hot path: a functional op whose executable is cached for this
             # call's argument signature runs it and wraps the result, with none of run()'s
             # other cases (the fused and debug modes, observers, synchronous dispatch).
-            spec, kwspec, leaves = flatten(plan, args, kwargs)
-            exe = plan.executables.get((spec, kwspec))
+            found = flatten_pair(plan, args) if not kwargs else None
+            if found is None:
+                spec, kwspec, leaves = flatten(plan, args, kwargs)
+                found = (spec, kwspec), leaves
+            key, leaves = found
+            exe = plan.executables.get(key)
             if exe is not None:
                 STATS.calls += 1
                 out = exe(*leaves)
@@ -459,29 +463,12 @@ def _direct_ok(self, other) -> bool:
     )
 
 
-def _pair(op, a, b):
-    """dispatch(op, (a, b)) where its strict hot path applies, with the pair's arguments
-    flattened by `flatten_pair`; anything else goes through `dispatch`."""
-    plan = getattr(op, "_tpu_plan", None)
-    if plan is not None and plan.plain and not (CONFIG.eager_extras or STATE.trace_depth):
-        found = flatten_pair(plan, a, b)
-        if found is not None:
-            exe = plan.executables.get(found[0])
-            if exe is not None:
-                STATS.calls += 1
-                out = exe(*found[1])
-                if type(out) is _ArrayImpl:
-                    return new_base(out, a._st.device_index)
-                return wrap(out, a._st.device_index)
-    return dispatch(op, (a, b), _NO_KWARGS)
-
-
 def _direct(name, op):
     route = getattr(torch.Tensor, name)
 
     def operator(self, other):
         if _direct_ok(self, other):
-            return _pair(op, self, other)
+            return dispatch(op, (self, other), _NO_KWARGS)
         return route(self, other)
 
     operator.__name__ = operator.__qualname__ = name
