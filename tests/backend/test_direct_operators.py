@@ -169,3 +169,23 @@ def test_the_pair_fast_path_flattens_as_flatten_does_and_matches_cpu():
     assert flatten_pair(add, (view, tb)) is None
     assert flatten_pair(add, (ta, tb, 2)) is None  # the alpha argument: flatten's
     assert flatten_pair(add, (torch.tensor(2.0), tb)) is None  # a CPU tensor first
+
+
+def test_signed_zero_and_nan_operands_are_not_confused():
+    """Python numbers become cached device scalars; 0.0 and -0.0 are one dict key but not one
+    operand (1 / -0.0 is -inf), so each must get its own, through the operators and through
+    flatten alike."""
+    a = torch.tensor([1.0, -2.0, 0.0])
+    ta = a.to("tpu")
+    for _ in range(2):
+        for z in (0.0, -0.0):
+            torch.testing.assert_close((ta / z).cpu(), a / z, equal_nan=True)
+            torch.testing.assert_close((ta * z).cpu(), a * z, equal_nan=True)
+            torch.testing.assert_close(torch.div(ta, z).cpu(), torch.div(a, z), equal_nan=True)
+            torch.testing.assert_close(torch.copysign(ta, z).cpu(), torch.copysign(a, z))
+    for c in (complex(1.0, 0.0), complex(1.0, -0.0)):
+        torch.testing.assert_close(
+            torch.sqrt(ta.to(torch.complex64) * 0 - c).cpu(), torch.sqrt(a.to(torch.complex64) * 0 - c)
+        )
+    nan = float("nan")
+    assert torch.isnan((ta + nan).cpu()).all() and torch.isnan((ta * float("nan")).cpu()).all()

@@ -11,6 +11,7 @@ computation. PyTorch's meta kernels give the output dtypes the lowering's result
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 import jax
@@ -61,13 +62,23 @@ def _scalar_array(value, kind):
     on every call costs more than the op itself."""
     if STATE.trace_depth:
         return value
-    key = (kind, value)
+    return device_scalar(value, kind)
+
+
+def device_scalar(value, kind):
+    """`_scalar_array` outside tracing: the cached device scalar of `value`, a `kind` number."""
+    # 0.0 and -0.0 are one dict key but not one operand (1 / -0.0 is -inf): a float zero, and
+    # every complex number (whose parts may be signed zeros), carry their signs in the key
+    if kind is float:
+        key = (kind, value) if value else (kind, value, math.copysign(1.0, value))
+    elif kind is complex:
+        key = (kind, value, math.copysign(1.0, value.real), math.copysign(1.0, value.imag))
+    else:
+        key = (kind, value)
     try:
         return _SCALARS[key]
     except KeyError:
         pass
-    except TypeError:
-        return value
     if len(_SCALARS) > 4096:
         _SCALARS.clear()
     arr = _SCALARS[key] = jnp.asarray(value)
