@@ -34,18 +34,13 @@ _C = "\x00C"  # a CPU tensor (0-dim scalars mixed with device tensors)
 
 
 class _Dyn:
-    """A traced Scalar argument of a given Python type."""
+    """A traced Scalar argument of a given Python type: one instance per type (`_DYN`), so it
+    hashes and compares by identity, in C (a spec holding one is hashed on every call)."""
 
     __slots__ = ("kind",)
 
     def __init__(self, kind):
         self.kind = kind
-
-    def __hash__(self):
-        return hash(self.kind)
-
-    def __eq__(self, other):
-        return type(other) is _Dyn and other.kind is self.kind
 
     def __repr__(self):
         return f"<{self.kind.__name__}>"
@@ -154,14 +149,15 @@ def flatten_pair(plan: OpPlan, args):
         other = b._st.array
         if other is None or b._vw:
             return None
-        return _PAIR_OF_TENSORS, (arr, other)
+        return PAIR_OF_TENSORS, (arr, other)
     kind = _DYN.get(t)
     if kind is None or 1 not in plan.dyn_pos:
         return None
     return ((_T, kind), ()), (arr, _scalar_array(b, t))
 
 
-_PAIR_OF_TENSORS = ((_T, _T), ())
+PAIR_OF_TENSORS = ((_T, _T), ())
+PAIR_WITH_NUMBER = {t: ((_T, _DYN[t]), ()) for t in (int, float)}
 
 
 def _unflat_value(s, it):
