@@ -49,6 +49,32 @@ class _Dyn:
 _DYN = {float: _Dyn(float), int: _Dyn(int), bool: _Dyn(bool), complex: _Dyn(complex)}
 
 
+class _Folded:
+    """A traced Scalar argument's value folded into the program (optable.lower's fold). One
+    instance per (type, value) (`folded`), so it hashes and compares by identity, and 2 and 2.0,
+    which are one dict key, stay two (an integer tensor's `** 2` is an integer, its `** 2.0` a
+    float)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return f"<folded {self.value!r}>"
+
+
+_FOLDED: dict = {}
+
+
+def folded(value) -> _Folded:
+    key = (type(value), value)
+    f = _FOLDED.get(key)
+    if f is None:
+        f = _FOLDED[key] = _Folded(value)
+    return f
+
+
 _SCALARS: dict = {}
 
 
@@ -119,13 +145,19 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
             else:
                 leaves.append(read(a))
             spec.append(_T)
+        elif i in dyn_pos and plan.fold is not None and i in plan.fold and plan.fold[i](a):
+            spec.append(folded(a))
         else:
             spec.append(_flat_value(a, leaves, i in dyn_pos, read or array_of))
         i += 1
     spec = tuple(spec)
     if kwargs:
         dyn_kw = plan.dyn_kw
-        kwspec = tuple((k, _flat_value(v, leaves, k in dyn_kw, read or array_of)) for k, v in kwargs.items())
+        fold = plan.fold or {}
+        kwspec = tuple(
+            (k, folded(v) if k in fold and fold[k](v) else _flat_value(v, leaves, k in dyn_kw, read or array_of))
+            for k, v in kwargs.items()
+        )
     else:
         kwspec = ()
     return spec, kwspec, leaves
@@ -151,7 +183,7 @@ def flatten_pair(plan: OpPlan, args):
             return None
         return PAIR_OF_TENSORS, (arr, other)
     kind = _DYN.get(t)
-    if kind is None or 1 not in plan.dyn_pos:
+    if kind is None or 1 not in plan.dyn_pos or plan.fold is not None:
         return None
     return ((_T, kind), ()), (arr, _scalar_array(b, t))
 
@@ -165,6 +197,8 @@ def _unflat_value(s, it):
         return next(it)
     if type(s) is _Dyn:
         return next(it)
+    if type(s) is _Folded:
+        return s.value
     if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
         return [_unflat_value(x, it) for x in s]
     return s
@@ -185,7 +219,7 @@ def _meta_value(s, leaf):
         return torch.empty(tuple(leaf.shape), dtype=dtypes.to_torch_dtype(leaf.dtype), device="meta")
     if type(s) is _Dyn:
         return s.kind(1)
-    return s
+    return s.value if type(s) is _Folded else s
 
 
 def _meta_args(spec, kwspec, leaves):
@@ -196,7 +230,7 @@ def _meta_args(spec, kwspec, leaves):
             return _meta_value(s, next(it))
         if type(s) is tuple and s and any(x is _T or x is _C or type(x) is _Dyn for x in s):
             return [conv(x) for x in s]
-        return s
+        return s.value if type(s) is _Folded else s
 
     args = [conv(s) for s in spec]
     kwargs = {k: conv(s) for k, s in kwspec}

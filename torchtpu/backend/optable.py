@@ -13,6 +13,10 @@ Options:
 - static: names of `Scalar` arguments that must be Python values at trace time (for example
   `arange`'s bounds, which decide the output shape). Every other Scalar is traced, so a
   changing learning rate never recompiles.
+- fold: {name: predicate} for `Scalar` arguments that are traced except for the values the
+  predicate accepts, which reach the lowering as Python numbers (folded into the program): a
+  few values for which a constant gives XLA a cheaper or exacter computation (`x ** 2` as a
+  multiplication), each one executable more.
 - jit=False: the op has a data-dependent output shape (nonzero, masked_select, unique...). It
   runs op by op on concrete arrays in eager mode and cannot be part of a compiled program.
 - random=True: the lowering takes a keyword argument `key`, a JAX PRNG key drawn from the
@@ -35,14 +39,15 @@ class Lowering:
     static: frozenset = frozenset()
     jit: bool = True
     random: bool = False
+    fold: tuple = ()  # (name, predicate) pairs
 
 
 LOWERINGS: dict = {}
 
 
-def lower(*ops, static=(), jit: bool = True, random: bool = False):
+def lower(*ops, static=(), jit: bool = True, random: bool = False, fold=None):
     def register(fn):
-        entry = Lowering(fn, frozenset(static), jit, random)
+        entry = Lowering(fn, frozenset(static), jit, random, tuple((fold or {}).items()))
         for op in ops:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 for name in op.overloads():

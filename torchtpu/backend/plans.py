@@ -60,6 +60,7 @@ class OpPlan:
         "int_returns",
         "post",
         "plain",
+        "fold",
     )
 
 
@@ -112,6 +113,12 @@ def new_plan(func) -> OpPlan:
     p.dyn_kw = frozenset(
         a.name for a in schema.arguments if _traced_type(schema, a) and a.kwarg_only and a.name not in static
     )
+    # the traced Scalars some of whose values are folded (optable.lower's fold), by position and
+    # by name (a keyword-only argument); None for the many ops with none
+    p.fold = None
+    if p.lowering and p.lowering.fold:
+        names = {a.name: (a.name if a.kwarg_only else i) for i, a in enumerate(schema.arguments)}
+        p.fold = {names[name]: keep for name, keep in p.lowering.fold}
     p.random = bool(p.lowering and p.lowering.random)
     p.jit = not (p.lowering and not p.lowering.jit)
     p.mutated = [i for i, a in enumerate(schema.arguments) if a.alias_info and a.alias_info.is_write]

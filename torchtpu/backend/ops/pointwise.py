@@ -669,7 +669,37 @@ def _pow(a, b):
     return jnp.power(a, b)
 
 
-pow_ = _binary(_pow, aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, prims.pow.default)
+pow_ = _binary(_pow, aten.pow.Tensor_Tensor, aten.pow.Scalar, prims.pow.default)
+
+# The exponents PyTorch's CPU and CUDA kernels special-case (pow_tensor_scalar_optimized_kernel)
+# are folded into the program and computed as PyTorch computes them: integer powers by
+# multiplication, 0.5 and -0.5 as square roots, exact where a general power (exp and log) is not,
+# and cheaper. So is a negative integer, which an integer tensor refuses as PyTorch does. Other
+# exponents stay traced, so one that changes from call to call never recompiles.
+_SPECIAL_EXPONENTS = frozenset({-2, -1, -0.5, 0, 0.5, 1, 2, 3})
+
+
+def _folded_exponent(value) -> bool:
+    t = type(value)
+    return (t is int or t is float) and value in _SPECIAL_EXPONENTS or (t is int and value < 0)
+
+
+@lower(aten.pow.Tensor_Scalar, fold={"exponent": _folded_exponent})
+def pow_tensor_scalar(self, exponent):
+    (a, b), _ = promote(self, exponent)
+    # a Python number: folded, or any exponent while torchtpu.compile traces (eager mode's other
+    # exponents arrive as arrays)
+    if type(exponent) in (int, float):
+        if type(exponent) is int and exponent < 0 and not jnp.issubdtype(a.dtype, jnp.inexact):
+            raise RuntimeError("Integers to negative integer powers are not allowed.")
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            if type(exponent) is int or (exponent in _SPECIAL_EXPONENTS and float(exponent).is_integer()):
+                return lax.integer_pow(a, int(exponent))
+            if exponent == 0.5:
+                return jnp.sqrt(a)
+            if exponent == -0.5:
+                return lax.rsqrt(a)
+    return _pow(a, b)
 
 
 @lower(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
