@@ -16,7 +16,16 @@ import torchtpu
 from torchtpu.backend import handlers
 from torchtpu.backend.tensor import TpuTensor
 
-OPS = [operator.add, operator.sub, operator.mul, operator.truediv]
+
+def radd(a, b):
+    return b + a  # a number or CPU tensor b: a's __radd__
+
+
+def rmul(a, b):
+    return b * a
+
+
+OPS = [operator.add, operator.sub, operator.mul, operator.truediv, radd, rmul]
 OTHERS = [1, -2.5, 0, "tensor", "int tensor", True, 3 + 1j, "cpu scalar"]
 
 
@@ -128,6 +137,8 @@ def test_the_direct_route_is_taken_only_when_nothing_watches(monkeypatch):
     t = torch.ones(3).to("tpu")
     routed.clear()
     t + 1
+    1 + t
+    2.5 * t
     assert routed == []  # straight from the operator to the handler
     t.requires_grad_()
     t + 1

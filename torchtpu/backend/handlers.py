@@ -501,11 +501,16 @@ def _direct(name, op):
     return operator
 
 
+# `2 * t` and `1 + t` reach t's reflected operators, which PyTorch answers with t's own add and
+# mul (`t.add(2)`); subtraction and division from a number are other ops (rsub, reciprocal) and
+# take PyTorch's route.
 for _name, _op in (
     ("__add__", aten.add.Tensor),
     ("__sub__", aten.sub.Tensor),
     ("__mul__", aten.mul.Tensor),
     ("__truediv__", aten.div.Tensor),
+    ("__radd__", aten.add.Tensor),
+    ("__rmul__", aten.mul.Tensor),
 ):
     setattr(TpuTensor, _name, _direct(_name, _op))
 
