@@ -135,6 +135,7 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
     """(spec, kwspec, leaves) of a call; `read` gives a tensor's leaf (default: its array)."""
     leaves = []
     dyn_pos = plan.dyn_pos
+    fold = plan.fold
     spec = []
     i = 0
     for a in args:
@@ -145,7 +146,7 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
             else:
                 leaves.append(read(a))
             spec.append(_T)
-        elif i in dyn_pos and plan.fold is not None and i in plan.fold and plan.fold[i](a):
+        elif fold is not None and i in dyn_pos and i in fold and fold[i](a):
             spec.append(folded(a))
         else:
             spec.append(_flat_value(a, leaves, i in dyn_pos, read or array_of))
@@ -153,7 +154,7 @@ def flatten(plan: OpPlan, args, kwargs, read=None):
     spec = tuple(spec)
     if kwargs:
         dyn_kw = plan.dyn_kw
-        fold = plan.fold or {}
+        fold = fold or {}
         kwspec = tuple(
             (k, folded(v) if k in fold and fold[k](v) else _flat_value(v, leaves, k in dyn_kw, read or array_of))
             for k, v in kwargs.items()
@@ -182,14 +183,15 @@ def flatten_pair(plan: OpPlan, args):
         if other is None or b._vw:
             return None
         return PAIR_OF_TENSORS, (arr, other)
-    kind = _DYN.get(t)
-    if kind is None or 1 not in plan.dyn_pos or plan.fold is not None:
+    key = PAIR_WITH_NUMBER.get(t)
+    if key is None or 1 not in plan.dyn_pos or plan.fold is not None:
         return None
-    return ((_T, kind), ()), (arr, _scalar_array(b, t))
+    return key, (arr, _scalar_array(b, t))
 
 
+# the (spec, kwspec) keys of those calls, one object each (the direct operators use them too)
 PAIR_OF_TENSORS = ((_T, _T), ())
-PAIR_WITH_NUMBER = {t: ((_T, _DYN[t]), ()) for t in (int, float)}
+PAIR_WITH_NUMBER = {t: ((_T, kind), ()) for t, kind in _DYN.items()}
 
 
 def _unflat_value(s, it):
