@@ -23,6 +23,10 @@ def flushes() -> int:
     return torchtpu.cache_stats()["fused_flushes"]
 
 
+def runs() -> int:
+    return torchtpu.cache_stats()["fused_runs"]
+
+
 # ----------------------------------------------------------------------------- the switch
 
 
@@ -125,6 +129,39 @@ def test_a_long_graph_runs_at_the_bound(monkeypatch):
         assert t.tolist() == [4096.0] * 3
 
 
+def test_a_read_runs_the_ops_it_needs_first():
+    """Reading a value runs the ops it needs as a program of their own and the other recorded ops
+    (at least fused.SPLIT_MIN_REST of them) as a second program, which the read does not wait for;
+    the overwritten buffer goes to the program that reads it last. A read that needs (nearly)
+    every op runs one program."""
+
+    def ops(x, w):
+        loss = (x * 3).sum()
+        for i in range(fused.SPLIT_MIN_REST):
+            w.mul_(0.5).add_(x * i)  # x is read by both programs
+        x.add_(1)  # x's old buffer is dead from here on
+        return loss
+
+    x0, w0 = torch.arange(6.0), torch.ones(6)
+    x_cpu, w_cpu = x0.clone(), w0.clone()
+    loss_cpu = ops(x_cpu, w_cpu)
+    with torchtpu.eager_mode("fused"):
+        x, w = x0.to("tpu"), w0.to("tpu")
+        loss = ops(x, w)
+        r, f = runs(), flushes()
+        assert loss.item() == loss_cpu.item()
+        assert (runs() - r, flushes() - f) == (2, 1)
+        torch.testing.assert_close(w.cpu(), w_cpu)
+        torch.testing.assert_close(x.cpu(), x_cpu)
+        assert runs() - r == 2  # w and x came from the second program
+
+        for _ in range(fused.SPLIT_MIN_REST):
+            w.mul_(0.5)
+        r = runs()
+        assert w.sum().item() == pytest.approx((w_cpu * 0.5**fused.SPLIT_MIN_REST).sum().item())
+        assert runs() - r == 1
+
+
 # ----------------------------------------------------------------------------- semantics
 
 
@@ -204,21 +241,25 @@ SMALL = {
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
 def test_fused_loop_equals_cpu_and_settles(name):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
-    program, and the steps after the optimizer's state exists compile nothing."""
+    graph as two programs (the loss's ops first, then the rest: the backward and the optimizer
+    step, which the read does not wait for), and the steps after the optimizer's state exists
+    compile nothing."""
     model, make_opt, loss_fn, batches = make_loop(name, **SMALL[name])
     cpu_step = train_step(model, make_opt(model.parameters()), loss_fn)
     want = [cpu_step(*batches[i]).item() for i in range(4)]
     with torchtpu.eager_mode("fused"):
         step, tpu_batches = on_device(name, "tpu", **SMALL[name])
-        got, compiled, ran, donated = [], [], [], []
+        got, compiled, ran, programs, donated = [], [], [], [], []
         for i in range(4):
-            c, f, d = XLA_COMPILES[0], flushes(), torchtpu.cache_stats()["fused_donated"]
+            c, f, r, d = XLA_COMPILES[0], flushes(), runs(), torchtpu.cache_stats()["fused_donated"]
             got.append(step(*tpu_batches[i]).item())
             compiled.append(XLA_COMPILES[0] - c)
             ran.append(flushes() - f)
+            programs.append(runs() - r)
             donated.append(torchtpu.cache_stats()["fused_donated"] - d)
     assert got == pytest.approx(want, rel=1e-4)
     assert ran == [1, 1, 1, 1]
+    assert programs == [2, 2, 2, 2]
     assert compiled[2:] == [0, 0]
     assert donated[-1] > 0  # the old parameters and optimizer state
 

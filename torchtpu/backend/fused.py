@@ -18,6 +18,11 @@ the same ops therefore builds its program once; from then on each flush is a dic
 lookup and one launch. JAX specialises the program per input shapes and dtypes as it does
 any jitted function.
 
+A flush made by reading one value runs in two programs when that pays (`_plan`): first the ops
+the value needs, then the others, which the read does not wait for. A loop that reads
+`loss.item()` after its optimizer step waits for the forward alone; the backward and the
+optimizer step run while Python records the next step.
+
 The executables are the strict path's own (`execute.run`), so a fused program computes what
 strict eager computes, op by op: the same lowerings, the same dtype rules, the same random
 keys (drawn on the host when the op is recorded). What this module does not record runs
@@ -49,9 +54,9 @@ _LOG_FLUSHES = bool(os.environ.get("TORCHTPU_LOG_FLUSHES"))
 
 
 class FusedStats:
-    """Fused-mode counters: ops recorded, graphs run (flushes), programs built for a new graph
-    structure (each such program is traced and compiled on its first run), and input buffers
-    donated to the programs run (`_dead_inputs`)."""
+    """Fused-mode counters: ops recorded, graphs run (flushes), programs run (`runs`: one or two a
+    flush, `_plan`), programs built for a new graph structure (each such program is traced and
+    compiled on its first run), and input buffers donated to the programs run (`_dead_inputs`)."""
 
     def __init__(self):
         self.reset()
@@ -59,6 +64,7 @@ class FusedStats:
     def reset(self):
         self.recorded = 0
         self.flushes = 0
+        self.runs = 0
         self.programs = 0
         self.donated = 0
 
@@ -66,6 +72,7 @@ class FusedStats:
         return {
             "fused_ops_recorded": self.recorded,
             "fused_flushes": self.flushes,
+            "fused_runs": self.runs,
             "fused_programs": self.programs,
             "fused_donated": self.donated,
         }
@@ -109,7 +116,7 @@ class Deferred:
                 raise self.error
             if self.epoch != _GRAPH.epoch:
                 raise RuntimeError("torchtpu fused mode internal error: a deferred value outlived its graph")
-            flush()
+            flush(self)
             if self.value is None:
                 raise RuntimeError("torchtpu fused mode internal error: a referenced value was not computed")
         return self.value
@@ -231,9 +238,9 @@ def layout_of(x):
     return x.sharding if type(x) is Deferred else getattr(x, "sharding", None)
 
 
-def _program(nodes, input_slots, live, n, *inputs):
+def _program(nodes, reads, outs, n, *inputs):
     env = [None] * n
-    for slot, x in zip(input_slots, inputs):
+    for slot, x in zip(reads, inputs):
         env[slot] = x
     for fn, refs, first, count in nodes:
         # the jitted function's own Python function, traced inline: a nested jit call would stay a
@@ -241,33 +248,105 @@ def _program(nodes, input_slots, live, n, *inputs):
         body = getattr(fn, "__wrapped__", fn)
         out = jax.tree_util.tree_leaves(body(*[env[r] for r in refs]))
         env[first : first + count] = out
-    return [env[v] for v in live]
+    return [env[v] for v in outs]
 
 
-def _dead_inputs(inputs, values) -> tuple:
+def _dead_inputs(inputs) -> tuple:
     """The positions of the device arrays among a graph's inputs that nothing but the graph
-    references (values overwritten while the graph was recorded: a parameter's or an optimizer
-    state's old array) and that an output of the same shape and dtype can take the place of.
-    The program is given their buffers (donated), as strict eager frees them op by op, so a
-    step's peak memory holds no second copy of what it updates."""
-    free: dict = {}
-    for d in values:
-        k = (d.shape, d.dtype)
-        free[k] = free.get(k, 0) + 1
+    references: values overwritten while the graph was recorded (a parameter's or an optimizer
+    state's old array). The programs are given their buffers (donated, `_donations`), as strict
+    eager frees them op by op, so a step's peak memory holds no second copy of what it updates."""
     dead = []
     for i in range(len(inputs)):
         x = inputs[i]
         # three references: the list, `x` and getrefcount's argument
         if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3:
-            k = (x.shape, x.dtype)
-            if free.get(k):
-                free[k] -= 1
-                dead.append(i)
+            dead.append(i)
     return tuple(dead)
 
 
-def flush() -> None:
-    """Run the recorded ops as one program and give every live Deferred its array."""
+def _donations(part, dead, inputs, values) -> tuple:
+    """The positions, among `part`'s inputs, of the dead graph inputs (`_dead_inputs`) that only
+    this part reads and that an output of the same shape and dtype can take the place of."""
+    free: dict = {}
+    for i in part.returned:
+        d = values[i]
+        k = (d.shape, d.dtype)
+        free[k] = free.get(k, 0) + 1
+    donate = []
+    for pos, i in enumerate(part.graph_inputs):
+        if i in dead and i not in part.later_inputs:
+            x = inputs[i]
+            k = (x.shape, x.dtype)
+            if free.get(k):
+                free[k] -= 1
+                donate.append(pos)
+    return tuple(donate)
+
+
+class _Part:
+    """One program of a flush: its nodes (in recorded order), the value numbers it reads (graph
+    inputs and values an earlier part returns), the value numbers it returns, and, as positions,
+    which of its inputs are graph inputs (`graph_inputs`: index into the graph's inputs, or -1)
+    and which of its returns are live (`returned`: index into the live values)."""
+
+    __slots__ = ("nodes", "reads", "outs", "graph_inputs", "later_inputs", "returned", "programs")
+
+    def __init__(self, nodes, reads, outs, input_index, live_index, later_inputs=frozenset()):
+        self.nodes = nodes
+        self.reads = tuple(reads)
+        self.outs = tuple(outs)
+        self.graph_inputs = tuple(input_index.get(v, -1) for v in self.reads)
+        self.later_inputs = later_inputs  # graph inputs a later part reads too: not donated here
+        self.returned = tuple(live_index[v] for v in self.outs if v in live_index)
+        self.programs = {}  # donated positions -> jitted program
+
+
+# Split a flush only when the part the read value needs leaves this many ops to run after it.
+SPLIT_MIN_REST = 16
+
+
+def _plan(nodes, input_slots, live, n, wanted) -> list:
+    """The programs a flush runs: one for the whole graph; or, when a read of the value numbered
+    `wanted` made the flush, first the ops that value needs and then the rest, so that the read
+    waits for the first program alone and the second runs while Python goes on (the backward and
+    the optimizer step of a loop that reads `loss.item()` run while the next step is recorded)."""
+    input_index = {v: i for i, v in enumerate(input_slots)}
+    live_index = {v: i for i, v in enumerate(live)}
+    if wanted is not None:
+        need = bytearray(n)
+        need[wanted] = 1
+        first_part = bytearray(len(nodes))
+        for k in range(len(nodes) - 1, -1, -1):
+            fn, refs, first, count = nodes[k]
+            if any(need[first : first + count]):
+                first_part[k] = 1
+                for r in refs:
+                    need[r] = 1
+        rest = len(nodes) - sum(first_part)
+        if rest >= SPLIT_MIN_REST:
+            one = [nd for k, nd in enumerate(nodes) if first_part[k]]
+            two = [nd for k, nd in enumerate(nodes) if not first_part[k]]
+            made_one, made_two = set(), set()
+            for _, _, first, count in one:
+                made_one.update(range(first, first + count))
+            for _, _, first, count in two:
+                made_two.update(range(first, first + count))
+            reads_one = sorted({r for nd in one for r in nd[1]} - made_one)
+            reads_two = sorted({r for nd in two for r in nd[1]} - made_two)
+            outs_one = sorted({v for v in live if v in made_one} | (set(reads_two) & made_one))
+            outs_two = [v for v in live if v in made_two]
+            later = frozenset(input_index[v] for v in reads_two if v in input_index)
+            return [
+                _Part(tuple(one), reads_one, outs_one, input_index, live_index, later),
+                _Part(tuple(two), reads_two, outs_two, input_index, live_index),
+            ]
+    return [_Part(tuple(nodes), input_slots, live, input_index, live_index)]
+
+
+def flush(wanted: Deferred | None = None) -> None:
+    """Run the recorded ops and give every live Deferred its array. `wanted`, the value whose
+    read made the flush, may be computed by a program of its own that runs first (`_plan`)."""
     global _GRAPH
     g = _GRAPH
     if not g.nodes:
@@ -280,35 +359,52 @@ def flush() -> None:
         if d is not None:
             live.append(slot)
             values.append(d)
-    donate = _dead_inputs(g.inputs, values)
-    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n, donate)
-    program = _PROGRAMS.get(key)
-    if program is None:
+    dead = _dead_inputs(g.inputs)
+    # a mesh on the CPU platform waits for every program (backend.state.Config): nothing to overlap
+    wanted_slot = wanted.slot if wanted is not None and not CONFIG.sync_dispatch else None
+    key = (tuple(g.nodes), tuple(g.input_slots), tuple(live), g.n, wanted_slot)
+    parts = _PROGRAMS.get(key)
+    if parts is None:
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.clear()  # graphs that never repeat: keep the cache's memory bounded
-        body = functools.partial(_program, g.nodes, g.input_slots, tuple(live), g.n)
-        program = _PROGRAMS[key] = jax.jit(body, donate_argnums=donate)
-        FUSED_STATS.programs += 1
+        parts = _PROGRAMS[key] = _plan(g.nodes, g.input_slots, live, g.n, wanted_slot)
     FUSED_STATS.flushes += 1
-    FUSED_STATS.donated += len(donate)
     if _LOG_FLUSHES:
         print(
-            f"[torchtpu] fused flush: {len(g.nodes)} ops, {len(live)} outputs, from\n"
+            f"[torchtpu] fused flush: {len(g.nodes)} ops in {len(parts)} program(s), {len(live)} outputs, from\n"
             + "".join(traceback.format_stack(limit=12)[:-2]),
             file=sys.stderr,
         )
+    dead = frozenset(dead)
+    made: dict = {}  # value number -> array, of what an earlier part returned
+    done = 0
     try:
-        outs = program(*g.inputs)
-        if CONFIG.sync_dispatch:
-            # a program over a device mesh on the CPU platform is waited for, as every strict op is
-            # there (backend.state.Config)
-            outs = jax.block_until_ready(outs)
+        for part in parts:
+            donate = _donations(part, dead, g.inputs, values) if dead else ()
+            program = part.programs.get(donate)
+            if program is None:
+                body = functools.partial(_program, part.nodes, part.reads, part.outs, g.n)
+                program = part.programs[donate] = jax.jit(body, donate_argnums=donate)
+                FUSED_STATS.programs += 1
+            args = [g.inputs[i] if i >= 0 else made[v] for i, v in zip(part.graph_inputs, part.reads)]
+            outs = program(*args)
+            del args
+            if CONFIG.sync_dispatch:
+                # a program over a device mesh on the CPU platform is waited for, as every strict op is
+                # there (backend.state.Config)
+                outs = jax.block_until_ready(outs)
+            FUSED_STATS.runs += 1
+            FUSED_STATS.donated += len(donate)
+            for v, o in zip(part.outs, outs):
+                made[v] = o
+            for i in part.returned:
+                values[i].value = made[live[i]]
+            done += 1
     except Exception as e:
-        for d in values:
-            d.error = e
+        for part in parts[done:]:
+            for i in part.returned:
+                values[i].error = e
         raise
-    for d, o in zip(values, outs):
-        d.value = o
 
 
 def set_eager_mode(mode: str) -> None:
