@@ -76,11 +76,16 @@ def _load_torchtpu():
 def _forward(kernel: str):
     """A kernel that loads torchtpu, then runs torchtpu.backend.device's `kernel`."""
 
+    target = []  # the kernel, once loaded (every tpu tensor is born through here: no import per call)
+
     def run(*args, **kwargs):
+        if target:
+            return target[0](*args, **kwargs)
         if kernel == "_is_pinned_cpu" and "torchtpu.backend.device" not in sys.modules:
             return False  # nothing is pinned before the device is loaded: no need to load it
         _load_torchtpu()
-        return getattr(importlib.import_module("torchtpu.backend.device"), kernel)(*args, **kwargs)
+        target.append(getattr(importlib.import_module("torchtpu.backend.device"), kernel))
+        return target[0](*args, **kwargs)
 
     run.__name__ = kernel
     return run

@@ -17,6 +17,7 @@ import torchtpu
 from bench.eager_modes import make_loop, on_device, train_step
 from torchtpu._platform import XLA_COMPILES
 from torchtpu.backend import fused
+from torchtpu.backend.state import CONFIG
 
 
 def flushes() -> int:
@@ -25,6 +26,14 @@ def flushes() -> int:
 
 def runs() -> int:
     return torchtpu.cache_stats()["fused_runs"]
+
+
+@pytest.fixture
+def asynchronous(monkeypatch):
+    """Programs not waited for, as on a TPU and on the CPU platform until a device mesh exists
+    (a test before this one in the same process may have made one: backend.state.note_mesh).
+    A flush waits for its programs one by one with a mesh there, so it runs one."""
+    monkeypatch.setattr(CONFIG, "sync_dispatch", False)
 
 
 # ----------------------------------------------------------------------------- the switch
@@ -129,7 +138,7 @@ def test_a_long_graph_runs_at_the_bound(monkeypatch):
         assert t.tolist() == [4096.0] * 3
 
 
-def test_a_read_runs_the_ops_it_needs_first():
+def test_a_read_runs_the_ops_it_needs_first(asynchronous):
     """Reading a value runs the ops it needs as a program of their own and the other recorded ops
     (at least fused.SPLIT_MIN_REST of them) as a second program, which the read does not wait for;
     the overwritten buffer goes to the program that reads it last. A read that needs (nearly)
@@ -239,7 +248,7 @@ SMALL = {
 
 
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
-def test_fused_loop_equals_cpu_and_settles(name):
+def test_fused_loop_equals_cpu_and_settles(name, asynchronous):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
     graph as two programs (the loss's ops first, then the rest: the backward and the optimizer
     step, which the read does not wait for), and the steps after the optimizer's state exists

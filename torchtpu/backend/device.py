@@ -72,6 +72,8 @@ def _indices() -> range:
 
 
 def _check_index(i: int) -> int:
+    if i == 0:  # the process's first device, which exists wherever JAX runs
+        return 0
     n = len(_indices())
     if not 0 <= i < n:
         raise RuntimeError(f"tpu:{i} does not exist: this process has {n} tpu device(s) (tpu:0..tpu:{n - 1})")
