@@ -138,7 +138,8 @@ def test_a_long_graph_runs_at_the_bound(monkeypatch):
         assert t.tolist() == [4096.0] * 3
 
 
-def test_a_read_runs_the_ops_it_needs_first(asynchronous):
+@pytest.mark.usefixtures("asynchronous")
+def test_a_read_runs_the_ops_it_needs_first():
     """Reading a value runs the ops it needs as a program of their own and the other recorded ops
     (at least fused.SPLIT_MIN_REST of them) as a second program, which the read does not wait for;
     the overwritten buffer goes to the program that reads it last. A read that needs (nearly)
@@ -247,8 +248,9 @@ SMALL = {
 }
 
 
+@pytest.mark.usefixtures("asynchronous")
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
-def test_fused_loop_equals_cpu_and_settles(name, asynchronous):
+def test_fused_loop_equals_cpu_and_settles(name):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
     graph as two programs (the loss's ops first, then the rest: the backward and the optimizer
     step, which the read does not wait for), and the steps after the optimizer's state exists
