@@ -357,28 +357,19 @@ def _view(func, args, kwargs):
         # keyword arguments become positional statics, with the defaults in between
         statics = tuple(_freeze(v) for v in list(bind(func, args, kwargs).values())[1:])
     else:
-        statics = tuple(_freeze(a) for a in args[1:])
-    key = (func, tuple(base.shape), base.stride(), base.storage_offset(), base.dtype, statics)
-    meta = _VIEW_META.get(key)
-    if meta is None:
-        if func not in LOWERINGS:
-            raise unsupported(func)
-        m = torch.empty_strided((_meta_storage_numel(base),), (1,), dtype=base.dtype, device="meta").as_strided(
-            tuple(base.shape), base.stride(), base.storage_offset()
-        )
-        with no_dispatch():
-            out = func(m, *statics)
-        if isinstance(out, (list, tuple)):
-            meta = [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
-        else:
-            meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
-        _VIEW_META[key] = meta
+        statics = args[1:]
+        for a in statics:
+            if type(a) is list:
+                statics = tuple(_freeze(a) for a in statics)
+                break
+    geometry = (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
+    key = (func, geometry, statics)
+    entry = _VIEW_META.get(key)
+    if entry is None:
+        entry = _VIEW_META[key] = _view_meta(func, base, geometry, statics)
+    meta, alias = entry
     st = base._st
-    if (
-        type(meta) is tuple
-        and meta == (tuple(base.shape), base.stride(), base.storage_offset(), base.dtype)
-        and func not in _VALUE_CHANGING_VIEWS
-    ):
+    if alias:
         # alias, detach, same-shape view/expand...: the same elements of the same storage,
         # so no extra view step (parameters stay bases, and optimizer updates stay cheap)
         return TpuTensor(st, base._vw, meta[0], meta[3], strides=meta[1], offset=meta[2])
@@ -397,6 +388,23 @@ def _view(func, args, kwargs):
             )
         step = step + (st.order,)
     return TpuTensor(st, base._vw + (step,), s, d, strides=stride, offset=off)
+
+
+def _view_meta(func, base, geometry, statics):
+    """(the view's (shape, strides, offset, dtype), or a list of them for an op returning several;
+    whether it has the base's exact geometry and values: an alias)."""
+    if func not in LOWERINGS:
+        raise unsupported(func)
+    shape, stride, offset, dtype = geometry
+    m = torch.empty_strided((_meta_storage_numel(base),), (1,), dtype=dtype, device="meta").as_strided(
+        shape, stride, offset
+    )
+    with no_dispatch():
+        out = func(m, *statics)
+    if isinstance(out, (list, tuple)):
+        return [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out], False
+    meta = (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+    return meta, meta == geometry and func not in _VALUE_CHANGING_VIEWS
 
 
 def _meta_storage_numel(t) -> int:
