@@ -5,7 +5,9 @@
 Compares `a + 1` on a 16-element float32 tensor for: torchtpu eager (tpu device on XLA's CPU
 backend), PyTorch eager on CPU, and a bare jitted JAX op (the floor torchtpu sits on). Steady
 state: every executable is compiled before timing. Reports microseconds per op (median of
-several rounds) and the ratio of torchtpu over bare JAX.
+several rounds) and the ratio of torchtpu over bare JAX. Then the same for the copy of an
+(8, 64) float32 batch from the CPU: `batch.to("tpu")` against `jax.device_put` of its NumPy
+array (the transfer JAX users write) and a CPU `batch.clone()`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def main():
     print(f"{'bare jax.jit':<28}{bare:>10.1f}")
     print(f"torchtpu / bare jax: {tpu / bare:.2f}x   torchtpu / torch cpu: {tpu / cpu:.2f}x")
     print(f"executable cache during the timed loop: {stats['misses']} misses, {stats['hits']} hits")
+
+    batch = torch.randn(8, 64)
+    host = batch.numpy()
+
+    def to_tpu():
+        box["t"] = batch.to("tpu")
+
+    def device_put():
+        box["j"] = jax.device_put(host)
+
+    def clone():
+        box["c"] = batch.clone()
+
+    tpu = per_op_us(to_tpu, lambda: torchtpu.to_jax(box["t"]).block_until_ready())
+    put = per_op_us(device_put, lambda: box["j"].block_until_ready())
+    cpu = per_op_us(clone, lambda: None)
+    print(f"\n{'(8, 64) float32 batch':<28}{'us/copy':>10}")
+    label = "torchtpu batch.to('tpu')"
+    print(f"{label:<28}{tpu:>10.1f}")
+    print(f"{'jax.device_put(array)':<28}{put:>10.1f}")
+    print(f"{'torch batch.clone() (cpu)':<28}{cpu:>10.1f}")
+    print(f"torchtpu / jax.device_put: {tpu / put:.2f}x")
 
 
 if __name__ == "__main__":

@@ -224,6 +224,71 @@ def test_dtype_promotion_and_cast_errors_match_cpu():
             t.add_(1.5)
 
 
+def test_an_op_on_a_mesh_fails_where_it_is_recorded():
+    """A recorded op's output shapes, and its errors, are worked out with the layouts its inputs
+    have on the mesh: a jax_op whose input does not split into its in_specs' shards raises at the
+    call, and the graph it would have joined runs on."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from torchtpu.distributed import Replicate, distribute_tensor, init_device_mesh
+
+    op = torchtpu.jax_op("fusedtest::rows_tanh", jnp.tanh, in_specs=(P("dp"),), out_specs=P("dp"))
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    odd, even = torch.randn(12, 4), torch.randn(16, 4)
+    with torchtpu.eager_mode("fused"):
+        kept = distribute_tensor(even, mesh, (Replicate(),)) * 2
+        with pytest.raises(RuntimeError, match="fusedtest::rows_tanh: input 'x'.s dim 0 of size 12 does not split"):
+            op(distribute_tensor(odd, mesh, (Replicate(),)))
+        torch.testing.assert_close(op(kept).full_tensor().cpu(), torch.tanh(even * 2))
+
+
+def test_memory_statistics_count_what_was_recorded():
+    """torch.tpu.memory_allocated() counts the outputs of the ops recorded so far (they run first),
+    as CUDA's counts a launched kernel's outputs before it finishes."""
+    with torchtpu.eager_mode("fused"):
+        x = torch.ones(1024, 1024, device="tpu")  # 4 MiB
+        torch.tpu.synchronize()
+        torch.tpu.reset_peak_memory_stats()
+        base = torch.tpu.memory_allocated()
+        y = x * 2  # recorded
+        assert torch.tpu.memory_allocated() >= base + 4 * 2**20
+        assert torch.tpu.max_memory_allocated() >= base + 4 * 2**20
+        del x, y
+
+
+def test_compiled_step_with_abstract_warmup_over_recorded_state():
+    """Optimizer state made in fused mode (recorded, not yet run) is read by torchtpu.compile's
+    warm-up on shapes: the recorded ops run on their arrays, not into the traced function, and
+    the compiled steps equal PyTorch's on the CPU."""
+
+    def make(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=device == "tpu")
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(0.0, device=device)}
+            opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # no gradient kept between calls
+            return loss
+
+        return step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    cpu_step = make("cpu")
+    want = [cpu_step(x, y).item() for x, y in batches]
+    with torchtpu.eager_mode("fused"):
+        step = torchtpu.compile(make("tpu"), warmup="abstract")
+        got = [step(x.to("tpu"), y.to("tpu")).item() for x, y in batches]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_random_streams_equal_strict():
     def draws():
         torch.manual_seed(7)

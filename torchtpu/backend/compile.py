@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import dtypes
+from . import dtypes, fused
 from . import random as tpu_random
 from .aot import (
     abstract_storage,
@@ -208,6 +208,9 @@ class CompiledFunction:
         return tuple(sig)
 
     def __call__(self, *args, **kwargs):
+        # fused eager mode: what was recorded before this call runs now, not when the trace of the
+        # step reads it (a program launched inside a trace would hand tracers to the tensors)
+        fused.flush()
         flat, tree = tree_flatten((args, kwargs))
         if self.state is None:
             with BUILDS.building():

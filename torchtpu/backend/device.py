@@ -157,7 +157,9 @@ def _memory_stats(device=None) -> dict:
     by these calls since that reset, a lower bound of the true peak. `allocation.all.current`: XLA's
     `num_allocs` where kept. XLA counts no allocation retries or out-of-memory errors, so
     `num_alloc_retries` and `num_ooms` are absent. XLA's own keys (`bytes_in_use`, `bytes_limit`,
-    ...) are kept beside them."""
+    ...) are kept beside them. In fused eager mode the ops recorded so far run first: their outputs
+    are allocated when they are launched, as a CUDA kernel's outputs are."""
+    fused.flush()
     i = _index(device)
     raw = device_memory_stats(_jax_device(device))
     current = int(raw.get("bytes_in_use", 0))
@@ -179,6 +181,7 @@ def _memory_stats(device=None) -> dict:
 
 
 def _reset_peak(device=None) -> None:
+    fused.flush()  # what was recorded before the reset counts before it
     i = _index(device)
     raw = device_memory_stats(_jax_device(device))
     current = int(raw.get("bytes_in_use", 0))

@@ -46,6 +46,7 @@ import weakref
 import jax
 import numpy as np
 from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
+from jax.sharding import NamedSharding
 
 from .state import CONFIG, EAGER_MODES
 
@@ -152,12 +153,16 @@ _MAX_PROGRAMS = 256
 
 
 def _aval(x):
+    """(shape, dtype, weak type, layout over a device mesh or None) of a graph input: an op's
+    output shapes are computed, and its errors raised, with the layout the program will see (a
+    torchtpu.jax_op checks its input specs against the mesh the inputs lie on)."""
     t = type(x)
     if t is Deferred:
-        return (x.shape, x.dtype, x.weak_type)
+        return (x.shape, x.dtype, x.weak_type, x.sharding)
     if t is np.ndarray:
-        return (x.shape, x.dtype, False)
-    return (x.shape, x.dtype, x.weak_type)
+        return (x.shape, x.dtype, False, None)
+    sharding = x.sharding
+    return (x.shape, x.dtype, x.weak_type, sharding if type(sharding) is NamedSharding else None)
 
 
 def recordable(x) -> bool:
@@ -180,7 +185,7 @@ def record(fn, leaves):
                 if x.epoch != g.epoch:
                     x.get()  # raises the error of the flush that lost it
                 refs.append(x.slot)
-                avals.append((x.shape, x.dtype, x.weak_type))
+                avals.append((x.shape, x.dtype, x.weak_type, x.sharding))
                 continue
             x = x.value
         seen = input_ids.get(id(x))
@@ -194,7 +199,7 @@ def record(fn, leaves):
     key = (fn, tuple(avals))
     shapes = _SHAPES.get(key)
     if shapes is None:
-        structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
+        structs = [jax.ShapeDtypeStruct(s, d, weak_type=w, sharding=sh) for s, d, w, sh in avals]
         out = jax.eval_shape(fn, *structs)
         flat, treedef = jax.tree_util.tree_flatten(out)
         if treedef == jax.tree_util.tree_structure(0):
