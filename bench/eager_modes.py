@@ -11,6 +11,11 @@ function compiled whole) in this one process, from the same initial weights. Rep
 median step time after 5 warm-up steps, wall clock and the process's CPU time (all threads:
 steadier than the wall clock when other jobs share the cores), each against compiled, the XLA
 programs compiled during the timed steps (0 when a loop has settled) and each mode's last loss.
+
+    python -m bench.eager_modes --split
+
+compares, in fused mode, a read's flush run as two programs (the ops the read needs first, the
+rest after without waiting for them: the default) with one program, the two alternating.
 """
 
 from __future__ import annotations
@@ -186,10 +191,50 @@ def _bench_mode(name, mode, steps):
         return statistics.median(wall), statistics.median(cpu), XLA_COMPILES[0] - compiles, losses[-1]
 
 
+def _fused_split_ab(name, steps, rounds=3):
+    """Fused step times of loop `name` with a read's flush run as two programs (the ops the read
+    needs, then the rest, which the read does not wait for: backend.fused._plan) and as one, the two
+    alternating in rounds in this process: {variant: [(wall ms, CPU ms) per round]}."""
+    from torchtpu.backend import fused
+
+    split_min_rest = fused.SPLIT_MIN_REST
+    out: dict = {"two programs": [], "one program": []}
+    try:
+        with torchtpu.eager_mode("fused"):
+            loops = {v: on_device(name, "tpu") for v in out}
+            for _ in range(rounds):
+                for variant, (step, batches) in loops.items():
+                    fused.SPLIT_MIN_REST = split_min_rest if variant == "two programs" else 1 << 62
+                    fused._PROGRAMS.clear()  # each variant builds (and caches) its own programs
+                    for i in range(5):
+                        step(*batches[i % len(batches)]).item()
+                    wall, cpu = [], []
+                    for i in range(steps):
+                        w, c = time.perf_counter(), time.process_time()
+                        step(*batches[i % len(batches)]).item()
+                        wall.append(time.perf_counter() - w)
+                        cpu.append(time.process_time() - c)
+                    out[variant].append((statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3))
+    finally:
+        fused.SPLIT_MIN_REST = split_min_rest
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="compare fused mode's two programs per read (the read's ops first) with one, alternating",
+    )
     args = parser.parse_args()
+    if args.split:
+        print(f"fused eager, median of {args.steps} steps after warm-up per round, wall ms / CPU ms")
+        for name in LOOPS:
+            for variant, rounds in _fused_split_ab(name, args.steps).items():
+                print(f"{name:<12}{variant:<14}" + "  ".join(f"{w:7.2f} / {c:6.2f}" for w, c in rounds))
+        return
     print(f"platform {torchtpu.platform()}, median of {args.steps} steps after warm-up, loss.item() every step")
     print(
         f"{'loop':<12}{'mode':<10}{'ms/step':>10}{'/ compiled':>12}{'CPU ms':>10}{'/ compiled':>12}{'compiles':>10}"
