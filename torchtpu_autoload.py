@@ -47,9 +47,15 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATE_USE_1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _DeviceGuard(torch._C._acc.DeviceGuard):
+    # PyTorch's C++ asks this for every device and stream it looks up (the autograd engine, for
+    # each node of a backward pass on tpu: about a thousand calls a step of a small Llama), so it
+    # returns a constant
     def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+        return _PRIVATE_USE_1
 
 
 class LazyDeviceModule(types.ModuleType):
