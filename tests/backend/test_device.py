@@ -101,6 +101,29 @@ def test_round_trip_every_dtype(dtype):
     assert torch.equal(back, src)
 
 
+def test_host_arrays_are_placed_as_jax_device_put_places_them():
+    """place() puts NumPy arrays through XLA's transfer call: the array is jax.device_put's (dtype,
+    uncommitted device, values), 64-bit types included and converted where they are turned off,
+    and a later write to the CPU tensor it came from does not show."""
+    from torchtpu.backend.tensor import place
+
+    for a in (np.arange(12, dtype=np.int64).reshape(3, 4), np.linspace(0, 1, 7), np.ones((2, 0), np.float32)):
+        for x64 in (True, False):
+            with jax.enable_x64(x64):
+                got, want = place(a, 0), jax.device_put(a)
+                assert (got.dtype, got.shape, got.committed, got.sharding) == (
+                    want.dtype,
+                    want.shape,
+                    want.committed,
+                    want.sharding,
+                )
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    src = torch.arange(4096.0)
+    t = src.to("tpu")
+    src.fill_(-1)
+    assert t.sum().item() == sum(range(4096))
+
+
 def test_integer_overflow_wraps_like_cpu():
     for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
         info = torch.iinfo(dtype)

@@ -377,11 +377,12 @@ def _put_host(x: np.ndarray):
     """`jax.device_put(x)` of a NumPy array: the same uncommitted array on JAX's default device,
     through XLA's own transfer call (8 µs against 29 for a (8, 64) array: every `.to("tpu")` of a
     batch and `torch.tensor(data, device="tpu")` goes through here). Anything else (a dtype JAX
-    would convert, a default device set by `jax.default_device`) takes `jax.device_put`."""
+    would convert, a default device set by `jax.default_device`, 64-bit types turned off) takes
+    `jax.device_put`."""
     global _PUT
     if _PUT is None:
         _PUT = _host_put_call()
-    if _PUT is False or x.dtype not in _PUT_DTYPES or jax.config.jax_default_device is not None:
+    if _PUT is False or x.dtype not in _PUT_DTYPES or jax.config.jax_default_device is not None or not _x64():
         return jax.device_put(x)
     device, sharding = _PUT
     return _batched_device_put(_ShapedArray(x.shape, x.dtype), sharding, [x], [device], False)
@@ -405,6 +406,12 @@ def _host_put_call():
         return False
     _batched_device_put, _ShapedArray = xla_client.batched_device_put, ShapedArray
     return device, sharding
+
+
+def _x64() -> bool:
+    # 64-bit types kept as they are: torchtpu turns them on (`_platform`); off in a block that
+    # turns them off, where jax.device_put converts them
+    return jax.config.jax_enable_x64
 
 
 _PUT = None
