@@ -256,7 +256,7 @@ def _program(nodes, reads, outs, n, *inputs):
     return [env[v] for v in outs]
 
 
-def _dead_inputs(inputs) -> tuple:
+def _dead_inputs(inputs) -> frozenset:
     """The positions of the device arrays among a graph's inputs that nothing but the graph
     references: values overwritten while the graph was recorded (a parameter's or an optimizer
     state's old array). The programs are given their buffers (donated, `_donations`), as strict
@@ -267,7 +267,7 @@ def _dead_inputs(inputs) -> tuple:
         # three references: the list, `x` and getrefcount's argument
         if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3:
             dead.append(i)
-    return tuple(dead)
+    return frozenset(dead)
 
 
 def _donations(part, dead, inputs, values) -> tuple:
@@ -380,7 +380,6 @@ def flush(wanted: Deferred | None = None) -> None:
             + "".join(traceback.format_stack(limit=12)[:-2]),
             file=sys.stderr,
         )
-    dead = frozenset(dead)
     made: dict = {}  # value number -> array, of what an earlier part returned
     done = 0
     try:

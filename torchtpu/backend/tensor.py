@@ -382,7 +382,14 @@ def _put_host(x: np.ndarray):
     global _PUT
     if _PUT is None:
         _PUT = _host_put_call()
-    if _PUT is False or x.dtype not in _PUT_DTYPES or jax.config.jax_default_device is not None or not _x64():
+    # the dtypes torchtpu maps (dtypes.JAX_TO_TORCH), which JAX keeps as they are with 64-bit types on,
+    # as torchtpu runs (`_platform`); where a block turns them off, jax.device_put converts them
+    if (
+        _PUT is False
+        or x.dtype not in dtypes.JAX_TO_TORCH
+        or not jax.config.jax_enable_x64
+        or jax.config.jax_default_device is not None
+    ):
         return jax.device_put(x)
     device, sharding = _PUT
     return _batched_device_put(_ShapedArray(x.shape, x.dtype), sharding, [x], [device], False)
@@ -408,34 +415,8 @@ def _host_put_call():
     return device, sharding
 
 
-def _x64() -> bool:
-    # 64-bit types kept as they are: torchtpu turns them on (`_platform`); off in a block that
-    # turns them off, where jax.device_put converts them
-    return jax.config.jax_enable_x64
-
-
 _PUT = None
 _batched_device_put = _ShapedArray = None
-# the NumPy dtypes JAX keeps as they are (64-bit ones with x64 on, as torchtpu runs)
-_PUT_DTYPES = frozenset(
-    np.dtype(t)
-    for t in (
-        np.bool_,
-        np.int8,
-        np.int16,
-        np.int32,
-        np.int64,
-        np.uint8,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.float16,
-        np.float32,
-        np.float64,
-        np.complex64,
-        np.complex128,
-    )
-) | frozenset(np.dtype(t) for t in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2))
 
 
 def new_empty(shape, dtype, device_index, strides=None) -> TpuTensor:
