@@ -407,3 +407,30 @@ def test_tensor_parallel_training_on_a_mesh_equals_strict():
     for (got, layout), (want, strict_layout) in zip(state, strict_state):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # XLA rounds a fused program differently
         assert layout.is_equivalent_to(strict_layout, got.dim()), (layout, strict_layout)
+
+
+def test_a_value_on_one_device_written_into_a_mesh_layout():
+    """A value committed to one device, written into a tensor laid out over the mesh: strict eager
+    moves it (device_put); fused mode cannot put both in one program, so it runs the graph first and
+    moves it as strict does. An op that mixes the two raises at the call, with strict's error."""
+    import jax
+    import numpy as np
+
+    from torchtpu.distributed import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("tpu", (8,), mesh_dim_names=("dp",))
+    got = {}
+    for mode in ("strict", "fused"):
+        with torchtpu.eager_mode(mode):
+            one = torchtpu.from_jax(jax.device_put(np.arange(16, dtype=np.float32), jax.devices()[0]))
+            w = distribute_tensor(torch.zeros(16), mesh, (Shard(0),))
+            twice = w * 3 + 1  # recorded on the mesh before the write
+            part = one[4:8] - 1  # a view of the one-device value, read while the graph is on the mesh
+            w.copy_(one * 2)
+            with pytest.raises(ValueError, match="incompatible devices"):
+                twice + one
+            got[mode] = (w.full_tensor().cpu(), twice.full_tensor().cpu(), part.cpu(), torchtpu.to_jax(w).sharding)
+    torch.testing.assert_close(got["fused"][0], torch.arange(16.0) * 2)
+    torch.testing.assert_close(got["fused"][1], torch.ones(16))
+    torch.testing.assert_close(got["fused"][2], torch.arange(3.0, 7.0))
+    assert got["fused"][3] == got["strict"][3] and not got["fused"][3].is_fully_replicated

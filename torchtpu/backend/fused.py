@@ -144,6 +144,9 @@ class _Graph:
         self.nodes = []
         self.outputs = {}  # value number -> weakref to its Deferred
         self.n = 0
+        # the devices of the program, in jit's order: those of the first committed input or layout
+        # constraint (`record`, `constrain`); None while every input may go anywhere
+        self.devices = None
 
 
 _GRAPH = _Graph(0)
@@ -190,6 +193,12 @@ def record(fn, leaves):
             x = x.value
         seen = input_ids.get(id(x))
         if seen is None:
+            if type(x) is _ArrayImpl and x._committed:
+                devices = x.sharding._device_assignment
+                if g.devices is None:
+                    g.devices = devices
+                elif devices != g.devices:
+                    return _record_apart(fn, leaves)
             seen = input_ids[id(x)] = (g.n, _aval(x))
             g.n += 1
             g.inputs.append(x)
@@ -223,19 +232,57 @@ def record(fn, leaves):
     return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
 
 
+def _record_apart(fn, leaves):
+    """`record` of an op with an input that jit would not move (committed: placed on one device,
+    or laid out over a mesh) on other devices than the graph's committed inputs: one jitted program
+    cannot hold both (jit's device assignment), so the graph runs first and the op starts a new
+    one. An op whose own inputs lie on different devices runs as strict eager runs it, and raises
+    jit's error naming them, at the call."""
+    flush()
+    arrays = [force(x) for x in leaves]
+    devices = None
+    for x in arrays:
+        if type(x) is _ArrayImpl and x._committed:
+            if devices is None:
+                devices = x.sharding._device_assignment
+            elif x.sharding._device_assignment != devices:
+                return fn(*arrays)
+    return record(fn, arrays)
+
+
 @functools.cache
 def _constraint_fn(sharding):
     return jax.jit(functools.partial(jax.lax.with_sharding_constraint, shardings=sharding))
 
 
-def constrain(x: Deferred, sharding) -> Deferred:
+def constrain(x: Deferred, sharding):
     """`x` laid out by `sharding` over a device mesh, recorded: the program places the value as
-    `jax.device_put` would place `x`'s array in strict mode, without running the graph."""
+    `jax.device_put` would place `x`'s array in strict mode, without running the graph. Where the
+    graph's inputs lie on other devices (a value made on one device written into a parameter laid
+    out over the mesh) one program cannot do both: the graph runs, and the array is moved
+    (`reshard`)."""
     if x.sharding == sharding:
         return x
+    g = _GRAPH
+    mine = sharding._device_assignment
+    v = x.value  # set when the graph `x` was recorded in has run
+    if (g.devices is not None and g.devices != mine) or (
+        type(v) is _ArrayImpl and v._committed and v.sharding._device_assignment != mine
+    ):
+        return reshard(x.get(), sharding)
+    g.devices = mine
     out = record(_constraint_fn(sharding), (x,))
-    out.sharding = sharding
+    if type(out) is Deferred:
+        out.sharding = sharding
     return out
+
+
+def reshard(a, sharding):
+    """`a` laid out by `sharding` (jax.device_put). A change of layout over several devices is a
+    program with collectives; on the CPU platform with a mesh (CONFIG.sync_dispatch) it is waited
+    for, as every eager op is, so that no two such programs are in flight at once (backend.state.Config)."""
+    out = jax.device_put(a, sharding)
+    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 
 
 def layout_of(x):

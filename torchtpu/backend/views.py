@@ -17,7 +17,7 @@ import torch
 from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 from . import dtypes
-from .fused import Deferred, constrain, force, record
+from .fused import Deferred, constrain, force, record, reshard
 from .optable import LOWERINGS
 from .state import CONFIG, HOOKS, STATE
 from .tensor import Storage, TpuTensor, jax_device
@@ -145,14 +145,6 @@ def _keep_dist_layout(st, new):
     if type(new) is _ArrayImpl and new.sharding != sharding:
         new = reshard(new, sharding)
     return new
-
-
-def reshard(a, sharding):
-    """`a` laid out by `sharding` (jax.device_put). A change of layout over several devices is a
-    program with collectives; on the CPU platform with a mesh (CONFIG.sync_dispatch) it is waited
-    for, as every eager op is, so that no two such programs are in flight at once (backend.state.Config)."""
-    out = jax.device_put(a, sharding)
-    return jax.block_until_ready(out) if CONFIG.sync_dispatch else out
 
 
 # ----------------------------------------------------------------------------- view chains
