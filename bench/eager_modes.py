@@ -16,6 +16,12 @@ programs compiled during the timed steps (0 when a loop has settled) and each mo
 
 compares, in fused mode, a read's flush run as two programs (the ops the read needs first, the
 rest after without waiting for them: the default) with one program, the two alternating.
+
+    python -m bench.eager_modes --cold
+
+times the first three steps of each loop and mode, each in a fresh process with the persistent
+compilation cache off: what a mode costs before it settles (tracing and compiling), and the XLA
+programs each step compiles.
 """
 
 from __future__ import annotations
@@ -220,6 +226,38 @@ def _fused_split_ab(name, steps, rounds=3):
     return out
 
 
+def _cold(name, mode):
+    """Wall seconds and XLA compiles of the first 3 steps of loop `name` in `mode`, in this
+    (fresh) process."""
+    from torchtpu._platform import XLA_COMPILES
+
+    out = []
+    with torchtpu.eager_mode("fused" if mode == "fused" else "strict"):
+        step, batches = on_device(name, "tpu")
+        if mode == "compiled":
+            step = torchtpu.compile(step)
+        for i in range(3):
+            c, w = XLA_COMPILES[0], time.perf_counter()
+            step(*batches[i % len(batches)]).item()
+            out.append((time.perf_counter() - w, XLA_COMPILES[0] - c))
+    return out
+
+
+def _cold_all():
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="off")
+    print("first three steps, each loop and mode in a fresh process, no persistent cache: wall s (XLA compiles)")
+    for name in LOOPS:
+        for mode in ("strict", "fused", "compiled"):
+            code = f"import json, bench.eager_modes as b; print(json.dumps(b.{_cold.__name__}({name!r}, {mode!r})))"
+            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            steps = json.loads(res.stdout.strip().splitlines()[-1])
+            print(f"{name:<12}{mode:<10}" + "".join(f"{w:8.2f} ({c:3d})" for w, c in steps))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -228,7 +266,11 @@ def main():
         action="store_true",
         help="compare fused mode's two programs per read (the read's ops first) with one, alternating",
     )
+    parser.add_argument("--cold", action="store_true", help="the first steps of each mode, in fresh processes")
     args = parser.parse_args()
+    if args.cold:
+        _cold_all()
+        return
     if args.split:
         print(f"fused eager, median of {args.steps} steps after warm-up per round, wall ms / CPU ms")
         for name in LOOPS:

@@ -315,11 +315,13 @@ SMALL = {
 
 @pytest.mark.usefixtures("asynchronous")
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "encoder", "llama"])
-def test_fused_loop_equals_cpu_and_settles(name):
+def test_fused_loop_equals_cpu_and_settles(name, monkeypatch):
     """Four steps reading loss.item(): losses equal PyTorch's on the CPU, each step runs one
     graph as two programs (the loss's ops first, then the rest: the backward and the optimizer
     step, which the read does not wait for), and the steps after the optimizer's state exists
-    compile nothing."""
+    compile nothing. The bound on dropped inputs a graph holds (1 KiB here) does not split a
+    step: the old parameters and optimizer state it drops are reused by their new values."""
+    monkeypatch.setattr(fused, "MAX_HELD_BYTES", 1024)
     model, make_opt, loss_fn, batches = make_loop(name, **SMALL[name])
     cpu_step = train_step(model, make_opt(model.parameters()), loss_fn)
     want = [cpu_step(*batches[i]).item() for i in range(4)]
@@ -434,3 +436,30 @@ def test_a_value_on_one_device_written_into_a_mesh_layout():
     torch.testing.assert_close(got["fused"][1], torch.ones(16))
     torch.testing.assert_close(got["fused"][2], torch.arange(3.0, 7.0))
     assert got["fused"][3] == got["strict"][3] and not got["fused"][3].is_fully_replicated
+
+
+def test_a_loop_that_never_reads_does_not_hold_its_batches(monkeypatch):
+    """Batches moved to the device and dropped, with nothing read: strict eager frees each batch
+    after its ops; fused mode runs the graph once the dropped inputs it holds, which no output
+    reuses, pass the bound (TORCHTPU_FUSED_MAX_HELD_MB; 1 MiB here), rather than at MAX_OPS."""
+    monkeypatch.setattr(fused, "MAX_HELD_BYTES", 2**20)
+    g = torch.Generator().manual_seed(0)
+    cpu_model = torch.nn.Linear(256, 4)
+    batches = [torch.randn(256, 256, generator=g) for _ in range(24)]  # 256 KiB each
+    with torchtpu.eager_mode("fused"):
+        model = torch.nn.Linear(256, 4).to("tpu")
+        model.load_state_dict(cpu_model.state_dict())
+        torch.tpu.synchronize()  # a new graph, under the bound set here
+        f = flushes()
+        sums, held = [], []
+        with torch.no_grad():  # inference: nothing saved for a backward keeps a batch alive
+            for x in batches:
+                sums.append(model(x.to("tpu")).sum(0))
+                graph = fused._GRAPH
+                held.append(sum(graph.inputs[i].nbytes for i in fused._dead_inputs(graph.inputs)))
+        ran = flushes() - f
+        got = torch.stack(sums).cpu()
+    assert max(held) <= 1.25 * 2**20 + 256 * 1024
+    assert ran >= 4
+    with torch.no_grad():
+        torch.testing.assert_close(got, torch.stack([cpu_model(x).sum(0) for x in batches]), rtol=1e-4, atol=1e-4)

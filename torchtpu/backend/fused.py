@@ -7,7 +7,8 @@ of the outputs and no device memory. Tensors hold them in their storages as they
 arrays. The graph runs (`flush`) when Python needs a value: anything that reads a storage's
 array outside the recording path (`.item()`, `.cpu()`, printing, `bool()`, `torch.save`, a
 CPU op, an op without a jitted executable) forces the Deferred it finds, and forcing one
-runs the whole graph. It also runs once it holds `MAX_OPS` ops.
+runs the whole graph. It also runs once it holds `MAX_OPS` ops, and once the input arrays that only
+the graph still references, and that no output can reuse, pass `MAX_HELD_BYTES` (`_check_held`).
 
 A flush traces one function that calls the recorded executables in order on tracers and
 returns the values still referenced from Python (a Deferred nobody holds any more is an
@@ -51,6 +52,7 @@ from jax.sharding import NamedSharding
 from .state import CONFIG, EAGER_MODES
 
 MAX_OPS = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
+MAX_HELD_BYTES = int(float(os.environ.get("TORCHTPU_FUSED_MAX_HELD_MB", "64")) * 2**20)
 _LOG_FLUSHES = bool(os.environ.get("TORCHTPU_LOG_FLUSHES"))
 
 
@@ -147,6 +149,8 @@ class _Graph:
         # the devices of the program, in jit's order: those of the first committed input or layout
         # constraint (`record`, `constrain`); None while every input may go anywhere
         self.devices = None
+        self.input_bytes = 0  # bytes of the inputs
+        self.check_at = 0  # input bytes at which `_check_held` runs next
 
 
 _GRAPH = _Graph(0)
@@ -203,6 +207,7 @@ def record(fn, leaves):
             g.n += 1
             g.inputs.append(x)
             g.input_slots.append(seen[0])
+            g.input_bytes += x.nbytes
         refs.append(seen[0])
         avals.append(seen[1])
     key = (fn, tuple(avals))
@@ -227,9 +232,37 @@ def record(fn, leaves):
     g.n = n
     g.nodes.append((fn, tuple(refs), first, len(out_avals)))
     FUSED_STATS.recorded += 1
-    if len(g.nodes) >= MAX_OPS:
+    if len(g.nodes) >= MAX_OPS or (g.input_bytes >= g.check_at and _check_held(g)):
         flush()
     return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _check_held(g) -> bool:
+    """Whether the graph holds too much memory that strict eager would have freed: input arrays
+    that nothing but the graph references any more (`_dead_inputs`: a batch a loop moved to the
+    device and dropped before reading anything) and that no output of the same shape and dtype can
+    reuse (donated, as an optimizer step's old parameters are), past `MAX_HELD_BYTES`. Runs when
+    the graph's inputs have grown by a quarter of that or of their size, whichever is more, so a
+    graph is checked a few times, however large its inputs."""
+    g.check_at = g.input_bytes + max(MAX_HELD_BYTES, g.input_bytes) // 4
+    dead = _dead_inputs(g.inputs)
+    if sum(g.inputs[i].nbytes for i in dead) < MAX_HELD_BYTES:
+        return False
+    free: dict = {}
+    for ref in g.outputs.values():
+        d = ref()
+        if d is not None:
+            k = (d.shape, d.dtype)
+            free[k] = free.get(k, 0) + 1
+    held = 0
+    for i in dead:
+        x = g.inputs[i]
+        k = (x.shape, x.dtype)
+        if free.get(k):
+            free[k] -= 1
+        else:
+            held += x.nbytes
+    return held >= MAX_HELD_BYTES
 
 
 def _record_apart(fn, leaves):
