@@ -328,11 +328,13 @@ def _program(nodes, reads, outs, n, *inputs):
     for slot, x in zip(reads, inputs):
         env[slot] = x
     for fn, refs, first, count in nodes:
-        # the jitted function's own Python function, traced inline: a nested jit call would stay a
-        # call in the program, and XLA:CPU ran the LM loop's step 1.7x slower with them
-        body = getattr(fn, "__wrapped__", fn)
-        out = jax.tree_util.tree_leaves(body(*[env[r] for r in refs]))
-        env[first : first + count] = out
+        args = [env[r] for r in refs]
+        # the jaxpr the executable traced for these input types (cached by jit: recording the op
+        # traced it for its output shapes), inlined: the program computes what strict eager runs,
+        # without running the op's Python again; a nested jit call would stay a call in the
+        # program, and XLA:CPU ran the LM loop's step 1.7x slower with them
+        closed = fn.trace(*args).jaxpr
+        env[first : first + count] = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
     return [env[v] for v in outs]
 
 
