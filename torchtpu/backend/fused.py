@@ -10,7 +10,7 @@ CPU op, an op without a jitted executable) forces the Deferred it finds, and for
 runs the whole graph. It also runs once it holds `MAX_OPS` ops, and once the input arrays that only
 the graph still references, and that no output can reuse, pass `MAX_HELD_BYTES` (`_check_held`).
 
-A flush traces one function that calls the recorded executables in order on tracers and
+A flush traces one function that inlines the recorded executables' jaxprs in order on tracers and
 returns the values still referenced from Python (a Deferred nobody holds any more is an
 intermediate: XLA fuses it away). Input arrays that nothing but the graph references any more
 (the old values of what the graph overwrote) are donated to the program. The program is cached under the graph's structure: the
