@@ -28,7 +28,8 @@ programs each step compiles.
 an inference loop that reads nothing until the end (100 batches of 64 x 3 x 128 x 128 through a
 small CNN, each batch moved to the device and dropped): the process's peak RSS in strict mode, in
 fused mode, and in fused mode without its bound on dropped inputs a graph holds, each in a fresh
-process.
+process; then the temporaries XLA gives one program of 1, 5 and 10 such batches (the CNN's convolution, ReLU
+and mean written in JAX) on XLA:CPU and compiled ahead of time for a TPU v5e.
 """
 
 from __future__ import annotations
@@ -282,6 +283,31 @@ def _inference_peak_rss(mode, batches=100):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _batch_program_temporaries(batches, topology=None):
+    """MB of temporaries XLA assigns one program that runs the inference CNN's convolution, ReLU and
+    mean on `batches` batches at once, compiled for this process's CPU or ahead of time for a TPU
+    `topology`."""
+    import jax
+    import jax.numpy as jnp
+
+    def chain(x, w):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return jnp.maximum(y, 0).mean(axis=(2, 3))
+
+    sharding = None
+    if topology is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from torchtpu.distributed.topology import topology_devices, topology_mesh
+
+        mesh = topology_mesh(topology, (len(topology_devices(topology)),), ("x",))
+        sharding = NamedSharding(mesh, PartitionSpec())
+    w = jax.ShapeDtypeStruct((8, 3, 3, 3), jnp.float32, sharding=sharding)
+    xs = [jax.ShapeDtypeStruct((64, 3, 128, 128), jnp.float32, sharding=sharding)] * batches
+    compiled = jax.jit(lambda w, *xs: [chain(x, w) for x in xs]).lower(w, *xs).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
 def _memory_all():
     import subprocess
     import sys
@@ -297,6 +323,9 @@ def _memory_all():
             [sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, check=True
         )
         print(f"{label:<34}{float(res.stdout.strip().splitlines()[-1]):8.0f}")
+    print("temporaries of one program of n batches (convolution, ReLU, mean), MB: n  XLA:CPU  TPU v5e (AOT)")
+    for n in (1, 5, 10):
+        print(f"{n:>3}{_batch_program_temporaries(n):9.0f}{_batch_program_temporaries(n, 'v5e:2x2'):9.0f}")
 
 
 def main():
