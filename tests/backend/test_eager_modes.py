@@ -436,6 +436,11 @@ def test_a_value_on_one_device_written_into_a_mesh_layout():
     torch.testing.assert_close(got["fused"][1], torch.ones(16))
     torch.testing.assert_close(got["fused"][2], torch.arange(3.0, 7.0))
     assert got["fused"][3] == got["strict"][3] and not got["fused"][3].is_fully_replicated
+    with torchtpu.eager_mode("fused"):
+        torch.tpu.synchronize()
+        with pytest.raises(ValueError, match="incompatible devices"):
+            one + w  # the first op of a graph, its inputs on different devices
+        torch.testing.assert_close((w * 2 + 1).full_tensor().cpu(), torch.arange(16.0) * 4 + 1)
 
 
 def test_a_loop_that_never_reads_does_not_hold_its_batches(monkeypatch):

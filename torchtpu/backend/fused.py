@@ -271,7 +271,13 @@ def _record_apart(fn, leaves):
     cannot hold both (jit's device assignment), so the graph runs first and the op starts a new
     one. An op whose own inputs lie on different devices runs as strict eager runs it, and raises
     jit's error naming them, at the call."""
+    global _GRAPH
+    g = _GRAPH
     flush()
+    if _GRAPH is g:
+        # nothing recorded yet, only inputs of this op (or of one that ran strictly), which set the
+        # graph's devices: the op starts a new graph all the same
+        _GRAPH = _Graph(g.epoch + 1)
     arrays = [force(x) for x in leaves]
     devices = None
     for x in arrays:
