@@ -251,18 +251,25 @@ def _cold(name, mode):
     return out
 
 
-def _cold_all():
+def _in_fresh_process(fn, *args, **env):
+    """`fn(*args)` (a function of this module returning JSON-able data) run in a new Python process
+    with `env` added to this one's environment: its return value."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, TORCHTPU_CACHE_DIR="off")
+    code = f"import json, bench.eager_modes as b; print(json.dumps(b.{fn.__name__}(*{args!r})))"
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, check=True
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _cold_all():
     print("first three steps, each loop and mode in a fresh process, no persistent cache: wall s (XLA compiles)")
     for name in LOOPS:
         for mode in ("strict", "fused", "compiled"):
-            code = f"import json, bench.eager_modes as b; print(json.dumps(b.{_cold.__name__}({name!r}, {mode!r})))"
-            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            steps = json.loads(res.stdout.strip().splitlines()[-1])
+            steps = _in_fresh_process(_cold, name, mode, TORCHTPU_CACHE_DIR="off")
             print(f"{name:<12}{mode:<10}" + "".join(f"{w:8.2f} ({c:3d})" for w, c in steps))
 
 
@@ -309,20 +316,13 @@ def _batch_program_temporaries(batches, topology=None):
 
 
 def _memory_all():
-    import subprocess
-    import sys
-
     print("inference loop, 100 batches of 12.6 MB dropped after use, nothing read until the end: peak RSS MB")
     for label, mode, env in (
         ("strict", "strict", {}),
         ("fused", "fused", {}),
         ("fused, no bound on held inputs", "fused", {"TORCHTPU_FUSED_MAX_HELD_MB": "1e9"}),
     ):
-        code = f"import bench.eager_modes as b; print(b.{_inference_peak_rss.__name__}({mode!r}))"
-        res = subprocess.run(
-            [sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, check=True
-        )
-        print(f"{label:<34}{float(res.stdout.strip().splitlines()[-1]):8.0f}")
+        print(f"{label:<34}{_in_fresh_process(_inference_peak_rss, mode, **env):8.0f}")
     print("temporaries of one program of n batches (convolution, ReLU, mean), MB: n  XLA:CPU  TPU v5e (AOT)")
     for n in (1, 5, 10):
         print(f"{n:>3}{_batch_program_temporaries(n):9.0f}{_batch_program_temporaries(n, 'v5e:2x2'):9.0f}")

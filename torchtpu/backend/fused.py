@@ -248,12 +248,7 @@ def _check_held(g) -> bool:
     dead = _dead_inputs(g.inputs)
     if sum(g.inputs[i].nbytes for i in dead) < MAX_HELD_BYTES:
         return False
-    free: dict = {}
-    for ref in g.outputs.values():
-        d = ref()
-        if d is not None:
-            k = (d.shape, d.dtype)
-            free[k] = free.get(k, 0) + 1
+    free = _slots_by_type(d for d in (ref() for ref in g.outputs.values()) if d is not None)
     held = 0
     for i in dead:
         x = g.inputs[i]
@@ -358,14 +353,20 @@ def _dead_inputs(inputs) -> frozenset:
     return frozenset(dead)
 
 
+def _slots_by_type(outputs) -> dict:
+    """How many of `outputs` (Deferred values) there are of each (shape, dtype): the buffers of
+    dead inputs of those types that the outputs can reuse (`_donations`, `_check_held`)."""
+    free: dict = {}
+    for d in outputs:
+        k = (d.shape, d.dtype)
+        free[k] = free.get(k, 0) + 1
+    return free
+
+
 def _donations(part, dead, inputs, values) -> tuple:
     """The positions, among `part`'s inputs, of the dead graph inputs (`_dead_inputs`) that only
     this part reads and that an output of the same shape and dtype can take the place of."""
-    free: dict = {}
-    for i in part.returned:
-        d = values[i]
-        k = (d.shape, d.dtype)
-        free[k] = free.get(k, 0) + 1
+    free = _slots_by_type(values[i] for i in part.returned)
     donate = []
     for pos, i in enumerate(part.graph_inputs):
         if i in dead and i not in part.later_inputs:
