@@ -28,8 +28,11 @@ programs each step compiles.
 an inference loop that reads nothing until the end (100 batches of 64 x 3 x 128 x 128 through a
 small CNN, each batch moved to the device and dropped): the process's peak RSS in strict mode, in
 fused mode, and in fused mode without its bound on dropped inputs a graph holds, each in a fresh
-process; then the temporaries XLA gives one program of 1, 5 and 10 such batches (the CNN's convolution, ReLU
-and mean written in JAX) on XLA:CPU and compiled ahead of time for a TPU v5e.
+process, with glibc's malloc as it comes and with its mmap threshold fixed at 1 MiB (which returns
+each freed batch to the system, so the figure is what the process holds rather than its heap's
+fragmentation); then the temporaries XLA gives one program of 1, 5 and 10 such batches (the CNN's
+convolution, ReLU and mean written in JAX) on XLA:CPU, on XLA:CPU without its concurrency-optimized
+scheduler, and compiled ahead of time for a TPU v5e.
 """
 
 from __future__ import annotations
@@ -317,15 +320,27 @@ def _batch_program_temporaries(batches, topology=None):
 
 def _memory_all():
     print("inference loop, 100 batches of 12.6 MB dropped after use, nothing read until the end: peak RSS MB")
+    print(f"{'':<34}{'malloc':>8}{'mmap 1 MiB':>12}  (glibc's default; its mmap threshold fixed at 1 MiB)")
+    fixed = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}  # large buffers unmapped when freed: no heap growth
     for label, mode, env in (
         ("strict", "strict", {}),
         ("fused", "fused", {}),
         ("fused, no bound on held inputs", "fused", {"TORCHTPU_FUSED_MAX_HELD_MB": "1e9"}),
     ):
-        print(f"{label:<34}{_in_fresh_process(_inference_peak_rss, mode, **env):8.0f}")
-    print("temporaries of one program of n batches (convolution, ReLU, mean), MB: n  XLA:CPU  TPU v5e (AOT)")
+        default = _in_fresh_process(_inference_peak_rss, mode, **env)
+        print(f"{label:<34}{default:8.0f}{_in_fresh_process(_inference_peak_rss, mode, **env, **fixed):12.0f}")
+    print(
+        "temporaries of one program of n batches (convolution, ReLU, mean), MB: n, XLA:CPU, XLA:CPU without its "
+        "concurrency-optimized scheduler, TPU v5e (AOT)"
+    )
+    serial = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + SERIAL_SCHEDULER).strip()}
     for n in (1, 5, 10):
-        print(f"{n:>3}{_batch_program_temporaries(n):9.0f}{_batch_program_temporaries(n, 'v5e:2x2'):9.0f}")
+        cpu, cpu_serial = _batch_program_temporaries(n), _in_fresh_process(_batch_program_temporaries, n, **serial)
+        print(f"{n:>3}{cpu:9.0f}{cpu_serial:9.0f}{_batch_program_temporaries(n, 'v5e:2x2'):9.0f}")
+
+
+# XLA:CPU's scheduler that runs independent ops at once, at the cost of keeping their buffers live
+SERIAL_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def main():

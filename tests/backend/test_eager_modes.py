@@ -443,6 +443,46 @@ def test_a_value_on_one_device_written_into_a_mesh_layout():
         torch.testing.assert_close((w * 2 + 1).full_tensor().cpu(), torch.arange(16.0) * 4 + 1)
 
 
+@pytest.mark.usefixtures("asynchronous")
+def test_a_loop_that_never_reads_queues_two_graphs_at_most(monkeypatch):
+    """A loop that reads nothing records batches faster than the device computes them. A flush
+    waits for the programs of every flush but the one before it, so the device never has more
+    than two graphs' programs queued (each holding its batches until it runs): whenever a new
+    flush has run, every prediction computed by the flushes before the one before it is ready."""
+    import jax
+
+    monkeypatch.setattr(fused, "MAX_HELD_BYTES", 2**20)
+    g = torch.Generator().manual_seed(0)
+    cpu_model = torch.nn.Conv2d(3, 32, 5)
+    batches = [torch.randn(16, 3, 64, 64, generator=g) for _ in range(30)]  # 768 KiB each
+
+    def array(t):
+        a = t._st.pending_array()
+        assert isinstance(a, jax.Array), "a prediction of a flushed graph holds its array"
+        return a
+
+    with torchtpu.eager_mode("fused"):
+        model = torch.nn.Conv2d(3, 32, 5).to("tpu")
+        model.load_state_dict(cpu_model.state_dict())
+        torch.tpu.synchronize()
+        f = flushes()
+        preds, starts, checked = [], [0, 0], 0
+        with torch.no_grad():
+            for x in batches:
+                n = len(preds)
+                preds.append(model(x.to("tpu")).mean((1, 2, 3)))
+                if flushes() > f:  # a flush ran while this batch was recorded
+                    f = flushes()
+                    assert all(array(p).is_ready() for p in preds[: starts[-2]])
+                    checked += starts[-2]
+                    starts.append(n)
+        got = torch.stack(preds).cpu()
+    assert len(starts) >= 6 and checked > 20
+    with torch.no_grad():
+        want = torch.stack([cpu_model(x).mean((1, 2, 3)) for x in batches])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_loop_that_never_reads_does_not_hold_its_batches(monkeypatch):
     """Batches moved to the device and dropped, with nothing read: strict eager frees each batch
     after its ops; fused mode runs the graph once the dropped inputs it holds, which no output

@@ -156,6 +156,10 @@ class _Graph:
 _GRAPH = _Graph(0)
 _SHAPES: dict = {}  # (executable, input avals) -> (output treedef, output avals)
 _PROGRAMS: dict = {}  # graph structure -> jitted program
+# One output (the smallest) of the last program each recent flush ran, oldest first: XLA completes
+# all of a program's outputs at once, and a device's programs in order, so once it is ready that
+# flush's programs and all earlier ones are done (`_wait_for_earlier_flushes`).
+_IN_FLIGHT: list = []
 _MAX_PROGRAMS = 256
 
 
@@ -345,10 +349,12 @@ def _dead_inputs(inputs) -> frozenset:
     state's old array). The programs are given their buffers (donated, `_donations`), as strict
     eager frees them op by op, so a step's peak memory holds no second copy of what it updates."""
     dead = []
+    waited = {id(x) for x in _IN_FLIGHT}
     for i in range(len(inputs)):
         x = inputs[i]
-        # three references: the list, `x` and getrefcount's argument
-        if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3:
+        # three references: the list, `x` and getrefcount's argument; one more where
+        # _IN_FLIGHT holds it to wait for its program, which has run once this one runs
+        if type(x) is _ArrayImpl and sys.getrefcount(x) <= 3 + (id(x) in waited):
             dead.append(i)
     return frozenset(dead)
 
@@ -446,6 +452,7 @@ def flush(wanted: Deferred | None = None) -> None:
     if not g.nodes:
         return
     _GRAPH = _Graph(g.epoch + 1)
+    _wait_for_earlier_flushes()
     live = []
     values = []
     for slot, ref in g.outputs.items():
@@ -471,6 +478,7 @@ def flush(wanted: Deferred | None = None) -> None:
         )
     made: dict = {}  # value number -> array, of what an earlier part returned
     done = 0
+    outs = ()
     try:
         for part in parts:
             donate = _donations(part, dead, g.inputs, values) if dead else ()
@@ -493,11 +501,33 @@ def flush(wanted: Deferred | None = None) -> None:
             for i in part.returned:
                 values[i].value = made[live[i]]
             done += 1
+        if outs and not CONFIG.sync_dispatch:
+            _IN_FLIGHT.append(min(outs, key=_nbytes))
     except Exception as e:
         for part in parts[done:]:
             for i in part.returned:
                 values[i].error = e
         raise
+
+
+def _nbytes(x) -> int:
+    return x.nbytes
+
+
+def _wait_for_earlier_flushes() -> None:
+    """Before a flush runs its programs, wait for those of every flush but the last one. A loop
+    that reads nothing (an inference loop that keeps its predictions on the device) records
+    batches faster than the device computes them; without this each flush would queue more
+    programs, and every queued program holds its inputs (the batches) until it runs. With it, at
+    most two graphs' programs are queued while Python records the next graph. A loop that reads
+    a value each step never waits here: its read waited for the programs of the flush before."""
+    while len(_IN_FLIGHT) > 1:
+        x = _IN_FLIGHT.pop(0)
+        try:
+            if not x.is_deleted():  # donated to a later program, which runs after it
+                x.block_until_ready()
+        except Exception:  # noqa: BLE001 - that program's own values raise its error when read
+            pass
 
 
 def set_eager_mode(mode: str) -> None:
