@@ -30,7 +30,8 @@ small CNN, each batch moved to the device and dropped): the process's peak RSS i
 fused mode, and in fused mode without its bound on dropped inputs a graph holds, each in a fresh
 process, with glibc's malloc as it comes and with its mmap threshold fixed at 1 MiB (which returns
 each freed batch to the system, so the figure is what the process holds rather than its heap's
-fragmentation); then the temporaries XLA gives one program of 1, 5 and 10 such batches (the CNN's
+fragmentation); the same loop over 400 batches on PyTorch's CPU, in strict mode with and without
+torchtpu's heap trimming (backend.heap) and in fused mode; then the temporaries XLA gives one program of 1, 5 and 10 such batches (the CNN's
 convolution, ReLU and mean written in JAX) on XLA:CPU, on XLA:CPU without its concurrency-optimized
 scheduler, and compiled ahead of time for a TPU v5e.
 """
@@ -276,19 +277,20 @@ def _cold_all():
             print(f"{name:<12}{mode:<10}" + "".join(f"{w:8.2f} ({c:3d})" for w, c in steps))
 
 
-def _inference_peak_rss(mode, batches=100):
+def _inference_peak_rss(mode, batches=100, device="tpu"):
     """Peak RSS (MB) of this (fresh) process after an inference loop that reads nothing until the
-    end, in `mode`."""
+    end, in eager `mode` (with `device="cpu"`, PyTorch's own loop on the CPU)."""
+    import contextlib
     import resource
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
-    with torchtpu.eager_mode(mode):
-        model = model.to("tpu")
+    with torchtpu.eager_mode(mode) if device == "tpu" else contextlib.nullcontext():
+        model = model.to(device)
         preds = []
         with torch.no_grad():
             for _ in range(batches):
-                preds.append(model(torch.randn(64, 3, 128, 128).to("tpu")).argmax(-1))
+                preds.append(model(torch.randn(64, 3, 128, 128).to(device)).argmax(-1))
         torch.stack(preds).cpu()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -329,6 +331,14 @@ def _memory_all():
     ):
         default = _in_fresh_process(_inference_peak_rss, mode, **env)
         print(f"{label:<34}{default:8.0f}{_in_fresh_process(_inference_peak_rss, mode, **env, **fixed):12.0f}")
+    print("the same loop, 400 batches: peak RSS MB")
+    for label, mode, device, env in (
+        ("PyTorch on the CPU", "strict", "cpu", {}),
+        ("strict", "strict", "tpu", {}),
+        ("strict, heap not trimmed", "strict", "tpu", {"TORCHTPU_MALLOC_TRIM": "0"}),
+        ("fused", "fused", "tpu", {}),
+    ):
+        print(f"{label:<34}{_in_fresh_process(_inference_peak_rss, mode, 400, device, **env):8.0f}")
     print(
         "temporaries of one program of n batches (convolution, ReLU, mean), MB: n, XLA:CPU, XLA:CPU without its "
         "concurrency-optimized scheduler, TPU v5e (AOT)"

@@ -237,7 +237,7 @@ def record(fn, leaves):
     g.nodes.append((fn, tuple(refs), first, len(out_avals)))
     FUSED_STATS.recorded += 1
     if len(g.nodes) >= MAX_OPS or (g.input_bytes >= g.check_at and _check_held(g)):
-        flush()
+        flush(queued=0)  # no read is coming to wait for what runs: let no earlier graph's programs queue
     return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
 
 
@@ -444,15 +444,17 @@ def _plan(nodes, input_slots, live, n, wanted) -> list:
     return [_Part(tuple(nodes), input_slots, live, input_index, live_index)]
 
 
-def flush(wanted: Deferred | None = None) -> None:
+def flush(wanted: Deferred | None = None, queued: int = 1) -> None:
     """Run the recorded ops and give every live Deferred its array. `wanted`, the value whose
-    read made the flush, may be computed by a program of its own that runs first (`_plan`)."""
+    read made the flush, may be computed by a program of its own that runs first (`_plan`).
+    `queued`: how many earlier flushes' programs may still wait on the device when these run
+    (`_wait_for_earlier_flushes`)."""
     global _GRAPH
     g = _GRAPH
     if not g.nodes:
         return
     _GRAPH = _Graph(g.epoch + 1)
-    _wait_for_earlier_flushes()
+    _wait_for_earlier_flushes(queued)
     live = []
     values = []
     for slot, ref in g.outputs.items():
@@ -514,14 +516,16 @@ def _nbytes(x) -> int:
     return x.nbytes
 
 
-def _wait_for_earlier_flushes() -> None:
-    """Before a flush runs its programs, wait for those of every flush but the last one. A loop
-    that reads nothing (an inference loop that keeps its predictions on the device) records
-    batches faster than the device computes them; without this each flush would queue more
-    programs, and every queued program holds its inputs (the batches) until it runs. With it, at
-    most two graphs' programs are queued while Python records the next graph. A loop that reads
-    a value each step never waits here: its read waited for the programs of the flush before."""
-    while len(_IN_FLIGHT) > 1:
+def _wait_for_earlier_flushes(queued: int) -> None:
+    """Before a flush runs its programs, wait for those of the earlier flushes but the last
+    `queued` ones. A loop that reads nothing (an inference loop that keeps its predictions on the
+    device) records batches faster than the device computes them; without this each flush would
+    queue more programs, and every queued program holds its inputs (the batches) until it runs.
+    The flush such a loop makes (a graph past its bound on held inputs, or on ops) lets none
+    queue: one graph's programs run while Python records the next. Other flushes let one: a loop
+    that reads a value each step never waits here, since its read waited for the programs of the
+    flush before."""
+    while len(_IN_FLIGHT) > queued:
         x = _IN_FLIGHT.pop(0)
         try:
             if not x.is_deleted():  # donated to a later program, which runs after it

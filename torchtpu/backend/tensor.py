@@ -23,6 +23,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array typ
 
 from . import dtypes
 from .fused import Deferred
+from .heap import note_host_bytes
 from .state import HOOKS
 
 _DEVICES: dict[int, torch.device] = {}
@@ -364,6 +365,8 @@ def place(x, device_index: int):
     tpu:0 arrays stay *uncommitted* on JAX's default device, so that they combine with arrays
     laid out over a whole device mesh (a batch made with `.to("tpu")` meets sharded
     parameters); arrays on other indices are committed to their device."""
+    if type(x) is np.ndarray:
+        note_host_bytes(x.nbytes)
     if device_index == 0:
         if type(x) is np.ndarray:
             return _put_host(x)
