@@ -85,6 +85,21 @@ def test_to_other_device_index():
     torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 2)
 
 
+def test_an_op_on_two_devices_raises_pytorchs_error():
+    """As on CUDA, an op whose tensors lie on two devices raises PyTorch's RuntimeError naming
+    both, on every route an op takes (the `+` operator's own path, the dispatcher, a list
+    argument, autograd)."""
+    a, b = torch.arange(4.0).to("tpu:1"), torch.ones(4).to("tpu:2")
+    want = r"Expected all tensors to be on the same device, but found at least two devices, tpu:1 and tpu:2"
+    for op in (lambda: a + b, lambda: a @ b, lambda: torch.cat([a, b]), lambda: torch.add(a, b, alpha=2)):
+        with pytest.raises(RuntimeError, match=want):
+            op()
+    w = a.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=want):
+        w * b
+    torch.testing.assert_close((a + b.to("tpu:1")).cpu(), torch.arange(4.0) + 1)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_round_trip_every_dtype(dtype):
     if dtype.is_floating_point or dtype.is_complex:

@@ -414,7 +414,8 @@ def test_tensor_parallel_training_on_a_mesh_equals_strict():
 def test_a_value_on_one_device_written_into_a_mesh_layout():
     """A value committed to one device, written into a tensor laid out over the mesh: strict eager
     moves it (device_put); fused mode cannot put both in one program, so it runs the graph first and
-    moves it as strict does. An op that mixes the two raises at the call, with strict's error."""
+    moves it as strict does. An op that mixes the two raises at the call, with strict's error
+    (PyTorch's for tensors on two devices)."""
     import jax
     import numpy as np
 
@@ -429,7 +430,7 @@ def test_a_value_on_one_device_written_into_a_mesh_layout():
             twice = w * 3 + 1  # recorded on the mesh before the write
             part = one[4:8] - 1  # a view of the one-device value, read while the graph is on the mesh
             w.copy_(one * 2)
-            with pytest.raises(ValueError, match="incompatible devices"):
+            with pytest.raises(RuntimeError, match="same device.*laid out over 8 devices"):
                 twice + one
             got[mode] = (w.full_tensor().cpu(), twice.full_tensor().cpu(), part.cpu(), torchtpu.to_jax(w).sharding)
     torch.testing.assert_close(got["fused"][0], torch.arange(16.0) * 2)
@@ -438,7 +439,7 @@ def test_a_value_on_one_device_written_into_a_mesh_layout():
     assert got["fused"][3] == got["strict"][3] and not got["fused"][3].is_fully_replicated
     with torchtpu.eager_mode("fused"):
         torch.tpu.synchronize()
-        with pytest.raises(ValueError, match="incompatible devices"):
+        with pytest.raises(RuntimeError, match="same device.*laid out over 8 devices"):
             one + w  # the first op of a graph, its inputs on different devices
         torch.testing.assert_close((w * 2 + 1).full_tensor().cpu(), torch.arange(16.0) * 4 + 1)
 

@@ -141,6 +141,10 @@ def dispatch(func, args, kwargs):
             return func.decompose(*args, **kwargs)
         else:
             out = CUSTOM[func](args, kwargs)
+    except ValueError as e:
+        if _INCOMPATIBLE not in str(e):
+            raise
+        raise _devices_error(func, args, kwargs) from None
     except UnsupportedOp:
         if _has_own_kernel(func):
             # a library's custom op (torch.library.custom_op) implemented in torch ops for every
@@ -155,6 +159,30 @@ def dispatch(func, args, kwargs):
 
 
 _BACKEND = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+
+_INCOMPATIBLE = "incompatible devices"  # jit's error for arguments on different devices
+
+
+def _devices_error(func, args, kwargs) -> RuntimeError:
+    """PyTorch's error for an op whose tensors lie on different devices, in place of jit's
+    "incompatible devices": a tensor moved to tpu:1 meeting one on tpu:2, or a value committed to
+    one device meeting a tensor laid out over the mesh."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if type(t) is TpuTensor:
+                sharding = getattr(t._st.pending_array(), "sharding", None)  # an array's, or a Deferred's
+                where = str(t.device)
+                if sharding is not None and len(sharding.device_set) > 1:
+                    where += f" (laid out over {len(sharding.device_set)} devices)"
+                if where not in found:
+                    found.append(where)
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {' and '.join(found[:2])}! "
+        f"({func}). Move them to one device with .to(...), or lay the one-device tensor out over the mesh "
+        "(torchtpu.distributed.distribute_tensor) to combine it with a tensor of the mesh"
+    )
 
 
 def _has_own_kernel(func) -> bool:
@@ -501,7 +529,12 @@ def _direct(name, op):
             exe = plan.executables.get(key) if plan is not None and plan.plain else None
             if exe is not None:
                 STATS.calls += 1
-                return new_base(exe(arr, b), st.device_index)
+                try:
+                    return new_base(exe(arr, b), st.device_index)
+                except ValueError as e:
+                    if _INCOMPATIBLE not in str(e):
+                        raise
+                    raise _devices_error(op, (self, other), _NO_KWARGS) from None
         return dispatch(op, (self, other), _NO_KWARGS)
 
     operator.__name__ = operator.__qualname__ = name
