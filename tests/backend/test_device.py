@@ -85,6 +85,24 @@ def test_to_other_device_index():
     torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 2)
 
 
+def test_factories_and_writes_on_another_device_live_there():
+    """What an op makes for tpu:3 without reading an array of tpu:3 (a factory, `zeros_like`,
+    an in-place fill) lives on that device's chip, as a tensor moved there does."""
+    made = {
+        "zeros": torch.zeros(4, device="tpu:3"),
+        "full": torch.full((4,), 2.0, device="tpu:3"),
+        "randn": torch.randn(4, device="tpu:3"),
+        "zeros_like": torch.zeros_like(torch.arange(4.0).to("tpu:3")),
+        "fill_": torch.empty(4, device="tpu:3").fill_(5.0),
+    }
+    for name, t in made.items():
+        a = torchtpu.to_jax(t)
+        assert t.device == torch.device("tpu:3") and a.devices() == {jax.devices()[3]} and a.committed, name
+    torch.testing.assert_close(made["fill_"].cpu(), torch.full((4,), 5.0))
+    with pytest.raises(RuntimeError, match="tpu:3 and tpu:2"):
+        made["zeros"] + torch.zeros(4, device="tpu:2")
+
+
 def test_an_op_on_two_devices_raises_pytorchs_error():
     """As on CUDA, an op whose tensors lie on two devices raises PyTorch's RuntimeError naming
     both, on every route an op takes (the `+` operator's own path, the dispatcher, a list

@@ -12,6 +12,7 @@ what optimizers do to parameters, simply replace `storage.array` (views.py reads
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -93,6 +94,8 @@ class Storage:
     __slots__ = ("_array", "version", "shape", "dtype", "device_index", "dist", "order", "rows", "ident", "__weakref__")
 
     def __init__(self, array, shape, dtype, device_index):
+        if device_index and type(array) is _ArrayImpl and not array._committed:
+            array = _placed(array, device_index)
         self._array = array
         self.version = 0
         self.shape = shape
@@ -123,6 +126,8 @@ class Storage:
 
     @array.setter
     def array(self, value):
+        if self.device_index and type(value) is _ArrayImpl and not value._committed:
+            value = _placed(value, self.device_index)
         self._array = value
 
     def pending_array(self):
@@ -346,6 +351,23 @@ def new_base(array, device_index: int, dtype: torch.dtype | None = None) -> TpuT
     r = torch.Tensor._make_wrapper_subclass(TpuTensor, shape, dtype=dtype, device=torch_device(device_index))
     r._st = Storage(array, shape, dtype, device_index)
     return r
+
+
+def _placed(array, device_index: int):
+    """`array`, an op's result for tpu:`device_index` that XLA put on its default device (an op
+    reading no array of that device: a factory such as `torch.zeros(n, device="tpu:1")`, or
+    `zeros_like`), committed to that device as `place` commits what moves there, so it lives on
+    the chip its device names and meets tensors of other devices with PyTorch's error. Under a
+    launcher that gives each process one device, whatever index names it, it stays as it is."""
+    device = _other_device(device_index)
+    return array if device is None else jax.device_put(array, device)
+
+
+@functools.cache
+def _other_device(device_index: int):
+    """The JAX device of tpu:`device_index` where it is not the process's first device, else None."""
+    device = jax_device(device_index)
+    return None if device == jax_device(0) else device
 
 
 _TENSOR_DATA = torch._C.TensorBase.data
