@@ -94,6 +94,7 @@ def test_factories_and_writes_on_another_device_live_there():
         "randn": torch.randn(4, device="tpu:3"),
         "zeros_like": torch.zeros_like(torch.arange(4.0).to("tpu:3")),
         "fill_": torch.empty(4, device="tpu:3").fill_(5.0),
+        "empty": torch.empty(4, device="tpu:3"),  # read as the zeros it holds
     }
     for name, t in made.items():
         a = torchtpu.to_jax(t)

@@ -46,8 +46,8 @@ def storage_array(st: Storage):
             st.array = a
         else:
             with jax.default_device(jax_device(st.device_index)):
-                a = _ZEROS(st.shape, jdt)
-            st.array = a
+                st.array = _ZEROS(st.shape, jdt)
+            a = st.array  # as the storage keeps it (committed to its device: tensor.Storage)
     return a
 
 
