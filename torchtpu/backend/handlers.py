@@ -531,10 +531,8 @@ def _direct(name, op):
                 STATS.calls += 1
                 try:
                     return new_base(exe(arr, b), st.device_index)
-                except ValueError as e:
-                    if _INCOMPATIBLE not in str(e):
-                        raise
-                    raise _devices_error(op, (self, other), _NO_KWARGS) from None
+                except ValueError:
+                    pass  # jit refused the arguments before running: dispatch's call raises the error it names
         return dispatch(op, (self, other), _NO_KWARGS)
 
     operator.__name__ = operator.__qualname__ = name
